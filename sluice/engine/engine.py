@@ -1,0 +1,381 @@
+"""LLMEngine.step(): schedule → run the model → sample → update requests → outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sluice.config import EngineConfig, resolve_dtype
+from sluice.engine.kv_cache import KVCacheManager
+from sluice.engine.output import SequenceOutputState
+from sluice.engine.request import Request, RequestStatus
+from sluice.engine.scheduler import Scheduler
+from sluice.loader import load_model
+from sluice.outputs import CompletionOutput, Logprob, RequestMetricsOut, RequestOutput
+from sluice.runner.model_runner import ModelRunner, kv_bytes_per_block
+from sluice.runner.sampler import Sampler
+from sluice.sampling_params import SamplingParams
+
+logger = logging.getLogger("sluice")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; `param` names the offending field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class _Group:
+    """The user's request: one prompt and its n output sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Request]
+    sent_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _WasteCounter:
+    allocated_slots: int = 0
+    used_slots: int = 0
+
+    @property
+    def fraction(self) -> float:
+        return 1.0 - self.used_slots / self.allocated_slots if self.allocated_slots else 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        device = config.torch_device()
+        if device.type == "cpu":
+            torch.set_num_threads(config.threads())
+        loaded = load_model(config.model)
+        self.model_path = loaded.path
+        self.model_config = mc = loaded.config
+        config.model_config = mc
+        self.tokenizer = loaded.tokenizer
+        self.dtype = resolve_dtype(config.dtype, device)
+
+        per_block = kv_bytes_per_block(mc, config.block_size, self.dtype)
+        num_blocks = int(config.kv_cache_memory * 2**30) // per_block
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory} GiB holds fewer than 2 blocks "
+                f"of {config.block_size} tokens ({per_block} bytes each)"
+            )
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, num_blocks * config.block_size
+        )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.runner = ModelRunner(
+            mc,
+            loaded.tensors,
+            self.dtype,
+            device,
+            config.block_size,
+            num_blocks,
+            self.max_model_len,
+        )
+        del loaded
+        self.sampler = Sampler(mc.vocab_size, config.seed, device)
+        self.groups: dict[str, _Group] = {}
+        self._seqs: dict[str, Request] = {}
+        self.waste = _WasteCounter()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.startup_seconds = time.perf_counter() - t0
+        logger.info(
+            "sluice ready in %.1fs: %s, %s, %d KV blocks of %d tokens, max_model_len %d",
+            self.startup_seconds,
+            mc.name,
+            self.dtype,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+        )
+
+    # ---- requests in ----------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt", "prompt must not be empty")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list | tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise RequestError("prompt", "prompt must be a string or a list of token ids")
+        bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise RequestError(
+                "prompt", f"token id {bad[0]} is out of range [0, {self.model_config.vocab_size})"
+            )
+        return list(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError("sampling_params", "sampling_params must be a SamplingParams")
+        if request_id in self.groups:
+            raise RequestError("request_id", f"request id {request_id!r} is already in use")
+        ids = self.encode_prompt(prompt)
+        if not ids:
+            raise RequestError("prompt", "prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                "prompt",
+                f"the prompt has {len(ids)} tokens but this model's context is "
+                f"{self.max_model_len} tokens (prompt and output together)",
+            )
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = []
+        for i in range(params.n):
+            seq = Request(
+                request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
+                prompt_token_ids=ids,
+                sampling_params=params,
+                group_id=request_id,
+                index=i,
+                priority=priority,
+                arrival_time=arrival,
+                # n > 1 with a seed: sample i uses seed + i, so it equals a separate
+                # request seeded that way.
+                seed=None if params.seed is None else params.seed + i,
+            )
+            seq.output = SequenceOutputState(self.tokenizer, ids, params)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            seqs.append(seq)
+            self._seqs[seq.request_id] = seq
+        # The first sequence computes the prompt; the others fork from it (sharing its
+        # blocks, copy-on-write) when its first token is sampled.
+        seqs[0].pending_forks = seqs[1:]
+        self.groups[request_id] = _Group(
+            request_id, prompt if isinstance(prompt, str) else None, ids, seqs, [0] * params.n
+        )
+        self.scheduler.add(seqs[0])
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request and free its blocks. Returns False if it was not known."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return False
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+            self._seqs.pop(seq.request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ---- one step ---------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        now = time.monotonic()
+        self.runner.copy_blocks(sched.blocks_to_copy)
+        # Decodes first: the runner batches single-token requests together.
+        batch = sorted(sched.scheduled, key=lambda rn: rn[1] != 1)
+        result = self.runner.execute(batch)
+        for req, n in batch:
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            req.num_computed_tokens += n
+        self._track_waste()
+        for req_id, (start, logits) in result.prompt_logits.items():
+            self._add_prompt_logprobs(self._seqs[req_id], start, logits)
+
+        # Rows to sample: each request that caught up, plus the forks waiting on it,
+        # which sample from the same logits.
+        rows: list[Request] = []
+        row_src: list[int] = []
+        for j, req in enumerate(result.sampling_requests):
+            for r in (req, *req.pending_forks):
+                rows.append(r)
+                row_src.append(j)
+        logits = result.logits
+        if len(rows) != len(result.sampling_requests):
+            logits = logits[torch.tensor(row_src, device=logits.device)]
+        stop_ids = [self._stop_token_ids(r) for r in rows]
+        sampled = self.sampler(logits, rows, stop_ids)
+
+        finished_at = time.monotonic()
+        touched: dict[str, _Group] = {}
+        for req, tok, lp in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
+            if req.pending_forks:
+                for child in req.pending_forks:
+                    self.kv.fork(req, child)
+                    self.scheduler.add_running(child)
+                req.pending_forks = []
+            req.append_token(tok)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = finished_at
+            if lp is not None and req.logprobs is not None:
+                self._add_logprobs(req, tok, lp)
+            assert req.output is not None
+            params = req.sampling_params
+            max_tokens = min(
+                params.max_tokens if params.max_tokens is not None else self.max_model_len,
+                self.max_model_len - req.num_prompt_tokens,
+            )
+            if req.output.append(tok, max_tokens):
+                status = (
+                    RequestStatus.FINISHED_LENGTH
+                    if req.output.finish_reason == "length"
+                    else RequestStatus.FINISHED_STOPPED
+                )
+                req.metrics.finished_time = finished_at
+                self.scheduler.finish(req, status)
+            touched[req.group_id] = self.groups[req.group_id]
+        self.num_steps += 1
+        self.num_generated_tokens += len(rows)
+        return [self._make_output(g) for g in touched.values()]
+
+    # ---- helpers -------------------------------------------------------------------
+
+    def _stop_token_ids(self, req: Request) -> list[int]:
+        p = req.sampling_params
+        ids = list(p.stop_token_ids or [])
+        if not p.ignore_eos:
+            ids.extend(self.tokenizer.eos_token_ids)
+        return ids
+
+    def _track_waste(self) -> None:
+        bs = self.config.block_size
+        for req in self.scheduler.running:
+            self.waste.allocated_slots += len(req.block_ids) * bs
+            self.waste.used_slots += req.num_computed_tokens
+
+    def _add_logprobs(
+        self, req: Request, tok: int, lp: tuple[float, int, list[int], list[float]]
+    ) -> None:
+        value, rank, top_ids, top_vals = lp
+        entry = {tok: Logprob(value, rank, self.tokenizer.decode([tok], skip_special_tokens=False))}
+        for i, (tid, tv) in enumerate(zip(top_ids, top_vals, strict=True)):
+            if tid not in entry:
+                entry[tid] = Logprob(
+                    tv, i + 1, self.tokenizer.decode([tid], skip_special_tokens=False)
+                )
+        assert req.logprobs is not None
+        req.logprobs.append(entry)
+        req.cumulative_logprob += value
+
+    def _add_prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
+        """Logits at positions start.. predict prompt tokens start+1..; position 0 has none."""
+        n_top = req.sampling_params.prompt_logprobs or 0
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]
+        # After a preemption the prompt is recomputed: skip positions already recorded.
+        skip = len(req.prompt_logprobs) - 1 - start
+        prompt = req.prompt_token_ids
+        count = min(logits.shape[0], len(prompt) - 1 - start)
+        if count <= skip:
+            return
+        logprobs = torch.log_softmax(logits[skip:count], dim=-1)
+        start, count = start + skip, count - skip
+        targets = torch.tensor(prompt[start + 1 : start + 1 + count])
+        chosen = logprobs[torch.arange(count), targets]
+        ranks = (logprobs > chosen[:, None]).sum(-1) + 1
+        top_vals, top_ids = logprobs.topk(n_top) if n_top else (None, None)
+        for j in range(count):
+            t = int(targets[j])
+            entry = {t: Logprob(float(chosen[j]), int(ranks[j]))}
+            if top_ids is not None and top_vals is not None:
+                for r, (tid, tv) in enumerate(
+                    zip(top_ids[j].tolist(), top_vals[j].tolist(), strict=True)
+                ):
+                    entry.setdefault(tid, Logprob(tv, r + 1))
+            req.prompt_logprobs.append(entry)
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for i, seq in enumerate(group.seqs):
+            st = seq.output
+            assert st is not None
+            new_ids = st.token_ids[group.sent_tokens[i] :]
+            group.sent_tokens[i] = len(st.token_ids)
+            reason = st.finish_reason if seq.is_finished else None
+            outs.append(
+                CompletionOutput(
+                    index=i,
+                    text=st.text,
+                    token_ids=list(st.token_ids),
+                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                    logprobs=seq.logprobs,
+                    finish_reason=reason,
+                    stop_reason=st.stop_reason,
+                    delta_text=st.take_delta(),
+                    delta_token_ids=new_ids,
+                )
+            )
+        leader = group.seqs[0]
+        finished = all(s.is_finished for s in group.seqs)
+        m = leader.metrics
+        out = RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outs,
+            finished=finished,
+            num_cached_tokens=max(leader.num_cached_tokens, 0),
+            prompt_logprobs=leader.prompt_logprobs,
+            metrics=RequestMetricsOut(
+                m.arrival_time,
+                m.first_scheduled_time,
+                m.first_token_time,
+                max((s.metrics.finished_time or 0.0) for s in group.seqs) if finished else None,
+            ),
+        )
+        if finished:
+            del self.groups[group.request_id]
+            for s in group.seqs:
+                self._seqs.pop(s.request_id, None)
+        return out
+
+    # ---- introspection ------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        pool = self.kv.pool
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_requests": len(self.groups),
+            "kv_total_blocks": pool.num_blocks,
+            "kv_free_blocks": pool.num_free,
+            "kv_usage": self.kv.usage,
+            "kv_waste": self.waste.fraction,
+            "prefix_cache_hit_rate": self.kv.prefix_cache_hit_rate,
+            "prefix_cache_queried_tokens": self.kv.num_queried_tokens,
+            "prefix_cache_hit_tokens": self.kv.num_hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_generated_tokens": self.num_generated_tokens,
+            "block_size": self.config.block_size,
+            "max_model_len": self.max_model_len,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()

@@ -1,0 +1,114 @@
+"""A request's state as the scheduler and KV cache manager see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sluice.engine.output import SequenceOutputState
+    from sluice.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    `all_token_ids` is prompt + output; the KV cache holds the first
+    `num_computed_tokens` of them. Each step the scheduler grants it some number of
+    new tokens to compute; when the cache catches up with all known tokens, the
+    model's last logits give the next token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # For n > 1: the id of the user's request this sequence belongs to, and its index.
+    group_id: str = ""
+    index: int = 0
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    seed: int | None = None
+
+    all_token_ids: list[int] = field(init=False)
+    status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
+    num_computed_tokens: int = field(init=False, default=0)
+    block_ids: list[int] = field(init=False, default_factory=list)
+    # Hash chain of this request's full blocks (filled lazily by the prefix cache).
+    block_hashes: list[int] = field(init=False, default_factory=list)
+    num_named_blocks: int = field(init=False, default=0)  # full blocks entered in the cache
+    num_cached_tokens: int = field(init=False, default=-1)
+    num_preemptions: int = field(init=False, default=0)
+    # Other sequences of an n > 1 request that fork from this one once its prompt is in.
+    pending_forks: list[Request] = field(init=False, default_factory=list)
+    output: SequenceOutputState | None = field(init=False, default=None)
+    logprobs: list[dict[int, float]] | None = field(init=False, default=None)
+    cumulative_logprob: float = field(init=False, default=0.0)
+    prompt_logprobs: list[dict[int, float] | None] | None = field(init=False, default=None)
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.group_id = self.group_id or self.request_id
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,129 @@
+"""Token-budget scheduling: each step is a list of (request, number of new tokens).
+
+Running requests go first (a decode asks for 1 token, a request still prefilling for
+the next chunk of its prompt), then waiting requests are admitted while the step's
+token budget, the cap on running requests and the free KV blocks allow. When a running
+request cannot get a block, the lowest-priority running request (the newest, under
+FCFS) is preempted: its blocks are freed and it is recomputed later from its prompt
+and the tokens it already produced, so nothing is lost or repeated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from sluice.config import EngineConfig
+from sluice.engine.kv_cache import CacheHit, KVCacheManager
+from sluice.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    # (request, num_new_tokens) in batch order; requests[i].num_computed_tokens is
+    # still the value before this step (the runner reads it as the start position).
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._priority = config.scheduling_policy == "priority"
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def _order_key(self, r: Request) -> tuple[int, float]:
+        return (r.priority if self._priority else 0, r.arrival_time)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        if self._priority:
+            self.running.sort(key=self._order_key)
+
+        # 1. Running requests, highest priority first, so preemption victims (taken
+        #    from the tail) are never requests already granted tokens this step.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+
+        # 2. Waiting requests, unless this step had to preempt (memory is short).
+        if not out.preempted:
+            if self._priority and len(self.waiting) > 1:
+                self.waiting = deque(sorted(self.waiting, key=self._order_key))
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                hit = (
+                    self.kv.find_cached_prefix(req)
+                    if req.num_computed_tokens == 0
+                    else CacheHit([], 0)
+                )
+                num_new = min(req.num_tokens - req.num_computed_tokens - hit.num_tokens, budget)
+                if not self.kv.allocate_slots(req, num_new, hit):
+                    break
+                self.waiting.popleft()
+                if req.num_cached_tokens < 0:  # first admission: count prompt-cache hits
+                    req.num_cached_tokens = hit.num_tokens
+                    self.kv.record_prefix_query(req.num_prompt_tokens, hit.num_tokens)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.scheduled.append((req, num_new))
+                budget -= num_new
+
+        out.blocks_to_copy = self.kv.take_pending_copies()
+        return out
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Retire a request (finished or aborted) and return its blocks."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        req.status = status
+        self.kv.free(req)
+
+    def add_running(self, req: Request) -> None:
+        """A forked sequence joins the running set directly (it shares its parent's KV)."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)

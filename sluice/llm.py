@@ -1,0 +1,111 @@
+"""The public Python API: LLM(...).generate(...) and .chat(...)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from sluice.config import EngineConfig
+from sluice.engine.engine import LLMEngine
+from sluice.outputs import RequestOutput
+from sluice.sampling_params import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    """An engine in this process. `LLM(model=None, **engine_options)`; the options are
+    the fields of EngineConfig (dtype, block_size, max_model_len, max_num_seqs,
+    max_num_batched_tokens, kv_cache_memory, seed, enable_prefix_caching, ...)."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str] | Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (a string or a list of token ids); outputs keep the
+        order of the prompts."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts"
+                )
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
+                rid = f"gen-{next(self._ids)}"
+                self.engine.add_request(
+                    rid,
+                    prompt,
+                    params,
+                    priority=priority[i] if priority else 0,  # type: ignore[arg-type]
+                )
+                ids.append(rid)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            for rid in ids:  # leave the engine clean if a prompt was bad or we were interrupted
+                self.engine.abort_request(rid)
+            raise
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt, **template_kwargs
+                ),
+                add_special_tokens=False,
+            )
+            for conv in convs  # type: ignore[union-attr]
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(
+            total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2
+        )
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()

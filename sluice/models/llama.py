@@ -1,0 +1,192 @@
+"""Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2 (QKV bias), Qwen3 (QK-norm).
+
+It runs on the flat ragged batch of a step: tokens [T], positions [T]; attention goes
+through the backend with the step's metadata, K/V through the paged cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sluice.attention import AttentionBackend, AttentionMetadata
+from sluice.config import ModelConfig
+from sluice.layers.linear import Linear
+from sluice.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementations, then cast back.
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v in one matmul: one weight read, one kernel launch.
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size)
+        if config.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.backend = backend
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = self.backend.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.inter = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter)
+        self.down_proj = Linear(self.inter, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.rotary: RotaryEmbedding | None = None
+
+    def init_rotary(self, max_positions: int) -> None:
+        c = self.config
+        self.rotary = RotaryEmbedding(
+            c.head_dim,
+            max_positions,
+            c.rope_theta,
+            c.rope_scaling,
+            self.embed_tokens.weight.dtype,
+            self.embed_tokens.weight.device,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] before the final norm."""
+        assert self.rotary is not None, "call init_rotary() first"
+        cos, sin = self.rotary.lookup(positions)
+        h = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv, meta)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up."""
+        c = self.config
+        dtype = self.embed_tokens.weight.dtype
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            used.add(name)
+            return tensors[name]
+
+        def put(param: torch.Tensor, value: torch.Tensor) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ValueError(
+                    f"shape mismatch: expected {tuple(param.shape)}, got {tuple(value.shape)}"
+                )
+            param.copy_(value.to(dtype))
+
+        put(self.embed_tokens.weight, take("model.embed_tokens.weight"))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            att = layer.self_attn
+            qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            put(att.qkv_proj.weight, torch.cat(qkv))
+            if c.attention_bias:
+                put(
+                    att.qkv_proj.bias,
+                    torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
+                )
+            put(att.o_proj.weight, take(p + "self_attn.o_proj.weight"))
+            if att.q_norm is not None and att.k_norm is not None:
+                put(att.q_norm.weight, take(p + "self_attn.q_norm.weight"))
+                put(att.k_norm.weight, take(p + "self_attn.k_norm.weight"))
+            gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+            put(layer.mlp.gate_up_proj.weight, torch.cat(gate_up))
+            put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"))
+            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"))
+            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"))
+        put(self.norm.weight, take("model.norm.weight"))
+        if c.tie_word_embeddings or "lm_head.weight" not in tensors:
+            self.lm_head.weight = self.embed_tokens.weight  # tied: one copy in memory
+        else:
+            put(self.lm_head.weight, take("lm_head.weight"))
+        for layer in self.modules():
+            if isinstance(layer, Linear):
+                layer.method.process_weight(layer)

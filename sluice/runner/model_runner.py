@@ -1,0 +1,138 @@
+"""Owns the model and the KV tensors; turns a scheduler output into one forward pass."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from sluice.attention import AttentionMetadata, PrefillSpan, select_backend
+from sluice.config import ModelConfig
+from sluice.engine.request import Request
+from sluice.models import model_class
+
+
+@dataclass
+class ModelOutput:
+    # Logits of the last computed position of each request that samples this step,
+    # in the order of `sampling_requests`.
+    logits: torch.Tensor  # [num_sampling, vocab] fp32
+    sampling_requests: list[Request]
+    # Logits of every computed prompt position, for requests that asked for prompt logprobs.
+    prompt_logits: dict[str, tuple[int, torch.Tensor]]  # request_id -> (first position, logits)
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.backend = select_backend()
+        with torch.device(device):
+            model = model_class(config)(config, self.backend)
+        model.to(dtype=dtype)
+        model.load_weights(tensors)
+        model.init_rotary(max_model_len)
+        self.model = model.eval()
+        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_caches = [
+            (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)
+        ]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Request, int]]) -> ModelOutput:
+        """Run one step. `scheduled` must list single-token requests (decodes) first."""
+        dev = self.device
+        bs = self.block_size
+        n_req = len(scheduled)
+        starts_l = [r.num_computed_tokens for r, _ in scheduled]
+        lens_l = [n for _, n in scheduled]
+        token_ids = list(
+            itertools.chain.from_iterable(
+                r.all_token_ids[s : s + n] for (r, n), s in zip(scheduled, starts_l, strict=True)
+            )
+        )
+        num_tokens = len(token_ids)
+        starts = torch.tensor(starts_l, dtype=torch.long)
+        lens = torch.tensor(lens_l, dtype=torch.long)
+        cu = torch.zeros(n_req + 1, dtype=torch.long)
+        torch.cumsum(lens, 0, out=cu[1:])
+        req_of_token = torch.repeat_interleave(torch.arange(n_req), lens)
+        positions = starts[req_of_token] + torch.arange(num_tokens) - cu[:-1][req_of_token]
+
+        max_blocks = max(len(r.block_ids) for r, _ in scheduled)
+        table = torch.tensor(
+            [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in scheduled],
+            dtype=torch.long,
+        )
+        slot_mapping = table[req_of_token, positions // bs] * bs + positions % bs
+
+        num_decodes = 0
+        while num_decodes < n_req and lens_l[num_decodes] == 1:
+            num_decodes += 1
+        meta = AttentionMetadata(slot_mapping=slot_mapping.to(dev), num_decodes=num_decodes)
+        if num_decodes:
+            ctx = starts[:num_decodes] + 1
+            nb = int((ctx.max().item() + bs - 1) // bs)
+            meta.decode_block_tables = table[:num_decodes, :nb].to(dev)
+            mask = torch.arange(nb * bs) < ctx[:, None]
+            meta.decode_mask = mask[:, None, None, :].to(dev)
+        for i in range(num_decodes, n_req):
+            start, n = starts_l[i], lens_l[i]
+            span = PrefillSpan(q_start=int(cu[i]), q_len=n)
+            if start > 0:
+                ctx = start + n
+                pos = torch.arange(ctx)
+                span.context_slots = (table[i, pos // bs] * bs + pos % bs).to(dev)
+                # Query j sits at position start + j and sees positions 0..start + j.
+                span.mask = (pos[None, :] <= (start + torch.arange(n))[:, None]).to(dev)
+            meta.prefills.append(span)
+
+        hidden = self.model(
+            torch.tensor(token_ids, dtype=torch.long, device=dev),
+            positions.to(dev),
+            self.kv_caches,
+            meta,
+        )
+
+        # Which rows need logits: the last token of every request that catches up with
+        # its known tokens (it samples), and prompt positions for prompt logprobs.
+        sampling: list[Request] = []
+        rows: list[int] = []
+        prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
+        for i, (r, n) in enumerate(scheduled):
+            end = int(cu[i + 1])
+            if starts_l[i] + n == r.num_tokens:
+                sampling.append(r)
+                rows.append(end - 1)
+            if r.sampling_params.prompt_logprobs is not None and starts_l[i] < r.num_prompt_tokens:
+                last = min(starts_l[i] + n, r.num_prompt_tokens)
+                chunk = hidden[end - n : end - n + (last - starts_l[i])]
+                prompt_logits[r.request_id] = (starts_l[i], self.model.compute_logits(chunk))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
+        return ModelOutput(logits, sampling, prompt_logits)
