@@ -38,3 +38,38 @@ def hf_smollm2(smollm2_path: Path) -> tuple[Any, Any]:
     )
     model.eval()
     return model, tokenizer
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a dragon who loved to read. "
+    "Every evening the dragon",
+    "List three colors:",
+    "Water boils at a temperature of",
+]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_smollm2: tuple[Any, Any]) -> dict[str, list[int]]:
+    """transformers' greedy continuation (32 tokens, EOS suppressed) of each prompt."""
+    import torch
+
+    model, tokenizer = hf_smollm2
+    refs = {}
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = tokenizer(p)["input_ids"]
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False
+            )
+            refs[p] = out[0, len(ids) :].tolist()
+    return refs
+
+
+@pytest.fixture(scope="session")
+def llm_fp32() -> Any:
+    """The bundled model in fp32 with a small KV pool: the engine of the exactness tests."""
+    from sluice import LLM
+
+    return LLM(dtype="float32", kv_cache_memory=0.25)

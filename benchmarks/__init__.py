@@ -1,0 +1,1 @@
+"""Benchmark helpers: real prompt data sets and a transformers baseline."""

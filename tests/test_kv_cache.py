@@ -1,0 +1,99 @@
+"""Block pool and KV cache manager: ref counts, LRU eviction, prefix hits, copy-on-write."""
+
+from __future__ import annotations
+
+from sluice.engine.kv_cache import BlockPool, KVCacheManager
+from sluice.engine.request import Request
+from sluice.sampling_params import SamplingParams
+
+
+def make_request(ids: list[int], rid: str = "r") -> Request:
+    return Request(rid, list(ids), SamplingParams(max_tokens=8))
+
+
+def test_pool_allocates_and_frees_everything() -> None:
+    pool = BlockPool(8, enable_caching=True)
+    a = pool.allocate(3)
+    b = pool.allocate(5)
+    assert pool.num_free == 0 and len(set(a + b)) == 8
+    pool.free(a)
+    pool.free(b)
+    assert pool.num_free == 8
+
+
+def test_eviction_is_least_recently_freed_first() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    blocks = pool.allocate(4)
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, 100 + i)
+    # Free in the order 2, 0, 3, 1: reuse must follow that order.
+    for b in (blocks[2], blocks[0], blocks[3], blocks[1]):
+        pool.free([b])
+    assert pool.allocate(1) == [blocks[2]]
+    assert pool.lookup(102) is None  # evicted
+    assert pool.lookup(100) == blocks[0]  # still cached
+    # Touching a cached free block revives it: it is no longer evictable.
+    pool.touch([blocks[0]])
+    assert pool.allocate(2) == [blocks[3], blocks[1]]
+    assert pool.num_free == 0
+    assert pool.lookup(100) == blocks[0]
+
+
+def test_blocks_in_use_are_never_evicted() -> None:
+    pool = BlockPool(3, enable_caching=True)
+    held = pool.allocate(1)
+    pool.cache_block(held[0], 7)
+    other = pool.allocate(2)
+    pool.free(other)
+    pool.allocate(2)
+    assert pool.lookup(7) == held[0] and pool.ref_counts[held[0]] == 1
+
+
+def test_prefix_hit_counts_full_blocks_and_leaves_last_token() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    first = make_request(list(range(10)), "a")
+    assert kv.allocate_slots(first, 10)
+    first.num_computed_tokens = 10
+    # Same first 9 tokens: two full blocks (8 tokens) hit.
+    second = make_request([*range(9), 99], "b")
+    hit = kv.find_cached_prefix(second)
+    assert hit.num_tokens == 8 and hit.blocks == first.block_ids[:2]
+    # A prompt that is entirely cached still computes its last token.
+    third = make_request(list(range(8)), "c")
+    assert kv.find_cached_prefix(third).num_tokens == 4
+    assert kv.allocate_slots(second, 2, hit)
+    assert second.num_computed_tokens == 8
+    assert kv.pool.ref_counts[first.block_ids[0]] == 2
+    kv.free(first)
+    kv.free(second)
+    assert kv.num_free_blocks == 16
+
+
+def test_failed_allocation_changes_nothing() -> None:
+    kv = KVCacheManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
+    r = make_request(list(range(12)))
+    assert not kv.allocate_slots(r, 12)
+    assert r.block_ids == [] and kv.num_free_blocks == 2
+
+
+def test_fork_shares_blocks_and_copies_partial_block_on_write() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    parent = make_request(list(range(6)), "p")
+    assert kv.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    child = make_request(list(range(6)), "c")
+    kv.fork(parent, child)
+    assert child.block_ids == parent.block_ids
+    parent.append_token(1)
+    child.append_token(2)
+    # The child writes position 6, inside the shared partial block: it gets a copy.
+    assert kv.allocate_slots(child, 1)
+    assert child.block_ids[0] == parent.block_ids[0]  # full block still shared
+    assert child.block_ids[1] != parent.block_ids[1]
+    assert kv.take_pending_copies() == [(parent.block_ids[1], child.block_ids[1])]
+    # The parent is now the only owner of its partial block: no copy needed.
+    assert kv.allocate_slots(parent, 1)
+    assert kv.take_pending_copies() == []
+    kv.free(parent)
+    kv.free(child)
+    assert kv.num_free_blocks == 8
