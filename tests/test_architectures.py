@@ -1,0 +1,87 @@
+"""Small random-weight Llama, Qwen2 and Qwen3 models: sluice's greedy output must equal
+transformers' on the same weights, token for token (fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sluice import LLM, SamplingParams
+from sluice.loader import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(
+    vocab_size=49152,  # the SmolLM2 tokenizer is reused for detokenization
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.3,  # peaky logits: no near-ties for greedy to trip on
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, rope_theta=10000.0),
+    "llama-rope3": lambda: transformers.LlamaConfig(
+        **COMMON,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, rope_theta=1000000.0),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=48, rope_theta=1000000.0),
+}
+
+
+def build(kind: str, directory: Path, smollm2_path: Path) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = CONFIGS[kind]()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if kind == "qwen2":  # make the q/k/v biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(directory)
+    Tokenizer.from_gguf(smollm2_path).save(directory)
+    return model
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_random_model_matches_transformers(kind: str, tmp_path: Path, smollm2_path: Path) -> None:
+    model = build(kind, tmp_path, smollm2_path)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 23, 40, 70)]
+    llm = LLM(
+        model=str(tmp_path),
+        dtype="float32",
+        kv_cache_memory=0.02,
+        max_num_batched_tokens=32,
+        block_size=8,
+    )
+    assert llm.engine.model_config.architecture == kind.split("-")[0]
+    sp = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    with torch.no_grad():
+        for ids, out in zip(prompts, outs, strict=True):
+            ref = model.generate(
+                torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False
+            )[0, len(ids) :].tolist()
+            assert out.outputs[0].token_ids == ref
