@@ -1,12 +1,20 @@
 """Attention backends over the paged KV cache. The model only sees `AttentionBackend`."""
 
+import torch
+
+from sluice.attention import cpu_kernels
 from sluice.attention.backend import AttentionBackend, AttentionMetadata, PrefillSpan
 from sluice.attention.sdpa import SDPABackend
 
 
-def select_backend() -> AttentionBackend:
-    # One portable backend for now: torch SDPA runs fused kernels on CPU and CUDA.
-    return SDPABackend()
+def select_backend(
+    device: torch.device, dtype: torch.dtype, head_dim: int, group: int
+) -> AttentionBackend:
+    """SDPA everywhere (fused on CPU and CUDA), with our paged decode kernel on CPU."""
+    kernel = None
+    if device.type == "cpu" and cpu_kernels.supports(dtype, head_dim, group):
+        kernel = cpu_kernels.load()
+    return SDPABackend(kernel)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "PrefillSpan", "SDPABackend", "select_backend"]

@@ -28,12 +28,15 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
+    decode_ctx_lens: torch.Tensor | None = None  # [num_decodes] int64
+    # Only built for backends that attend over a padded gather (uses_decode_mask).
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks*block_size]
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
 class AttentionBackend:
     name = "abstract"
+    uses_decode_mask = True
 
     def forward(
         self,

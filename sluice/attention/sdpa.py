@@ -1,15 +1,27 @@
-"""Paged attention on torch's scaled_dot_product_attention (fused on CPU and CUDA)."""
+"""Paged attention on torch's scaled_dot_product_attention (fused on CPU and CUDA).
+
+On CPU, decodes go to our paged kernel when it could be built: it reads K/V in place
+from the blocks, where SDPA needs them gathered into a padded copy first (several
+times slower at high concurrency).
+"""
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
 
+from sluice.attention import cpu_kernels
 from sluice.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class SDPABackend(AttentionBackend):
     name = "sdpa"
+
+    def __init__(self, cpu_decode_kernel: ctypes.CDLL | None = None) -> None:
+        self.kernel = cpu_decode_kernel
+        self.uses_decode_mask = cpu_decode_kernel is None
 
     def forward(
         self,
@@ -30,7 +42,18 @@ class SDPABackend(AttentionBackend):
 
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:
+        if nd and self.kernel is not None:
+            assert meta.decode_block_tables is not None and meta.decode_ctx_lens is not None
+            out[:nd] = cpu_kernels.paged_decode(
+                self.kernel,
+                q[:nd].contiguous(),
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_ctx_lens,
+                q.shape[-1] ** -0.5,
+            )
+        elif nd:
             assert meta.decode_block_tables is not None
             # Gather whole blocks: [nd, max_blocks, block_size, kvh, d] -> [nd, kvh, L, d].
             kd = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)

@@ -44,7 +44,9 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.backend = select_backend()
+        self.backend = select_backend(
+            device, dtype, config.head_dim, config.num_heads // config.num_kv_heads
+        )
         with torch.device(device):
             model = model_class(config)(config, self.backend)
         model.to(dtype=dtype)
@@ -99,9 +101,11 @@ class ModelRunner:
         if num_decodes:
             ctx = starts[:num_decodes] + 1
             nb = int((ctx.max().item() + bs - 1) // bs)
-            meta.decode_block_tables = table[:num_decodes, :nb].to(dev)
-            mask = torch.arange(nb * bs) < ctx[:, None]
-            meta.decode_mask = mask[:, None, None, :].to(dev)
+            meta.decode_block_tables = table[:num_decodes, :nb].contiguous().to(dev)
+            meta.decode_ctx_lens = ctx.to(dev)
+            if self.backend.uses_decode_mask:
+                mask = torch.arange(nb * bs) < ctx[:, None]
+                meta.decode_mask = mask[:, None, None, :].to(dev)
         for i in range(num_decodes, n_req):
             start, n = starts_l[i], lens_l[i]
             span = PrefillSpan(q_start=int(cu[i]), q_len=n)

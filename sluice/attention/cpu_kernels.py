@@ -1,0 +1,109 @@
+"""Our CPU kernels: C++ compiled once per machine with the system compiler, loaded with
+ctypes. No torch headers, so a build takes about a second; the .so is cached.
+
+They link OpenMP, and at load time bind to the libgomp torch has already loaded, so
+kernels and torch ops share one thread pool instead of fighting over the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("sluice")
+
+_SRC = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed = False
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("SLUICE_CACHE_DIR") or Path.home() / ".cache" / "sluice"
+    return Path(base) / "kernels"
+
+
+def _build() -> ctypes.CDLL | None:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        logger.warning("no C++ compiler found: CPU decode attention falls back to SDPA")
+        return None
+    src = _SRC.read_bytes()
+    key = hashlib.sha256(src + " ".join([cxx, *_FLAGS]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"paged_decode-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_so = Path(tmp) / out.name
+            proc = subprocess.run(
+                [cxx, *_FLAGS, str(_SRC), "-o", str(tmp_so)], capture_output=True, text=True
+            )
+            if proc.returncode != 0:
+                logger.warning("building CPU kernels failed, using SDPA:\n%s", proc.stderr)
+                return None
+            os.replace(tmp_so, out)
+    lib = ctypes.CDLL(str(out))
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    for name in ("sluice_paged_decode_f32", "sluice_paged_decode_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, f32]
+        fn.restype = None
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, building it on first use; None if it cannot be built."""
+    global _lib, _failed
+    if _lib is None and not _failed and os.environ.get("SLUICE_CPU_KERNELS", "1") != "0":
+        with _lock:
+            if _lib is None and not _failed:
+                try:
+                    _lib = _build()
+                except OSError as e:
+                    logger.warning("loading CPU kernels failed, using SDPA: %s", e)
+                _failed = _lib is None
+    return _lib
+
+
+def supports(dtype: torch.dtype, head_dim: int, group: int) -> bool:
+    return dtype in (torch.float32, torch.bfloat16) and head_dim <= 256 and group <= 16
+
+
+def paged_decode(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,  # [S, heads, d], contiguous
+    k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, d], contiguous
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int64, contiguous
+    ctx_lens: torch.Tensor,  # [S] int64
+    scale: float,
+) -> torch.Tensor:
+    s, heads, d = q.shape
+    out = torch.empty_like(q)
+    fn = lib.sluice_paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.sluice_paged_decode_f32
+    fn(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        ctx_lens.data_ptr(),
+        out.data_ptr(),
+        s,
+        heads,
+        k_cache.shape[2],
+        d,
+        k_cache.shape[1],
+        scale,
+    )
+    return out
