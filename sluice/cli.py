@@ -1,0 +1,275 @@
+"""`sluice serve | generate | chat`: every EngineConfig field is a --kebab-case flag."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import logging
+import sys
+import types
+import typing
+from typing import Any, TextIO
+
+from sluice.config import EngineConfig
+from sluice.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
+from sluice.sampling_params import SamplingParams, SamplingParamsError
+
+_OPTION_HELP = {
+    "model": "model alias, .gguf file or Hugging Face directory (default: the bundled "
+    "smollm2-135m)",
+    "dtype": "auto, float32, bfloat16 or float16",
+    "device": "auto, cpu or cuda[:N]",
+    "kv_cache_memory": "GiB for the K and V pools together",
+    "scheduling_policy": "fcfs or priority",
+    "num_threads": "CPU threads for torch (default: all cores)",
+}
+
+
+def _flag_type(annotation: Any) -> type:
+    """The scalar type of a field annotated `T` or `T | None`."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = args[0]
+    return annotation if isinstance(annotation, type) else str
+
+
+def add_engine_options(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
+    """One flag per EngineConfig field (except `skip`, which the subcommand defines
+    itself). Defaults are suppressed so that only the flags a user gives reach
+    EngineConfig, whose own defaults stay the single source of truth."""
+    group = parser.add_argument_group("engine options")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name not in EngineConfig.option_names() or f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = _flag_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = _OPTION_HELP.get(f.name, f.name.replace("_", " "))
+        if "default" not in help_text:
+            help_text += f" (default: {default})"
+        if kind is bool:
+            group.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+        else:
+            group.add_argument(
+                flag,
+                type=kind,
+                default=argparse.SUPPRESS,
+                metavar=f.name.upper(),
+                help=help_text,
+            )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    given = {k: v for k, v in vars(args).items() if k in EngineConfig.option_names()}
+    return EngineConfig.from_kwargs(**given)
+
+
+def _sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="output token limit")
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 for greedy")
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--top-k", type=int, default=0)
+    # Shadows the engine's --seed: one seed for both the request and the engine.
+    parser.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="sampling seed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice", description="sluice: a small, fast LLM inference and serving engine"
+    )
+    parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests"
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as `model` (default: the --model value or smollm2-135m)",
+    )
+    serve.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help="requests beyond this many waiting get a 503 with Retry-After",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted",
+    )
+    add_engine_options(serve)
+
+    gen = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _sampling_options(gen, 256)
+    add_engine_options(gen, skip=frozenset({"seed"}))
+
+    chat = sub.add_parser("chat", help="interactive chat (reads stdin; /exit or EOF quits)")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    _sampling_options(chat, 512)
+    add_engine_options(chat, skip=frozenset({"seed"}))
+    return parser
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=getattr(args, "seed", None),
+    )
+
+
+def _stream(
+    engine: Any, request_id: str, prompt: list[int], params: SamplingParams, out: TextIO
+) -> str:
+    """Run one request on the engine, writing its text to `out` as it is produced."""
+    engine.add_request(request_id, prompt, params)
+    text: list[str] = []
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id != request_id:
+                    continue
+                delta = output.outputs[0].delta_text
+                if delta:
+                    out.write(delta)
+                    out.flush()
+                    text.append(delta)
+    except BaseException:
+        engine.abort_request(request_id)  # Ctrl-C mid-answer: free the request
+        raise
+    return "".join(text)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from sluice.engine.engine import LLMEngine
+
+    params = _params(args)
+    engine = LLMEngine(engine_config(args))
+    tok = engine.tokenizer
+    if args.chat:
+        rendered = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+        ids = tok.encode(rendered, add_special_tokens=False)
+    else:
+        ids = tok.encode(args.prompt)
+    if not ids:
+        print("sluice: the prompt is empty", file=sys.stderr)
+        return 2
+    _stream(engine, "generate-0", ids, params, sys.stdout)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from sluice.engine.engine import LLMEngine
+
+    params = _params(args)
+    engine = LLMEngine(engine_config(args))
+    tok = engine.tokenizer
+    interactive = sys.stdin.isatty()
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict[str, str]] = []
+    ids = itertools.count()
+    if interactive:
+        print("sluice chat: /exit to quit, /reset to forget the conversation", file=sys.stderr)
+    while True:
+        if interactive:
+            sys.stdout.write("\n> ")
+            sys.stdout.flush()
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            break
+        if not line:  # EOF
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            history.clear()
+            continue
+        history.append({"role": "user", "content": line})
+        budget = engine.max_model_len - (params.max_tokens or 0)
+        while True:
+            rendered = tok.apply_chat_template(system + history)
+            prompt = tok.encode(rendered, add_special_tokens=False)
+            # Forget the oldest exchanges rather than fail when the context fills up.
+            if len(prompt) <= budget or len(history) <= 1:
+                break
+            del history[:2]
+        if len(prompt) >= engine.max_model_len:
+            print("sluice: that message is longer than the context window", file=sys.stderr)
+            history.pop()
+            continue
+        try:
+            answer = _stream(engine, f"chat-{next(ids)}", prompt, params, sys.stdout)
+        except KeyboardInterrupt:
+            print("\n[interrupted]", file=sys.stderr)
+            history.pop()
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": answer})
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from sluice.server.launch import run_server
+
+    return run_server(
+        engine_config(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_waiting_requests=args.max_waiting_requests,
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level or "info",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = args.log_level or ("info" if args.command == "serve" else "warning")
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        if args.command == "generate":
+            _params(args)  # bad sampling flags fail before the model loads
+            return _generate(args)
+        if args.command == "chat":
+            _params(args)
+            return _chat(args)
+        return _serve(args)
+    except (SamplingParamsError, ValueError) as exc:
+        # Bad flags or an unknown model: a one-line message, the traceback only on request.
+        logging.getLogger("sluice").debug("failed", exc_info=True)
+        print(f"sluice: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,388 @@
+"""The engine loop for the server: one thread steps the engine; asyncio callers submit,
+stream and abort.
+
+Only the loop thread touches the LLMEngine. Callers talk to it through a thread-safe
+inbox that the loop drains between steps, and get their outputs back on their own
+event loop via ``call_soon_threadsafe``. When nothing is running the thread blocks on
+the inbox, so an idle server costs no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from sluice.config import EngineConfig
+from sluice.engine.engine import LLMEngine
+from sluice.outputs import RequestOutput
+from sluice.sampling_params import SamplingParams
+
+logger = logging.getLogger("sluice")
+
+DEFAULT_MAX_WAITING_REQUESTS = 512
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; the caller should retry later (HTTP 503)."""
+
+    def __init__(self, num_waiting: int, limit: int) -> None:
+        super().__init__(
+            f"the server is overloaded: {num_waiting} requests are waiting "
+            f"(limit {limit}); retry later"
+        )
+        self.num_waiting = num_waiting
+        self.limit = limit
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine is shutting down (or its loop died) and takes no new requests."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step failed; the requests that were in flight are failed with this."""
+
+
+class EngineLike(Protocol):
+    """What AsyncLLM needs from an engine (LLMEngine; tests may pass a fake)."""
+
+    max_model_len: int
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None: ...
+
+    def abort_request(self, request_id: str) -> bool: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    stream: weakref.ref[RequestStream]  # weak: the command may outlive its handling
+    accepted: concurrent.futures.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Stop
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator on the caller's event loop.
+
+    Iteration ends after the output with ``finished=True``. If the consumer stops early
+    (cancelled, ``aclose()``, or the stream is dropped), the request is aborted.
+    """
+
+    def __init__(self, owner: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    # Called on the caller's loop (scheduled from the engine thread).
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            # Cancelled while waiting (e.g. the client went away): free the request.
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished; safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+    def __del__(self) -> None:
+        # A stream dropped mid-way must not keep generating (and holding KV blocks).
+        if not self.finished:
+            self._owner.abort(self.request_id)
+
+
+class AsyncLLM:
+    """An LLMEngine stepped by one background thread, driven from asyncio.
+
+    ``AsyncLLM.from_config(config)`` builds the engine; ``AsyncLLM(engine)`` wraps one.
+    """
+
+    def __init__(
+        self,
+        engine: EngineLike,
+        *,
+        max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+    ) -> None:
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.max_model_len = engine.max_model_len
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        # Weak: a stream its consumer dropped is collected, and its request aborted.
+        self._streams: dict[str, weakref.ref[RequestStream]] = {}
+        self._lock = threading.Lock()
+        # Adds submitted but not yet taken by the loop: they count as waiting too.
+        self._pending_adds = 0
+        self._ids = itertools.count()
+        self._accepting = True
+        self._dead: BaseException | None = None
+        self._stats: dict[str, Any] = dict(engine.stats())
+        self._num_step_errors = 0
+        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: EngineConfig,
+        *,
+        max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+    ) -> AsyncLLM:
+        return cls(LLMEngine(config), max_waiting_requests=max_waiting_requests)
+
+    # ---- caller side (any thread with a running event loop) ------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Submit a request and return its output stream.
+
+        Validation errors (SamplingParamsError, RequestError) and QueueFullError are
+        raised here, before any output, so a server can still answer with a 4xx/503.
+        """
+        if not self._accepting or not self.is_running:
+            raise EngineShutdownError("the engine is shutting down")
+        rid = request_id or self.new_request_id()
+        with self._lock:
+            waiting = int(self._stats.get("num_waiting", 0)) + self._pending_adds
+            if waiting >= self.max_waiting_requests:
+                raise QueueFullError(waiting, self.max_waiting_requests)
+            self._pending_adds += 1
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, rid, loop)
+        accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._inbox.put(_Add(rid, prompt, params, priority, arrival, weakref.ref(stream), accepted))
+        try:
+            await asyncio.wrap_future(accepted)
+        except asyncio.CancelledError:
+            # The add may still go through after we stop waiting: abort behind it.
+            stream.finished = True
+            self.abort(rid)
+            raise
+        except BaseException:
+            stream.finished = True  # never added, so nothing to abort
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if unknown or finished); takes effect within one step."""
+        self._inbox.put(_Abort(request_id))
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats as of its last step (a copy; safe from any thread)."""
+        with self._lock:
+            snap = dict(self._stats)
+            snap["num_pending"] = self._pending_adds
+        snap["num_step_errors"] = self._num_step_errors
+        snap["engine_alive"] = self.is_running
+        return snap
+
+    def shutdown(self, timeout: float = 0.0) -> None:
+        """Stop taking requests; let in-flight ones finish for up to `timeout` seconds,
+        then abort the rest and stop the loop thread."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline and self.is_running:
+            time.sleep(0.05)
+        self._inbox.put(_Stop())
+        self._thread.join(timeout=30)
+
+    # ---- the loop thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the loop must never die silently
+            logger.exception("sluice engine loop died")
+            self._dead = exc
+            self._fail_all(EngineShutdownError(f"the engine loop died: {exc}"))
+
+    def _loop(self) -> None:
+        while True:
+            # Block when idle; otherwise take whatever arrived during the last step.
+            block = not self.engine.has_unfinished_requests()
+            commands: list[_Command] = []
+            try:
+                commands.append(self._inbox.get(block=block))
+            except queue.Empty:
+                pass
+            while True:
+                try:
+                    commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in commands:
+                if isinstance(cmd, _Stop):
+                    self._fail_all(EngineShutdownError("the server is shutting down"))
+                    return
+                self._handle(cmd)
+            if commands:
+                self._update_snapshot()
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                # Which request broke the step is unknown: fail all in flight, keep serving.
+                self._num_step_errors += 1
+                logger.exception("engine step failed; failing %d requests", len(self._streams))
+                self._fail_all(EngineStepError(f"the engine failed while generating: {exc}"))
+                self._update_snapshot()
+                continue
+            self._dispatch(outputs)
+            self._update_snapshot()
+
+    def _handle(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            self._streams.pop(cmd.request_id, None)
+            self.engine.abort_request(cmd.request_id)
+            return
+        with self._lock:
+            self._pending_adds -= 1
+        if cmd.accepted.cancelled():
+            return
+        try:
+            self.engine.add_request(
+                cmd.request_id,
+                cmd.prompt,
+                cmd.params,
+                priority=cmd.priority,
+                arrival_time=cmd.arrival_time,
+            )
+        except Exception as exc:
+            cmd.accepted.set_exception(exc)
+            return
+        self._streams[cmd.request_id] = cmd.stream
+        cmd.accepted.set_result(None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for out in outputs:
+            ref = (
+                self._streams.pop(out.request_id, None)
+                if out.finished
+                else self._streams.get(out.request_id)
+            )
+            stream = ref() if ref is not None else None
+            if stream is not None:
+                by_loop.setdefault(stream._loop, []).append((stream, out))
+            elif ref is not None:
+                self._streams.pop(out.request_id, None)
+                self.engine.abort_request(out.request_id)
+        # One wake-up per event loop per step, not one per request.
+        for loop, items in by_loop.items():
+            self._call_soon(loop, _deliver, items)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, BaseException]]] = {}
+        for rid, ref in streams.items():
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("aborting %s failed", rid)
+            stream = ref()
+            if stream is not None:
+                by_loop.setdefault(stream._loop, []).append((stream, exc))
+        for loop, items in by_loop.items():
+            self._call_soon(loop, _deliver, items)
+
+    @staticmethod
+    def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, items: list[Any]) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, items)
+        except RuntimeError:
+            pass  # that event loop is closed: nobody is listening any more
+
+    def _update_snapshot(self) -> None:
+        try:
+            stats = dict(self.engine.stats())
+        except Exception:
+            logger.exception("engine stats failed")
+            return
+        with self._lock:
+            self._stats = stats
+
+
+def _deliver(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in items:
+        stream._put(item)

@@ -1,0 +1,78 @@
+"""Start the engine and serve it with uvicorn until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+
+import uvicorn
+
+from sluice.config import EngineConfig
+from sluice.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLM
+from sluice.loader.resolve import DEFAULT_MODEL
+from sluice.server.app import build_app
+
+logger = logging.getLogger("sluice.server")
+
+
+class _Server(uvicorn.Server):
+    """Logs the URL once the socket is bound, which is when clients may connect."""
+
+    def __init__(self, config: uvicorn.Config, model_name: str) -> None:
+        super().__init__(config)
+        self.model_name = model_name
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host = self.config.host
+            shown = f"[{host}]" if ":" in host else host
+            logger.info(
+                "sluice is serving %s at http://%s:%d/v1", self.model_name, shown, self.config.port
+            )
+
+
+def run_server(
+    config: EngineConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+    shutdown_timeout: float = 10.0,
+    log_level: str = "info",
+) -> int:
+    """Serve until a signal arrives; returns the process exit code."""
+    llm = AsyncLLM.from_config(config, max_waiting_requests=max_waiting_requests)
+    engine = llm.engine
+    name = served_model_name or config.model or DEFAULT_MODEL
+    vocab = engine.model_config.vocab_size if hasattr(engine, "model_config") else None
+    app = build_app(llm, engine.tokenizer, name, vocab_size=vocab, api_key=api_key)
+    uv_config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=log_level == "debug",
+        # In-flight responses get this long to finish on shutdown; then they are
+        # cancelled, which aborts their requests.
+        timeout_graceful_shutdown=shutdown_timeout,
+        timeout_keep_alive=30,
+    )
+    server = _Server(uv_config, name)
+    # Uvicorn re-raises the signal it handled once it has shut down gracefully; a no-op
+    # handler there makes SIGTERM/SIGINT a clean exit with code 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
+    try:
+        server.run()
+    finally:
+        if llm.is_running:
+            llm.shutdown()
+    if not server.started:
+        logger.error("the server did not start (is port %d on %s in use?)", port, host)
+        return 1
+    logger.info("sluice server stopped")
+    return 0

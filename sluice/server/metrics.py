@@ -1,0 +1,113 @@
+"""Prometheus metrics for the server, in the serving world's vocabulary (see DESIGN.md).
+
+Each app has its own registry, so several apps in one process (tests) do not collide.
+Latencies use the engine's monotonic timestamps, so they measure the engine, not HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from sluice.outputs import RequestOutput
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram(
+            "sluice_time_to_first_token_seconds",
+            "Time from arrival to the first output token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.tpot = Histogram(
+            "sluice_time_per_output_token_seconds",
+            "Mean time between output tokens of a finished request (after the first).",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "sluice_e2e_request_latency_seconds",
+            "Time from arrival to the last output token.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            "sluice_prompt_tokens", "Prompt tokens submitted.", labels, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "sluice_generation_tokens", "Output tokens generated.", labels, registry=r
+        ).labels(model_name)
+        self._finished = Counter(
+            "sluice_request_success",
+            "Output sequences finished, by finish reason (stop, length, abort).",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
+        self._model = model_name
+        # Gauges mirror the engine's stats; refreshed on each scrape.
+        self._gauges = {
+            key: Gauge(name, doc, labels, registry=r).labels(model_name)
+            for key, name, doc in (
+                ("num_running", "sluice_num_requests_running", "Requests being computed."),
+                ("num_waiting", "sluice_num_requests_waiting", "Requests waiting to be run."),
+                ("kv_usage", "sluice_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)."),
+                ("kv_free_blocks", "sluice_kv_cache_free_blocks", "Free KV cache blocks."),
+                ("kv_total_blocks", "sluice_kv_cache_total_blocks", "KV cache blocks in total."),
+                (
+                    "prefix_cache_hit_rate",
+                    "sluice_prefix_cache_hit_rate",
+                    "Fraction of queried prompt tokens found in the prefix cache (0-1).",
+                ),
+                (
+                    "num_pending",
+                    "sluice_num_requests_pending",
+                    "Requests not yet taken by the loop.",
+                ),
+            )
+        }
+
+    def finished(self, reason: str, count: int = 1) -> None:
+        self._finished.labels(self._model, reason).inc(count)
+
+    def observe_first_token(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if m is not None and m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Latencies of a finished request, from its final output."""
+        m = out.metrics
+        if m is None or m.finished_time is None:
+            return
+        self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+        n = max((len(c.token_ids) for c in out.outputs), default=0)
+        if m.first_token_time is not None and n > 1:
+            self.tpot.observe(max(0.0, m.finished_time - m.first_token_time) / (n - 1))
+
+    def render(self, stats: dict[str, Any]) -> bytes:
+        for key, gauge in self._gauges.items():
+            value = stats.get(key)
+            if isinstance(value, int | float):
+                gauge.set(float(value))
+        return generate_latest(self.registry)
