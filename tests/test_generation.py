@@ -176,3 +176,32 @@ def test_chat_uses_the_template(llm_fp32: LLM) -> None:
     )
     assert out.prompt_token_ids == expected
     assert "4" in out.outputs[0].text
+
+
+def test_logit_bias_steers_and_is_validated(llm_fp32: LLM) -> None:
+    target = llm_fp32.tokenizer.encode(" banana")[0]
+    sp = SamplingParams(temperature=0, max_tokens=3, logit_bias={target: 100.0})
+    (out,) = llm_fp32.generate(PROMPTS[0], sp, use_tqdm=False)
+    assert out.outputs[0].token_ids == [target] * 3
+    with pytest.raises(RequestError) as e:
+        llm_fp32.generate(PROMPTS[0], sp.clone(logit_bias={10**7: 1.0}), use_tqdm=False)
+    assert e.value.param == "logit_bias"
+    assert_all_free(llm_fp32)
+
+
+def test_repetition_penalty_matches_transformers(
+    llm_fp32: LLM, hf_smollm2: tuple[Any, Any]
+) -> None:
+    model, _ = hf_smollm2
+    sp = SamplingParams(temperature=0, max_tokens=24, min_tokens=24, repetition_penalty=1.3)
+    (out,) = llm_fp32.generate(PROMPTS[1], sp, use_tqdm=False)
+    ids = out.prompt_token_ids
+    with torch.no_grad():
+        ref = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            repetition_penalty=1.3,
+        )[0, len(ids) :].tolist()
+    assert out.outputs[0].token_ids == ref

@@ -137,6 +137,14 @@ class LLMEngine:
             raise RequestError("sampling_params", "sampling_params must be a SamplingParams")
         if request_id in self.groups:
             raise RequestError("request_id", f"request id {request_id!r} is already in use")
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t >= self.model_config.vocab_size]
+            if bad:
+                raise RequestError(
+                    "logit_bias",
+                    f"logit_bias token id {bad[0]} is out of range "
+                    f"[0, {self.model_config.vocab_size})",
+                )
         ids = self.encode_prompt(prompt)
         if not ids:
             raise RequestError("prompt", "prompt must not be empty")
@@ -323,7 +331,9 @@ class LLMEngine:
                     text=st.text,
                     token_ids=list(st.token_ids),
                     cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                    logprobs=seq.logprobs,
+                    # A copy: the engine keeps appending to its own list (another thread
+                    # may be reading this output).
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                     finish_reason=reason,
                     stop_reason=st.stop_reason,
                     delta_text=st.take_delta(),

@@ -38,7 +38,7 @@ class Sampler:
     ) -> SamplerOutput:
         """logits: [S, V] fp32, one row per request. stop_ids[i]: tokens that would end
         request i (blocked while it is below min_tokens)."""
-        s, v = logits.shape
+        s = logits.shape[0]
         params = [r.sampling_params for r in requests]
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -47,7 +47,6 @@ class Sampler:
         for i, (r, p) in enumerate(zip(requests, params, strict=True)):
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
-                ids = ids.clamp_(0, v - 1)
                 vals = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
                 logits[i, ids] += vals.to(logits.device)
             if p.min_tokens and r.num_output_tokens < p.min_tokens and stop_ids[i]:
