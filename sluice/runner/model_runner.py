@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sluice.attention import AttentionMetadata, PrefillSpan, select_backend
@@ -28,6 +29,19 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * elem
 
 
+def allocate_zeroed(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A zero-filled tensor. On CPU it comes from calloc (through numpy), so the OS maps
+    zero pages lazily: no seconds spent writing a large KV pool at start-up, and blocks
+    never used never take memory. (Zeros, not garbage: a padded SDPA fallback multiplies
+    unused slots by a zero weight, and 0 * NaN would poison it.)"""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -47,14 +61,19 @@ class ModelRunner:
         self.backend = select_backend(
             device, dtype, config.head_dim, config.num_heads // config.num_kv_heads
         )
-        with torch.device(device):
-            model = model_class(config)(config, self.backend)
-        model.to(dtype=dtype)
+        # Built directly in the target dtype and device: no fp32 copy to convert.
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = model_class(config)(config, self.backend)
+        finally:
+            torch.set_default_dtype(default_dtype)
         model.load_weights(tensors)
         model.init_rotary(max_model_len)
         self.model = model.eval()
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_cache = allocate_zeroed(shape, dtype, device)
         self.kv_caches = [
             (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)
         ]
