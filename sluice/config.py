@@ -83,6 +83,7 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
+    quantization: str = "none"  # weight-only: "none", "int8", "int4" (CPU kernels)
     num_threads: int | None = None
     # Filled in by the engine at start-up.
     model_config: ModelConfig | None = field(default=None, repr=False)
@@ -104,6 +105,10 @@ class EngineConfig:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ValueError(
+                f"quantization must be one of none, int8, int4; got {self.quantization!r}"
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(

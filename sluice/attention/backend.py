@@ -6,6 +6,7 @@ and builds this metadata once per step; every layer reuses it.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 
 import torch
@@ -34,10 +35,11 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
-class AttentionBackend:
+class AttentionBackend(abc.ABC):
     name = "abstract"
     uses_decode_mask = True
 
+    @abc.abstractmethod
     def forward(
         self,
         q: torch.Tensor,  # [T, num_heads, head_dim]
@@ -47,4 +49,4 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        raise NotImplementedError
+        """Write this step's K/V into the cache, then attend for every query token."""

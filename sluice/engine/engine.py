@@ -86,6 +86,7 @@ class LLMEngine:
             config.block_size,
             num_blocks,
             self.max_model_len,
+            config.quantization,
         )
         del loaded
         self.sampler = Sampler(mc.vocab_size, config.seed, device)

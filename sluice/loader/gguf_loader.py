@@ -107,8 +107,10 @@ def config_from_gguf(meta: GGUFMetadata, name: str = "model") -> ModelConfig:
     heads = int(req("attention.head_count"))
     tensor_names = {t.name: t for t in meta.reader.tensors}
     if "rope_freqs.weight" in tensor_names:
-        raise ValueError("GGUF with per-dimension rope frequency factors (rope_freqs.weight, "
-                         "Llama-3.1 style rope scaling) is not supported")
+        raise ValueError(
+            "GGUF with per-dimension rope frequency factors (rope_freqs.weight, "
+            "Llama-3.1 style rope scaling) is not supported"
+        )
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens else 0
     embd = tensor_names.get("token_embd.weight")
@@ -205,8 +207,9 @@ def _read_cache(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Toke
     return config, tensors, tokenizer
 
 
-def _write_cache(entry: Path, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                 tokenizer: Tokenizer) -> None:
+def _write_cache(
+    entry: Path, config: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer
+) -> None:
     entry.parent.mkdir(parents=True, exist_ok=True)
     # Build in a temp dir and rename it into place: a crash or a concurrent loader never
     # leaves a half-written entry behind.
@@ -223,8 +226,10 @@ def _write_cache(entry: Path, config: ModelConfig, tensors: dict[str, torch.Tens
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_gguf(path: str | os.PathLike[str], use_cache: bool | None = None,
-              ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def load_gguf(
+    path: str | os.PathLike[str],
+    use_cache: bool | None = None,
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Config, float32 HF-named tensors and tokenizer of a GGUF model (cached after the first
     call unless use_cache is False or $SLUICE_WEIGHT_CACHE=0)."""
     path = Path(path)

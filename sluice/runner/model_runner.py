@@ -11,6 +11,8 @@ import torch
 from sluice.attention import AttentionMetadata, PrefillSpan, select_backend
 from sluice.config import ModelConfig
 from sluice.engine.request import Request
+from sluice.layers.linear import Linear
+from sluice.layers.quantization import make_linear_method
 from sluice.models import model_class
 
 
@@ -52,6 +54,7 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         max_model_len: int,
+        quantization: str = "none",
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -69,6 +72,12 @@ class ModelRunner:
                 model = model_class(config)(config, self.backend)
         finally:
             torch.set_default_dtype(default_dtype)
+        if quantization != "none":
+            if device.type != "cpu":
+                raise ValueError(f"quantization={quantization!r} runs on CPU kernels only")
+            for layer in model.modules():
+                if isinstance(layer, Linear):
+                    layer.method = make_linear_method(quantization)
         model.load_weights(tensors)
         model.init_rotary(max_model_len)
         self.model = model.eval()
