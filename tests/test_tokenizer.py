@@ -46,20 +46,22 @@ def test_encode_matches_transformers(tok: Tokenizer, hf_smollm2: tuple[Any, Any]
     for text in TEXTS:
         assert tok.encode(text) == hf_tok.encode(text, add_special_tokens=True), text
         assert tok.encode(text, add_special_tokens=False) == hf_tok.encode(
-            text, add_special_tokens=False), text
+            text, add_special_tokens=False
+        ), text
 
 
-def test_chat_template_matches_transformers(tok: Tokenizer,
-                                            hf_smollm2: tuple[Any, Any]) -> None:
+def test_chat_template_matches_transformers(tok: Tokenizer, hf_smollm2: tuple[Any, Any]) -> None:
     hf_tok = hf_smollm2[1]
     for messages in (CONVERSATION, CONVERSATION[1:2]):
         ours = tok.apply_chat_template(messages, add_generation_prompt=True)
         ref = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert ours == ref
         assert tok.encode(ours, add_special_tokens=False) == hf_tok.encode(
-            ref, add_special_tokens=False)
+            ref, add_special_tokens=False
+        )
     assert tok.apply_chat_template(CONVERSATION, add_generation_prompt=False) == (
-        hf_tok.apply_chat_template(CONVERSATION, add_generation_prompt=False, tokenize=False))
+        hf_tok.apply_chat_template(CONVERSATION, add_generation_prompt=False, tokenize=False)
+    )
 
 
 def test_chat_template_special_tokens_are_single_ids(tok: Tokenizer) -> None:
@@ -103,7 +105,11 @@ def test_save_load_round_trip(tok: Tokenizer, tmp_path: Path) -> None:
     tok.save(tmp_path)
     again = Tokenizer.load(tmp_path)
     assert (again.bos_token_id, again.eos_token_ids, again.add_bos, again.vocab_size) == (
-        tok.bos_token_id, tok.eos_token_ids, tok.add_bos, tok.vocab_size)
+        tok.bos_token_id,
+        tok.eos_token_ids,
+        tok.add_bos,
+        tok.vocab_size,
+    )
     assert again.special_token_ids == tok.special_token_ids
     assert again.encode(TEXTS[2]) == tok.encode(TEXTS[2])
 
@@ -131,7 +137,8 @@ def test_hf_backend_bos_from_post_processor(tok: Tokenizer, tmp_path: Path) -> N
     """Without add_bos_token in tokenizer_config, BOS follows the tokenizer.json post-processor."""
     backend = tokenizers.Tokenizer.from_str(tok.backend.to_str())
     backend.post_processor = tokenizers.processors.TemplateProcessing(
-        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)]
+    )
     backend.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<|im_start|>"}')
     hf = Tokenizer.from_hf_dir(tmp_path)
@@ -141,10 +148,12 @@ def test_hf_backend_bos_from_post_processor(tok: Tokenizer, tmp_path: Path) -> N
 
 # -- llama.cpp's reference tokenizations (ggml-vocab-*.gguf + .inp/.out) --------------------------
 
-VOCAB_DIR = Path(os.environ.get(
-    "SLUICE_LLAMA_VOCAB_DIR",
-    "/tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp/models",
-))
+VOCAB_DIR = Path(
+    os.environ.get(
+        "SLUICE_LLAMA_VOCAB_DIR",
+        "/tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp/models",
+    )
+)
 
 
 @pytest.mark.slow  # reading a 150k-token GGUF vocabulary takes tens of seconds
@@ -152,8 +161,10 @@ VOCAB_DIR = Path(os.environ.get(
 def test_llama_cpp_vocab(name: str) -> None:
     path = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
     if not path.is_file():
-        pytest.skip(f"{path} not present: unpack llama-cpp-python==0.3.36's sdist "
-                    "and set SLUICE_LLAMA_VOCAB_DIR to its vendor/llama.cpp/models")
+        pytest.skip(
+            f"{path} not present: unpack llama-cpp-python==0.3.36's sdist "
+            "and set SLUICE_LLAMA_VOCAB_DIR to its vendor/llama.cpp/models"
+        )
     tok = Tokenizer.from_gguf(path)
     inputs = Path(f"{path}.inp").read_text().split("\n__ggml_vocab_test__\n")
     outputs = Path(f"{path}.out").read_text().split("\n")

@@ -7,12 +7,10 @@ from sluice.attention.backend import AttentionBackend, AttentionMetadata, Prefil
 from sluice.attention.sdpa import SDPABackend
 
 
-def select_backend(
-    device: torch.device, dtype: torch.dtype, head_dim: int, group: int
-) -> AttentionBackend:
+def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
     """SDPA everywhere (fused on CPU and CUDA), with our paged decode kernel on CPU."""
     kernel = None
-    if device.type == "cpu" and cpu_kernels.supports(dtype, head_dim, group):
+    if device.type == "cpu" and cpu_kernels.supports(dtype, head_dim):
         kernel = cpu_kernels.load()
     return SDPABackend(kernel)
 

@@ -1,6 +1,6 @@
 """What every attention backend receives: the step's layout over the paged cache.
 
-The runner orders the flat batch as [decode tokens (one per request) | prefill chunks],
+The runner orders the flat batch as [single-query rows | prefill chunks],
 and builds this metadata once per step; every layer reuses it.
 """
 
@@ -27,17 +27,23 @@ class PrefillSpan:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
-    num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
-    decode_ctx_lens: torch.Tensor | None = None  # [num_decodes] int64
-    # Only built for backends that attend over a padded gather (uses_decode_mask).
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks*block_size]
+    # The first `num_small_tokens` tokens belong to sequences computing a short chunk
+    # (a decode, or a few tokens): query j of sequence s sees positions
+    # 0 .. ctx_end[s] - q_len + j of its blocks.
+    num_small_tokens: int = 0
+    small_block_tables: torch.Tensor | None = None  # [S, max_blocks] int64
+    small_query_start: torch.Tensor | None = None  # [S + 1] int64 offsets into the batch
+    small_ctx_end: torch.Tensor | None = None  # [S] int64
+    # The same, one row per token, for backends that attend over a padded gather
+    # (uses_row_mask): each row's block table and its visible positions.
+    row_block_tables: torch.Tensor | None = None  # [num_small_tokens, max_blocks]
+    row_mask: torch.Tensor | None = None  # [num_small_tokens, 1, 1, max_blocks*block_size]
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
 class AttentionBackend(abc.ABC):
     name = "abstract"
-    uses_decode_mask = True
+    uses_row_mask = True
 
     @abc.abstractmethod
     def forward(

@@ -21,7 +21,7 @@ import torch
 
 logger = logging.getLogger("sluice")
 
-_SRC = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+_SRC = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -40,7 +40,7 @@ def _build() -> ctypes.CDLL | None:
         return None
     src = _SRC.read_bytes()
     key = hashlib.sha256(src + " ".join([cxx, *_FLAGS]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"paged_decode-{key}.so"
+    out = _cache_dir() / f"paged_attention-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -54,9 +54,9 @@ def _build() -> ctypes.CDLL | None:
             os.replace(tmp_so, out)
     lib = ctypes.CDLL(str(out))
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    for name in ("sluice_paged_decode_f32", "sluice_paged_decode_bf16"):
+    for name in ("sluice_paged_attention_f32", "sluice_paged_attention_bf16"):
         fn = getattr(lib, name)
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, f32]
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32]
         fn.restype = None
     return lib
 
@@ -75,31 +75,34 @@ def load() -> ctypes.CDLL | None:
     return _lib
 
 
-def supports(dtype: torch.dtype, head_dim: int, group: int) -> bool:
-    return dtype in (torch.float32, torch.bfloat16) and head_dim <= 256 and group <= 16
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype in (torch.float32, torch.bfloat16) and head_dim <= 256
 
 
-def paged_decode(
+def paged_attention(
     lib: ctypes.CDLL,
-    q: torch.Tensor,  # [S, heads, d], contiguous
+    q: torch.Tensor,  # [num_queries, heads, d], contiguous
     k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, d], contiguous
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [S, max_blocks] int64, contiguous
-    ctx_lens: torch.Tensor,  # [S] int64
+    query_start: torch.Tensor,  # [S + 1] int64: sequence s owns queries qs[s] .. qs[s+1]-1
+    ctx_end: torch.Tensor,  # [S] int64: context length seen by each sequence's last query
     scale: float,
 ) -> torch.Tensor:
-    s, heads, d = q.shape
+    heads, d = q.shape[1], q.shape[2]
     out = torch.empty_like(q)
-    fn = lib.sluice_paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.sluice_paged_decode_f32
+    bf16 = q.dtype == torch.bfloat16
+    fn = lib.sluice_paged_attention_bf16 if bf16 else lib.sluice_paged_attention_f32
     fn(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         block_tables.data_ptr(),
         block_tables.shape[1],
-        ctx_lens.data_ptr(),
+        query_start.data_ptr(),
+        ctx_end.data_ptr(),
         out.data_ptr(),
-        s,
+        block_tables.shape[0],
         heads,
         k_cache.shape[2],
         d,

@@ -1,8 +1,8 @@
 """Paged attention on torch's scaled_dot_product_attention (fused on CPU and CUDA).
 
-On CPU, decodes go to our paged kernel when it could be built: it reads K/V in place
-from the blocks, where SDPA needs them gathered into a padded copy first (several
-times slower at high concurrency).
+On CPU, decodes and short chunks go to our paged kernel when it could be built: it
+reads K/V in place from the blocks, where SDPA needs them gathered into a padded copy
+first (several times slower at high concurrency).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from sluice.attention.backend import AttentionBackend, AttentionMetadata
 class SDPABackend(AttentionBackend):
     name = "sdpa"
 
-    def __init__(self, cpu_decode_kernel: ctypes.CDLL | None = None) -> None:
-        self.kernel = cpu_decode_kernel
-        self.uses_decode_mask = cpu_decode_kernel is None
+    def __init__(self, cpu_kernel: ctypes.CDLL | None = None) -> None:
+        self.kernel = cpu_kernel
+        self.uses_row_mask = cpu_kernel is None
 
     def forward(
         self,
@@ -41,28 +41,29 @@ class SDPABackend(AttentionBackend):
         flat_v.index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd and self.kernel is not None:
-            assert meta.decode_block_tables is not None and meta.decode_ctx_lens is not None
-            out[:nd] = cpu_kernels.paged_decode(
+        n = meta.num_small_tokens
+        if n and self.kernel is not None:
+            assert meta.small_block_tables is not None
+            assert meta.small_query_start is not None and meta.small_ctx_end is not None
+            out[:n] = cpu_kernels.paged_attention(
                 self.kernel,
-                q[:nd].contiguous(),
+                q[:n].contiguous(),
                 k_cache,
                 v_cache,
-                meta.decode_block_tables,
-                meta.decode_ctx_lens,
+                meta.small_block_tables,
+                meta.small_query_start,
+                meta.small_ctx_end,
                 q.shape[-1] ** -0.5,
             )
-        elif nd:
-            assert meta.decode_block_tables is not None
-            # Gather whole blocks: [nd, max_blocks, block_size, kvh, d] -> [nd, kvh, L, d].
-            kd = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-            vd = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-            qd = q[:nd].unsqueeze(2)  # [nd, heads, 1, d]
+        elif n:
+            assert meta.row_block_tables is not None
+            # Gather whole blocks: [n, max_blocks, block_size, kvh, d] -> [n, kvh, L, d].
+            kd = k_cache[meta.row_block_tables].flatten(1, 2).transpose(1, 2)
+            vd = v_cache[meta.row_block_tables].flatten(1, 2).transpose(1, 2)
             od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True
+                q[:n].unsqueeze(2), kd, vd, attn_mask=meta.row_mask, enable_gqa=True
             )
-            out[:nd] = od.squeeze(2)
+            out[:n] = od.squeeze(2)
         for span in meta.prefills:
             s, e = span.q_start, span.q_start + span.q_len
             qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]

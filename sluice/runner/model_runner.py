@@ -26,6 +26,11 @@ class ModelOutput:
     prompt_logits: dict[str, tuple[int, torch.Tensor]]  # request_id -> (first position, logits)
 
 
+# A request computing at most this many tokens in a step is attended row by row (see
+# execute); larger chunks go to SDPA, whose matmuls win once there are many queries.
+SMALL_CHUNK_TOKENS = 32
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * elem
@@ -61,9 +66,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.backend = select_backend(
-            device, dtype, config.head_dim, config.num_heads // config.num_kv_heads
-        )
+        self.backend = select_backend(device, dtype, config.head_dim)
         # Built directly in the target dtype and device: no fp32 copy to convert.
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -96,7 +99,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> ModelOutput:
-        """Run one step. `scheduled` must list single-token requests (decodes) first."""
+        """Run one step. `scheduled` must list requests of at most SMALL_CHUNK_TOKENS
+        new tokens first (see `batch_order`)."""
         dev = self.device
         bs = self.block_size
         n_req = len(scheduled)
@@ -122,19 +126,28 @@ class ModelRunner:
         )
         slot_mapping = table[req_of_token, positions // bs] * bs + positions % bs
 
-        num_decodes = 0
-        while num_decodes < n_req and lens_l[num_decodes] == 1:
-            num_decodes += 1
-        meta = AttentionMetadata(slot_mapping=slot_mapping.to(dev), num_decodes=num_decodes)
-        if num_decodes:
-            ctx = starts[:num_decodes] + 1
-            nb = int((ctx.max().item() + bs - 1) // bs)
-            meta.decode_block_tables = table[:num_decodes, :nb].contiguous().to(dev)
-            meta.decode_ctx_lens = ctx.to(dev)
-            if self.backend.uses_decode_mask:
-                mask = torch.arange(nb * bs) < ctx[:, None]
-                meta.decode_mask = mask[:, None, None, :].to(dev)
-        for i in range(num_decodes, n_req):
+        # Requests computing few tokens (decodes, short chunks after a prefix-cache hit,
+        # short prompts) come first and go to the paged kernel, which reads each K/V
+        # block once per sequence in place; longer chunks go to SDPA, whose matmuls win
+        # once a sequence has many queries.
+        num_small = 0
+        while num_small < n_req and lens_l[num_small] <= SMALL_CHUNK_TOKENS:
+            num_small += 1
+        num_rows = int(cu[num_small])
+        meta = AttentionMetadata(slot_mapping=slot_mapping.to(dev), num_small_tokens=num_rows)
+        if num_rows:
+            ctx_end = starts[:num_small] + lens[:num_small]
+            nb = int((ctx_end.max().item() + bs - 1) // bs)
+            meta.small_block_tables = table[:num_small, :nb].contiguous().to(dev)
+            meta.small_query_start = cu[: num_small + 1].to(dev)
+            meta.small_ctx_end = ctx_end.to(dev)
+            if self.backend.uses_row_mask:
+                rows = req_of_token[:num_rows]
+                meta.row_block_tables = table[rows, :nb].to(dev)
+                visible = positions[:num_rows] + 1
+                mask = torch.arange(nb * bs) < visible[:, None]
+                meta.row_mask = mask[:, None, None, :].to(dev)
+        for i in range(num_small, n_req):
             start, n = starts_l[i], lens_l[i]
             span = PrefillSpan(q_start=int(cu[i]), q_len=n)
             if start > 0:
