@@ -266,3 +266,42 @@ def _main() -> None:
 
 if __name__ == "__main__":
     _main()
+
+
+def wiki_text() -> str:
+    """Wikipedia articles (2.1 MB) from the exllamav2 wheel's calibration data.
+
+    The wheel is downloaded from PyPI once (never installed: only this file is read)
+    and the text cached under ~/.cache/sluice/data.
+    """
+    import re
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    cached = Path.home() / ".cache" / "sluice" / "data" / "wiki.utf8"
+    if not cached.exists():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-deps",
+                    "--only-binary=:all:",
+                    "exllamav2==0.3.2",
+                    "-d",
+                    tmp,
+                ],
+                check=True,
+            )
+            (wheel,) = Path(tmp).glob("exllamav2-*.whl")
+            with zipfile.ZipFile(wheel) as z:
+                data = z.read("exllamav2/conversion/standard_cal_data/wiki.utf8")
+        cached.write_bytes(data)
+    text = cached.read_text(encoding="utf-8")
+    return re.sub(r"</?doc[^>]*>\n?", "", text)

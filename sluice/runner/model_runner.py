@@ -28,7 +28,7 @@ class ModelOutput:
 
 # A request computing at most this many tokens in a step is attended row by row (see
 # execute); larger chunks go to SDPA, whose matmuls win once there are many queries.
-SMALL_CHUNK_TOKENS = 32
+SMALL_CHUNK_TOKENS = 16
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
