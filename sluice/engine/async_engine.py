@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
@@ -92,7 +93,7 @@ class _Abort:
 
 @dataclass
 class _Stop:
-    pass
+    """The command that ends the engine loop."""
 
 
 _Command = _Add | _Abort | _Stop
@@ -281,10 +282,8 @@ class AsyncLLM:
             # Block when idle; otherwise take whatever arrived during the last step.
             block = not self.engine.has_unfinished_requests()
             commands: list[_Command] = []
-            try:
+            with contextlib.suppress(queue.Empty):  # nothing arrived: just step
                 commands.append(self._inbox.get(block=block))
-            except queue.Empty:
-                pass
             while True:
                 try:
                     commands.append(self._inbox.get_nowait())

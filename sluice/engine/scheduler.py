@@ -115,11 +115,8 @@ class Scheduler:
         """Retire a request (finished or aborted) and return its blocks."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req.status == RequestStatus.WAITING:
-            try:
-                self.waiting.remove(req)
-            except ValueError:
-                pass
+        elif req.status == RequestStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
 

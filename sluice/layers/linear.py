@@ -17,7 +17,7 @@ class LinearMethod:
     name = "none"
 
     def process_weight(self, layer: Linear) -> None:
-        pass
+        """Dense weights are used as loaded."""
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)

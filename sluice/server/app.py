@@ -697,8 +697,8 @@ def build_app(
 
     async def collect(tracked: list[_Tracked]) -> list[RequestOutput]:
         async def one(t: _Tracked) -> RequestOutput:
-            async for _ in t:
-                pass
+            async for _ in t:  # drain: only the final output matters here
+                continue
             if t.final is None:
                 raise OpenAIError(500, "the request ended without output", type="server_error")
             return t.final
