@@ -1,4 +1,4 @@
-"""`sluice serve | generate | chat`: every EngineConfig field is a --kebab-case flag."""
+"""`sluice serve | generate | chat | bench`: every EngineConfig field is a --kebab-case flag."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 import sys
 import types
 import typing
+from pathlib import Path
 from typing import Any, TextIO
 
 from sluice.config import EngineConfig
@@ -122,6 +123,30 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system prompt")
     _sampling_options(chat, 512)
     add_engine_options(chat, skip=frozenset({"seed"}))
+
+    bench = sub.add_parser(
+        "bench",
+        help="run the repo's benchmarks; print a table, write summary.json and PNG plots",
+        description="Run benchmarks/*.py from a source checkout, then summarize and plot. "
+        "Arguments after `--` go to the benchmark script, e.g. "
+        "`sluice bench serve -- --url http://127.0.0.1:8000`.",
+    )
+    bench.add_argument(
+        "which",
+        nargs="?",
+        default="all",
+        choices=["throughput", "serve", "prefix", "quantization", "all"],
+        help="which benchmark to run (default: all)",
+    )
+    bench.add_argument(
+        "--out", type=Path, default=None, help="output folder (default: benchmarks/results)"
+    )
+    bench.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    bench.add_argument(
+        "--no-run",
+        action="store_true",
+        help="do not run anything: summarize and plot the results already saved",
+    )
     return parser
 
 
@@ -247,9 +272,37 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from sluice.bench import BenchError, run
+
+    try:
+        return run(args.which, args.out, quick=args.quick, extra=args.extra, no_run=args.no_run)
+    except BenchError as exc:
+        print(f"sluice: {exc}", file=sys.stderr)
+        return 2
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand name: the first word that is neither a flag nor --log-level's value."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `sluice bench ... -- ARGS` hands ARGS to the benchmark script. Split at `--` by hand:
+    # argparse.REMAINDER would also swallow bench's own flags.
+    # Other commands keep argparse's own meaning of `--`.
+    cut = argv.index("--") if "--" in argv and _command(argv) == "bench" else len(argv)
+    args = parser.parse_args(argv[:cut])
+    if args.command == "bench":
+        args.extra = argv[cut + 1 :]
     level = args.log_level or ("info" if args.command == "serve" else "warning")
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -261,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chat":
             _params(args)
             return _chat(args)
+        if args.command == "bench":
+            return _bench(args)
         return _serve(args)
     except (SamplingParamsError, ValueError) as exc:
         # Bad flags or an unknown model: a one-line message, the traceback only on request.
