@@ -10,6 +10,37 @@ from sluice import LLM, SamplingParams
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import Int4WeightOnly, Int8WeightOnly, make_linear_method
 
+PARAGRAPH = (
+    "The river rises in the hills north of the town and runs for about forty miles before "
+    "it reaches the sea. In the eighteenth century it powered a dozen mills, and barges "
+    "carried grain, timber and coal down to the harbour. When the railway arrived in 1847 "
+    "the trade moved to the tracks, and most of the mills closed within a generation. "
+    "Today the old towpath is a walking trail. Herons fish in the shallows near the weir, "
+    "and in late autumn salmon can be seen leaping the falls on their way upstream to "
+    "spawn. The town council has restored two of the mill buildings: one is now a museum "
+    "of local history, the other a school where children learn how flour was ground by "
+    "water power. Visitors can follow the trail from the museum to the estuary in an "
+    "afternoon, stopping at the lock keeper's cottage, which serves tea and cakes in the "
+    "summer months."
+)
+
+
+def top1_tokens(llm: LLM) -> list[int]:
+    """The model's top-1 prediction at every position of PARAGRAPH (teacher-forced),
+    through the quantized kernels even though this is a prefill."""
+    for module in llm.engine.runner.model.modules():
+        method = getattr(module, "method", None)
+        if getattr(method, "dense_min_rows", 0):
+            method.dense_min_rows = 1 << 30
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    (out,) = llm.generate(PARAGRAPH, sp, use_tqdm=False)
+    assert out.prompt_logprobs is not None
+    return [
+        next(t for t, lp in entry.items() if lp.rank == 1)
+        for entry in out.prompt_logprobs[1:]
+        if entry is not None
+    ]
+
 
 def dequantized(layer: Linear, method: Int8WeightOnly | Int4WeightOnly) -> torch.Tensor:
     """Reconstruct the weight the kernel should be multiplying by."""
@@ -86,3 +117,16 @@ def test_quantized_model_answers(quantization: str) -> None:
         "The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
     )
     assert "Paris" in out.outputs[0].text
+
+
+# Measured top-1 agreement with fp32 on PARAGRAPH (182 positions): bf16 95.6%,
+# bf16+int8 92.9%, bf16+int4 88.5% (benchmarks/quantization.py on 8k Wikipedia tokens:
+# 97.5%, 95.2%, 84.1%). Pinned with a margin for numerical noise.
+@pytest.mark.parametrize(
+    ("quantization", "minimum"), [("none", 0.90), ("int8", 0.86), ("int4", 0.78)]
+)
+def test_agreement_with_fp32_is_pinned(llm_fp32: LLM, quantization: str, minimum: float) -> None:
+    reference = top1_tokens(llm_fp32)
+    fast = top1_tokens(LLM(dtype="bfloat16", quantization=quantization, kv_cache_memory=0.05))
+    agreement = sum(a == b for a, b in zip(fast, reference, strict=True)) / len(reference)
+    assert agreement >= minimum, agreement
