@@ -33,7 +33,7 @@ def _cpu_model() -> str:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()
     except OSError:
-        pass
+        pass  # no /proc/cpuinfo: report the model as unknown
     return platform.processor() or platform.machine()
 
 
@@ -46,7 +46,7 @@ def _cpu_flags() -> list[str]:
                 if line.startswith("flags"):
                     return sorted(interesting & set(line.split(":", 1)[1].split()))
     except OSError:
-        pass
+        pass  # no /proc/cpuinfo: report no flags
     return []
 
 

@@ -114,7 +114,7 @@ def sharegpt_first_turns() -> tuple[str, ...]:
         if data.get("source") == key:
             return tuple(data["first_turns"])
     except (OSError, ValueError, KeyError):
-        pass
+        pass  # unreadable or stale cache: rebuild it below
     records = load_sharegpt_raw()
     turns = [t for t in map(_first_human_turn, records) if t is not None]
     try:

@@ -189,7 +189,7 @@ def start_sluice(server_args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url
         except httpx.TransportError:
-            pass
+            pass  # not listening yet: poll again
         time.sleep(0.5)
     proc.kill()
     raise SystemExit("sluice serve did not become healthy in 600 s")

@@ -107,7 +107,7 @@ def server() -> Iterator[Server]:
             if httpx.get(f"{srv.url}/health", timeout=2).status_code == 200:
                 break
         except httpx.TransportError:
-            pass
+            pass  # not listening yet: poll again
         if time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"sluice serve did not become healthy:\n{log.read_text()}")
@@ -669,7 +669,7 @@ def test_async_llm_streams_and_aborts() -> None:
 
             async def consume() -> None:
                 async for _ in long:
-                    pass
+                    pass  # drain: the test cancels this consumer
 
             task = asyncio.ensure_future(consume())
             await asyncio.sleep(0.05)
@@ -721,7 +721,7 @@ def test_step_error_fails_requests_and_keeps_serving() -> None:
             stream = await llm.generate([1], SamplingParams(max_tokens=2))
             with pytest.raises(EngineStepError):
                 async for _ in stream:
-                    pass
+                    pass  # drain until the failed step surfaces
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
                 r = await client.post(C, json={"prompt": "hi", "max_tokens": 2})
