@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -122,3 +123,20 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], left: in
 def ratio(a: float, b: float) -> float:
     """a / b, or NaN when b is zero (so a missing baseline never crashes the report)."""
     return a / b if b else float("nan")
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """The engine options a benchmark may override (unset: the engine's defaults)."""
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--kv-cache-memory", type=float, default=None, help="GiB")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    # Only pass what was set, so the engine's own defaults are what gets measured.
+    opts: dict[str, Any] = {"dtype": args.dtype}
+    for key in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
+        value = getattr(args, key)
+        if value is not None:
+            opts[key] = value
+    return opts

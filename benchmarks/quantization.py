@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import format_table, machine_info, write_result
 from benchmarks.datasets import sharegpt_prompts, wiki_text
 from sluice import LLM, SamplingParams
-from sluice.layers.quantization import DENSE_MIN_ROWS
+from sluice.layers.quantization import quantized_kernels_only
 
 
 def teacher_forced(llm: LLM, windows: list[list[int]]) -> tuple[float, list[int]]:
@@ -89,17 +89,9 @@ def main() -> None:
                     args.prompts, max_prompt_tokens=256, tokenizer_encode=llm.tokenizer.encode
                 )
             ]
-        # Prefills of 32+ rows take the dense weight; force the quantized kernels so
-        # the teacher-forced figures measure what decoding actually multiplies by.
-        for module in llm.engine.runner.model.modules():
-            method = getattr(module, "method", None)
-            if getattr(method, "dense_min_rows", 0):
-                method.dense_min_rows = 1 << 30
-        ppl, top1 = teacher_forced(llm, windows)
-        for module in llm.engine.runner.model.modules():
-            method = getattr(module, "method", None)
-            if getattr(method, "dense_min_rows", 0):
-                method.dense_min_rows = DENSE_MIN_ROWS
+        # Prefills of 32+ rows would take the dense weight: force the quantized kernels.
+        with quantized_kernels_only(llm.engine.runner.model):
+            ppl, top1 = teacher_forced(llm, windows)
         row: dict[str, float] = {"perplexity": ppl}
         if name == "fp32 reference":
             ref_top1 = top1

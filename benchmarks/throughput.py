@@ -27,7 +27,14 @@ import subprocess  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-from benchmarks.common import REPO_ROOT, format_table, ratio, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    REPO_ROOT,
+    add_engine_args,
+    engine_options,
+    format_table,
+    ratio,
+    write_result,
+)
 from benchmarks.datasets import sharegpt_prompts  # noqa: E402
 from sluice import LLM  # noqa: E402
 from sluice.outputs import RequestOutput  # noqa: E402
@@ -54,21 +61,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-ready", action="store_true", help="skip the time-to-ready subprocess")
     ap.add_argument("--seed", type=int, default=0, help="ShareGPT shuffle seed")
-    ap.add_argument("--max-num-seqs", type=int, default=None)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--kv-cache-memory", type=float, default=None, help="GiB")
+    add_engine_args(ap)
     ap.add_argument("--name", default="throughput", help="results/<name>.json")
     return ap.parse_args()
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    # Only pass what was set, so the engine's own defaults are what gets measured.
-    opts: dict[str, Any] = {"dtype": args.dtype}
-    for key in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
-        value = getattr(args, key)
-        if value is not None:
-            opts[key] = value
-    return opts
 
 
 def time_to_ready(model: str | None, dtype: str) -> dict[str, float]:

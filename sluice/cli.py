@@ -24,6 +24,7 @@ _OPTION_HELP = {
     "kv_cache_memory": "GiB for the K and V pools together",
     "scheduling_policy": "fcfs or priority",
     "num_threads": "CPU threads for torch (default: all cores)",
+    "quantization": "weight-only quantization on CPU: none, int8 or int4",
 }
 
 

@@ -132,5 +132,6 @@ class EngineConfig:
         return torch.device(self.device)
 
     def threads(self) -> int:
-        # Physical cores: hyper-threads only add contention to matmul-bound work.
+        # One torch thread per CPU the OS reports; set num_threads to use physical cores
+        # only on machines with SMT, where the sibling threads add contention.
         return self.num_threads or max(1, (os.cpu_count() or 2))

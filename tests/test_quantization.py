@@ -8,7 +8,12 @@ import torch
 
 from sluice import LLM, SamplingParams
 from sluice.layers.linear import Linear
-from sluice.layers.quantization import Int4WeightOnly, Int8WeightOnly, make_linear_method
+from sluice.layers.quantization import (
+    Int4WeightOnly,
+    Int8WeightOnly,
+    make_linear_method,
+    quantized_kernels_only,
+)
 
 PARAGRAPH = (
     "The river rises in the hills north of the town and runs for about forty miles before "
@@ -28,12 +33,9 @@ PARAGRAPH = (
 def top1_tokens(llm: LLM) -> list[int]:
     """The model's top-1 prediction at every position of PARAGRAPH (teacher-forced),
     through the quantized kernels even though this is a prefill."""
-    for module in llm.engine.runner.model.modules():
-        method = getattr(module, "method", None)
-        if getattr(method, "dense_min_rows", 0):
-            method.dense_min_rows = 1 << 30
     sp = SamplingParams(max_tokens=1, prompt_logprobs=1)
-    (out,) = llm.generate(PARAGRAPH, sp, use_tqdm=False)
+    with quantized_kernels_only(llm.engine.runner.model):
+        (out,) = llm.generate(PARAGRAPH, sp, use_tqdm=False)
     assert out.prompt_logprobs is not None
     return [
         next(t for t, lp in entry.items() if lp.rank == 1)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from sluice.loader.resolve import cache_dir
+
 logger = logging.getLogger("sluice")
 
 _SRC = Path(__file__).with_name("csrc") / "paged_attention.cpp"
@@ -28,11 +30,6 @@ _lib: ctypes.CDLL | None = None
 _failed = False
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("SLUICE_CACHE_DIR") or Path.home() / ".cache" / "sluice"
-    return Path(base) / "kernels"
-
-
 def _build() -> ctypes.CDLL | None:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -40,7 +37,7 @@ def _build() -> ctypes.CDLL | None:
         return None
     src = _SRC.read_bytes()
     key = hashlib.sha256(src + " ".join([cxx, *_FLAGS]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"paged_attention-{key}.so"
+    out = cache_dir() / "kernels" / f"paged_attention-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:

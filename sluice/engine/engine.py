@@ -16,7 +16,7 @@ from sluice.engine.request import Request, RequestStatus
 from sluice.engine.scheduler import Scheduler
 from sluice.loader import load_model
 from sluice.outputs import CompletionOutput, Logprob, RequestMetricsOut, RequestOutput
-from sluice.runner.model_runner import SMALL_CHUNK_TOKENS, ModelRunner, kv_bytes_per_block
+from sluice.runner.model_runner import ModelRunner, kv_bytes_per_block
 from sluice.runner.sampler import Sampler
 from sluice.sampling_params import SamplingParams
 
@@ -205,10 +205,8 @@ class LLMEngine:
             return []
         now = time.monotonic()
         self.runner.copy_blocks(sched.blocks_to_copy)
-        # Small chunks first: the runner attends their tokens row by row.
-        batch = sorted(sched.scheduled, key=lambda rn: rn[1] > SMALL_CHUNK_TOKENS)
-        result = self.runner.execute(batch)
-        for req, n in batch:
+        result = self.runner.execute(sched.scheduled)
+        for req, n in sched.scheduled:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             req.num_computed_tokens += n

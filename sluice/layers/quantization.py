@@ -9,6 +9,8 @@ per call by the number of rows.
 from __future__ import annotations
 
 import abc
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +84,26 @@ class Int4WeightOnly(_WeightOnly):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, layer.qweight, self.group_size, layer.qscale_zero
         )
+
+
+@contextlib.contextmanager
+def quantized_kernels_only(model: torch.nn.Module) -> Iterator[None]:
+    """Send every batch size through the weight-only kernels (prefills included), so an
+    accuracy measurement sees the weights that decoding multiplies by."""
+    methods = [
+        m.method
+        for m in model.modules()
+        if isinstance(m, Linear) and isinstance(m.method, _WeightOnly)
+    ]
+    saved = [m.dense_min_rows for m in methods]
+    for m in methods:
+        if m.dense_min_rows:  # 0 marks a layer that must stay dense
+            m.dense_min_rows = 1 << 30
+    try:
+        yield
+    finally:
+        for m, rows in zip(methods, saved, strict=True):
+            m.dense_min_rows = rows
 
 
 def make_linear_method(quantization: str) -> LinearMethod:

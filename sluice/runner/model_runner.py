@@ -99,13 +99,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> ModelOutput:
-        """Run one step. `scheduled` must list requests of at most SMALL_CHUNK_TOKENS
-        new tokens first (see `batch_order`)."""
+        """Run one step over (request, num_new_tokens) pairs, in any order."""
         dev = self.device
         bs = self.block_size
+        # Requests computing few tokens first: their tokens go to the paged kernel.
+        scheduled = sorted(scheduled, key=lambda rn: rn[1] > SMALL_CHUNK_TOKENS)
         n_req = len(scheduled)
         starts_l = [r.num_computed_tokens for r, _ in scheduled]
         lens_l = [n for _, n in scheduled]
+        offsets = list(itertools.accumulate(lens_l, initial=0))  # batch offset per request
         token_ids = list(
             itertools.chain.from_iterable(
                 r.all_token_ids[s : s + n] for (r, n), s in zip(scheduled, starts_l, strict=True)
@@ -114,8 +116,7 @@ class ModelRunner:
         num_tokens = len(token_ids)
         starts = torch.tensor(starts_l, dtype=torch.long)
         lens = torch.tensor(lens_l, dtype=torch.long)
-        cu = torch.zeros(n_req + 1, dtype=torch.long)
-        torch.cumsum(lens, 0, out=cu[1:])
+        cu = torch.tensor(offsets, dtype=torch.long)
         req_of_token = torch.repeat_interleave(torch.arange(n_req), lens)
         positions = starts[req_of_token] + torch.arange(num_tokens) - cu[:-1][req_of_token]
 
@@ -133,7 +134,7 @@ class ModelRunner:
         num_small = 0
         while num_small < n_req and lens_l[num_small] <= SMALL_CHUNK_TOKENS:
             num_small += 1
-        num_rows = int(cu[num_small])
+        num_rows = offsets[num_small]
         meta = AttentionMetadata(slot_mapping=slot_mapping.to(dev), num_small_tokens=num_rows)
         if num_rows:
             ctx_end = starts[:num_small] + lens[:num_small]
@@ -149,7 +150,7 @@ class ModelRunner:
                 meta.row_mask = mask[:, None, None, :].to(dev)
         for i in range(num_small, n_req):
             start, n = starts_l[i], lens_l[i]
-            span = PrefillSpan(q_start=int(cu[i]), q_len=n)
+            span = PrefillSpan(q_start=offsets[i], q_len=n)
             if start > 0:
                 ctx = start + n
                 pos = torch.arange(ctx)
@@ -171,7 +172,7 @@ class ModelRunner:
         rows: list[int] = []
         prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
         for i, (r, n) in enumerate(scheduled):
-            end = int(cu[i + 1])
+            end = offsets[i + 1]
             if starts_l[i] + n == r.num_tokens:
                 sampling.append(r)
                 rows.append(end - 1)

@@ -42,7 +42,13 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        logits = logits.clone()
+        # Bias, min_tokens and penalties edit logits in place: copy only when one applies
+        # (a [rows, vocab] copy per step is not free at large batches).
+        if any(
+            p.logit_bias or (p.min_tokens and r.num_output_tokens < p.min_tokens) or _has_penalty(p)
+            for r, p in zip(requests, params, strict=True)
+        ):
+            logits = logits.clone()
 
         for i, (r, p) in enumerate(zip(requests, params, strict=True)):
             if p.logit_bias:
