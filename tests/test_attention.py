@@ -25,19 +25,21 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_kernel", [True, False])
-def test_paged_attention_matches_dense(dtype: torch.dtype, use_kernel: bool) -> None:
+# 64 and 128 take the kernel's vectorized path where the CPU has AVX-512; 32 the generic one.
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_paged_attention_matches_dense(dtype: torch.dtype, use_kernel: bool, d: int) -> None:
     kernel = cpu_kernels.load() if use_kernel else None
     if use_kernel and kernel is None:
         pytest.skip("no C++ compiler: the CPU kernel path is not available")
     torch.manual_seed(0)
-    heads, kv_heads, d, bs, num_blocks = 6, 2, 32, 4, 64
+    heads, kv_heads, bs, num_blocks = 6, 2, 4, 64
     backend = SDPABackend(kernel)
     k_cache = torch.zeros(num_blocks, bs, kv_heads, d, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    # Small group: three decodes (contexts 1, 9, 13) and a 5-token chunk after 6 cached
+    # Small group: three decodes (contexts 1, 19, 37) and a 5-token chunk after 16 cached
     # tokens; then an SDPA span: 7 tokens after 4 cached. Block ids scattered on purpose.
     perm = torch.randperm(num_blocks).tolist()
-    ctxs, new = [1, 9, 13, 11, 11], [1, 1, 1, 5, 7]
+    ctxs, new = [1, 19, 37, 21, 11], [1, 1, 1, 5, 7]
     tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctxs]
     full_k = [torch.randn(c, kv_heads, d, dtype=dtype) for c in ctxs]
     full_v = [torch.randn(c, kv_heads, d, dtype=dtype) for c in ctxs]
@@ -58,7 +60,7 @@ def test_paged_attention_matches_dense(dtype: torch.dtype, use_kernel: bool) -> 
     width = max(len(t) for t in tables[:4])
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables[:4]])
     row_of = [0, 1, 2, 3, 3, 3, 3, 3]
-    visible = torch.tensor([1, 9, 13, 7, 8, 9, 10, 11])
+    visible = torch.tensor([1, 19, 37, 17, 18, 19, 20, 21])
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
         num_small_tokens=8,
