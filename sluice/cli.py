@@ -25,6 +25,7 @@ _OPTION_HELP = {
     "scheduling_policy": "fcfs or priority",
     "num_threads": "CPU threads for torch (default: all cores)",
     "quantization": "weight-only quantization on CPU: none, int8 or int4",
+    "compile": "torch.compile the model (first steps compile; cached on disk)",
 }
 
 

@@ -84,6 +84,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
     quantization: str = "none"  # weight-only: "none", "int8", "int4" (CPU kernels)
+    # torch.compile the model (inductor): fuses the per-layer elementwise work; costs a
+    # compile at the first steps of each shape class (cached on disk across runs).
+    compile: bool = False
     num_threads: int | None = None
     # Filled in by the engine at start-up.
     model_config: ModelConfig | None = field(default=None, repr=False)

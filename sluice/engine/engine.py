@@ -87,6 +87,7 @@ class LLMEngine:
             num_blocks,
             self.max_model_len,
             config.quantization,
+            config.compile,
         )
         del loaded
         self.sampler = Sampler(mc.vocab_size, config.seed, device)

@@ -1,7 +1,8 @@
 """Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2 (QKV bias), Qwen3 (QK-norm).
 
-It runs on the flat ragged batch of a step: tokens [T], positions [T]; attention goes
-through the backend with the step's metadata, K/V through the paged cache.
+It runs on the flat ragged batch of a step: tokens [T], positions [T]. Attention is
+reached through the step context (sluice/attention/step.py), which holds the batch
+layout and the paged KV cache, so the model's arguments are only tensors.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.attention import AttentionBackend, AttentionMetadata
+from sluice.attention.step import attend
 from sluice.config import ModelConfig
 from sluice.layers.linear import Linear
 from sluice.layers.rotary import RotaryEmbedding, apply_rotary
@@ -28,8 +29,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -45,26 +47,18 @@ class Attention(nn.Module):
             self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.backend = backend
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        out = self.backend.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        # q and k heads rotate together: one pass of elementwise ops instead of two.
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        out = attend(q, k, v.contiguous(), self.layer_index)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -81,27 +75,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
@@ -113,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
             _weight=torch.empty(config.vocab_size, config.hidden_size),
             _freeze=True,
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.rotary: RotaryEmbedding | None = None
@@ -129,19 +116,13 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.weight.device,
         )
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Hidden states [T, hidden] before the final norm."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] before the final norm (inside a step_context)."""
         assert self.rotary is not None, "call init_rotary() first"
         cos, sin = self.rotary.lookup(positions)
         h = self.embed_tokens(input_ids)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv, meta)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from sluice.attention import AttentionMetadata, PrefillSpan, select_backend
+from sluice.attention.step import StepContext, step_context
 from sluice.config import ModelConfig
 from sluice.engine.request import Request
 from sluice.layers.linear import Linear
@@ -60,6 +61,7 @@ class ModelRunner:
         num_blocks: int,
         max_model_len: int,
         quantization: str = "none",
+        compile: bool = False,
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -72,7 +74,7 @@ class ModelRunner:
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                model = model_class(config)(config, self.backend)
+                model = model_class(config)(config)
         finally:
             torch.set_default_dtype(default_dtype)
         if quantization != "none":
@@ -84,6 +86,11 @@ class ModelRunner:
         model.load_weights(tensors)
         model.init_rotary(max_model_len)
         self.model = model.eval()
+        # Dynamic in the number of tokens from the start, so one graph serves every
+        # batch size (the quantized layers' row-count switch makes a second one).
+        self.forward = (
+            torch.compile(self.model, dynamic=True, fullgraph=True) if compile else self.model
+        )
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_cache = allocate_zeroed(shape, dtype, device)
         self.kv_caches = [
@@ -159,12 +166,10 @@ class ModelRunner:
                 span.mask = (pos[None, :] <= (start + torch.arange(n))[:, None]).to(dev)
             meta.prefills.append(span)
 
-        hidden = self.model(
-            torch.tensor(token_ids, dtype=torch.long, device=dev),
-            positions.to(dev),
-            self.kv_caches,
-            meta,
-        )
+        with step_context(StepContext(self.backend, meta, self.kv_caches)):
+            hidden = self.forward(
+                torch.tensor(token_ids, dtype=torch.long, device=dev), positions.to(dev)
+            )
 
         # Which rows need logits: the last token of every request that catches up with
         # its known tokens (it samples), and prompt positions for prompt logprobs.

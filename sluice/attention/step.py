@@ -1,0 +1,66 @@
+"""How a model layer reaches attention: through the step's context, not its arguments.
+
+The runner sets the step's metadata, backend and KV tensors once per forward pass;
+each layer calls `attend(q, k, v, layer_index)`. Keeping them out of the model's
+arguments is what lets `torch.compile` trace the model once for every batch layout:
+under compilation the call goes through an opaque custom op, so the compiler fuses
+everything around attention and never looks inside (block tables, per-request spans
+and our C++ kernel stay eager).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from sluice.attention.backend import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class StepContext:
+    backend: AttentionBackend
+    meta: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (K, V) block pools
+
+
+_current: StepContext | None = None
+
+
+@contextlib.contextmanager
+def step_context(ctx: StepContext) -> Iterator[None]:
+    global _current
+    previous, _current = _current, ctx
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    ctx = _current
+    if ctx is None:
+        raise RuntimeError("attention called outside a step (use step_context)")
+    k_cache, v_cache = ctx.kv_caches[layer]
+    return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta)
+
+
+# No mutated arguments as far as the compiler knows: the cache it writes is reached
+# through the context, so no functionalization copies of the pool are ever made.
+@torch.library.custom_op("sluice::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return _run(q, k, v, layer)
+
+
+@_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Write this step's K/V for `layer` into the cache and attend; [T, heads, head_dim]."""
+    if torch.compiler.is_compiling():
+        return _attention_op(q, k, v, layer)
+    return _run(q, k, v, layer)  # eager: skip the custom op's dispatch cost
