@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sluice import LLM, SamplingParams
+from sluice.layers import quantization
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import (
     Int4WeightOnly,
@@ -54,10 +55,38 @@ def dequantized(layer: Linear, method: Int8WeightOnly | Int4WeightOnly) -> torch
     return method._matmul(layer, eye).float().t().reshape(n, k)
 
 
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as our int4 kernel sees it: int8 in blocks of 32 with scale absmax / 127."""
+    blocks = x.view(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(scale > 0, blocks / scale, torch.zeros_like(blocks)).round()
+    return (q * scale).view_as(x)
+
+
+def without_our_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quantization.kernels, "load", lambda: None)
+
+
+@pytest.fixture(params=["ours", "torch"])
+def int4_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run an int4 test on each kernel: ours (where built) and torch's."""
+    if request.param == "ours":
+        lib = quantization.kernels.load()
+        if lib is None or not lib.sluice_q4_matmul_available():
+            pytest.skip("our int4 kernel needs a C++ compiler and AVX-512 VNNI")
+    else:
+        without_our_kernels(monkeypatch)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("method_cls", [Int8WeightOnly, Int4WeightOnly])
-@pytest.mark.parametrize("rows", [1, 5, 64])  # 64 takes the dense path
-def test_weight_only_matches_reference(dtype: torch.dtype, method_cls: type, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 3, 5, 64])  # 64 takes the dense path
+def test_weight_only_matches_reference(
+    dtype: torch.dtype, method_cls: type, rows: int, int4_kernel: str
+) -> None:
+    if method_cls is Int8WeightOnly and int4_kernel == "ours":
+        pytest.skip("int8 has one kernel")
     torch.manual_seed(0)
     layer = Linear(128, 96, bias=True).to(dtype)
     with torch.no_grad():
@@ -73,12 +102,15 @@ def test_weight_only_matches_reference(dtype: torch.dtype, method_cls: type, row
     x = torch.randn(rows, 128, dtype=dtype)
     y = layer(x).float()
     w_used = layer.weight.float() if rows >= method.dense_min_rows else w_q
-    ref = x.float() @ w_used.t() + layer.bias.float()
+    x_used = x.float()
+    if rows < method.dense_min_rows and getattr(method, "lib", None) is not None:
+        x_used = int8_blocks(x_used)  # our int4 kernel multiplies int8 activations
+    ref = x_used @ w_used.t() + layer.bias.float()
     tol = 1e-3 if dtype == torch.float32 else 0.15
     assert torch.allclose(y, ref, atol=tol * ref.abs().max().item(), rtol=0)
 
 
-def test_int4_reproduces_q4_1_grid_exactly() -> None:
+def test_int4_reproduces_q4_1_grid_exactly(int4_kernel: str) -> None:
     # A Q4_1 block is d * q + m with q in 0..15; when a group spans the whole range,
     # our asymmetric int4 grid is the same grid, so requantizing loses nothing.
     torch.manual_seed(1)
@@ -95,7 +127,8 @@ def test_int4_reproduces_q4_1_grid_exactly() -> None:
     assert torch.allclose(dequantized(layer, method), w, atol=1e-4)
 
 
-def test_int4_keeps_unpackable_shapes_dense() -> None:
+def test_int4_keeps_unpackable_shapes_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    without_our_kernels(monkeypatch)  # ours packs any row count
     layer = Linear(64, 8)  # 8 output rows: torch's int4 packing needs multiples of 16
     with torch.no_grad():
         layer.weight.normal_()
@@ -103,6 +136,32 @@ def test_int4_keeps_unpackable_shapes_dense() -> None:
     layer.method.process_weight(layer)
     x = torch.randn(2, 64)
     assert torch.allclose(layer(x), x @ layer.weight.t())
+
+
+@pytest.mark.parametrize("k", [64, 576])  # 576: 18 blocks, a partial tail of block terms
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_our_int4_kernel_on_model_shapes(k: int, dtype: torch.dtype) -> None:
+    lib = quantization.kernels.load()
+    if lib is None or not lib.sluice_q4_matmul_available():
+        pytest.skip("our int4 kernel needs a C++ compiler and AVX-512 VNNI")
+    torch.manual_seed(2)
+    layer = Linear(k, 48).to(dtype)
+    with torch.no_grad():
+        layer.weight.normal_()
+    method = Int4WeightOnly()
+    layer.method = method
+    method.process_weight(layer)
+    # Dequantize from the packed fields: w = d * q + m per block of 32.
+    lo, hi = layer.q4_packed & 15, layer.q4_packed >> 4
+    q = torch.cat([lo.view(48, -1, 16), hi.view(48, -1, 16)], dim=-1).float()
+    w = (q * layer.q4_scale[..., None] + layer.q4_min[..., None]).view(48, k)
+    assert (w - layer.weight.float()).abs().max() <= layer.q4_scale.max() / 2 + 1e-3
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, k, dtype=dtype)
+        ref = int8_blocks(x.float()) @ w.t()
+        got = method._matmul(layer, x).float()
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=0), rows
 
 
 def test_unknown_quantization_is_rejected() -> None:

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import ctypes
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
+from sluice import kernels
 from sluice.layers.linear import Linear, LinearMethod
 
 # Rows at or above which the dense matmul beats the weight-only kernels on this CPU
 # class (measured by benchmarks/quantization.py).
 DENSE_MIN_ROWS = 32
+# Our int4 kernel's cost grows with the rows (it unpacks weights once, multiplies per
+# row); above this many rows the dense matmul is faster (benchmarks/quantization.py).
+OUR_Q4_MAX_ROWS = 3
 
 
 class _WeightOnly(LinearMethod, abc.ABC):
@@ -53,19 +58,30 @@ class Int8WeightOnly(_WeightOnly):
 
 
 class Int4WeightOnly(_WeightOnly):
-    """Asymmetric int4 in groups of `group_size` along the input dimension."""
+    """Asymmetric int4 in groups of `group_size` along the input dimension.
+
+    Two kernels: ours (sluice/kernels/csrc/q4_matmul.cpp: int8 activations, AVX-512
+    VNNI, fp32 block scales) where it was built and the input size is a multiple of 64,
+    else torch's `_weight_int4pack_mm_for_cpu` (bf16 scales). Either holds one packed copy.
+    """
 
     name = "int4"
 
     def __init__(self, group_size: int = 32, dense_min_rows: int = DENSE_MIN_ROWS) -> None:
         super().__init__(dense_min_rows)
         self.group_size = group_size
+        self.lib: ctypes.CDLL | None = None
 
     def process_weight(self, layer: Linear) -> None:
         w = layer.weight.detach().float()
         n, k = w.shape
         g = self.group_size
-        if k % g or n % 16:
+        lib = kernels.load()
+        if lib is not None and lib.sluice_q4_matmul_available() and g == 32 and k % 64 == 0:
+            if layer.weight.dtype in (torch.float32, torch.bfloat16):
+                self.lib = lib
+                self.dense_min_rows = min(self.dense_min_rows, OUR_Q4_MAX_ROWS + 1)
+        if self.lib is None and (k % g or n % 16):
             # Shapes torch's int4 packing cannot take stay dense (one method per layer).
             self.dense_min_rows = 0
             return
@@ -73,17 +89,64 @@ class Int4WeightOnly(_WeightOnly):
         lo = groups.amin(dim=-1, keepdim=True)
         hi = groups.amax(dim=-1, keepdim=True)
         scale = ((hi - lo) / 15.0).clamp(min=1e-10)
-        q = ((groups - lo) / scale).round().clamp(0, 15).to(torch.int32).view(n, k)
-        layer.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        q = ((groups - lo) / scale).round().clamp(0, 15).to(torch.uint8)
+        if self.lib is not None:
+            # Byte j of a block: q[j] in the low nibble, q[j + 16] in the high one.
+            layer.q4_packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+            layer.q4_scale = scale.reshape(n, k // g).contiguous()
+            layer.q4_min = lo.reshape(n, k // g).contiguous()
+            return
+        layer.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.to(torch.int32).view(n, k), 1
+        )
         # torch's kernel computes (q - 8) * scale + zero, so zero = lo + 8 * scale.
         zero = lo + 8 * scale
         sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1)  # [n, k/g, 2]
         layer.qscale_zero = sz.transpose(0, 1).contiguous().to(layer.weight.dtype)
 
     def _matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.lib is not None:
+            args = (x, layer.q4_packed, layer.q4_scale, layer.q4_min)
+            if torch.compiler.is_compiling():
+                return _q4_matmul_op(*args)  # opaque to the compiler
+            return _q4_matmul(*args)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, layer.qweight, self.group_size, layer.qscale_zero
         )
+
+
+def _q4_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+) -> torch.Tensor:
+    lib = kernels.load()
+    assert lib is not None
+    x = x.contiguous()
+    m, n = x.shape[0], packed.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    lib.sluice_q4_matmul(
+        x.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        m,
+        x.shape[1],
+        packed.data_ptr(),
+        scale.data_ptr(),
+        minimum.data_ptr(),
+        n,
+        y.data_ptr(),
+    )
+    return y
+
+
+@torch.library.custom_op("sluice::q4_matmul", mutates_args=())
+def _q4_matmul_op(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+) -> torch.Tensor:
+    return _q4_matmul(x, packed, scale, minimum)
+
+
+@_q4_matmul_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
+    return x.new_empty(x.shape[0], packed.shape[0])
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables; `lookup` once per step, `apply` in every layer."""
+    """Precomputed cos/sin tables; `lookup` once per step (applied by layers.fused.rotate)."""
 
     def __init__(
         self,
@@ -52,9 +52,3 @@ class RotaryEmbedding:
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [T, 1, D/2]: broadcasts over heads.
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

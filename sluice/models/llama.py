@@ -8,13 +8,13 @@ layout and the paged KV cache, so the model's arguments are only tensors.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sluice.attention.step import attend
 from sluice.config import ModelConfig
+from sluice.layers import fused
 from sluice.layers.linear import Linear
-from sluice.layers.rotary import RotaryEmbedding, apply_rotary
+from sluice.layers.rotary import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -24,8 +24,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference implementations, then cast back.
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        # Normalised in fp32 like the reference implementations, then cast back.
+        return fused.rms_norm(x, self.weight, self.eps)[0]
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); the residual may be updated in place."""
+        return fused.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -56,8 +62,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        # q and k heads rotate together: one pass of elementwise ops instead of two.
-        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        # q and k heads rotate together, in place where fused.
+        q, k = fused.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = attend(q, k, v.contiguous(), self.layer_index)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -70,8 +76,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -82,9 +87,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); their sum is the
+        layer's output. Carrying the two apart lets each residual add fuse into the
+        following RMSNorm."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        x = self.self_attn(x, cos, sin)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -121,9 +136,10 @@ class LlamaForCausalLM(nn.Module):
         assert self.rotary is not None, "call init_rotary() first"
         cos, sin = self.rotary.lookup(positions)
         h = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            h = layer(h, cos, sin)
-        return h
+            h, residual = layer(h, residual, cos, sin)
+        return h if residual is None else h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()

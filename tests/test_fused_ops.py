@@ -1,0 +1,81 @@
+"""Our fused CPU ops against the plain torch ops they replace (the fallback path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice import kernels
+from sluice.layers import fused
+
+
+@pytest.fixture
+def torch_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused.kernels, "load", lambda: None)
+
+
+def needs_kernels() -> None:
+    if kernels.load() is None:
+        pytest.skip("no C++ compiler: the fused path is not available")
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    return torch.allclose(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 300])  # 300 x 576 takes the parallel branch
+def test_rms_norm_with_and_without_residual(
+    dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    needs_kernels()
+    torch.manual_seed(0)
+    x, res = (torch.randn(rows, 576, dtype=dtype) for _ in range(2))
+    w = torch.randn(576, dtype=dtype)
+    out, h = fused.rms_norm(x, w, 1e-5)
+    add_out, add_h = fused.rms_norm(x, w, 1e-5, res.clone())
+    monkeypatch.setattr(fused.kernels, "load", lambda: None)
+    ref_out, _ = fused.rms_norm(x, w, 1e-5)
+    ref_add_out, ref_add_h = fused.rms_norm(x, w, 1e-5, res.clone())
+    assert h is x and close(out, ref_out, dtype)
+    assert torch.equal(add_h, ref_add_h)  # the residual add is rounded exactly like torch's
+    assert close(add_out, ref_add_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_a_strided_slice(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    needs_kernels()
+    torch.manual_seed(1)
+    t, heads, kv, d = 5, 4, 2, 64
+    qkv = torch.randn(t, (heads + 2 * kv) * d, dtype=dtype)
+    angles = torch.rand(t, 1, d // 2) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    qk = qkv[:, : (heads + kv) * d].view(t, heads + kv, d)
+    monkeypatch.setattr(fused.kernels, "load", lambda: None)
+    ref = fused.rotate(qk.clone(), cos, sin)
+    monkeypatch.undo()
+    v_before = qkv[:, (heads + kv) * d :].clone()
+    out = fused.rotate(qk, cos, sin)
+    assert out.data_ptr() == qkv.data_ptr()  # in place
+    assert close(out, ref, dtype)
+    assert torch.equal(qkv[:, (heads + kv) * d :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    needs_kernels()
+    gate_up = torch.randn(3, 2 * 1536, dtype=dtype) * 4
+    out = fused.silu_and_mul(gate_up)
+    monkeypatch.setattr(fused.kernels, "load", lambda: None)
+    assert close(out, fused.silu_and_mul(gate_up), dtype)
+
+
+def test_non_cpu_or_other_dtypes_use_torch(torch_only: None) -> None:
+    x = torch.randn(2, 8, dtype=torch.float16)
+    out, h = fused.rms_norm(x, torch.ones(8, dtype=torch.float16), 1e-6)
+    assert out.dtype == torch.float16 and h is x
