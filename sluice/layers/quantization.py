@@ -61,7 +61,7 @@ class Int4WeightOnly(_WeightOnly):
     """Asymmetric int4 in groups of `group_size` along the input dimension.
 
     Two kernels: ours (sluice/kernels/csrc/q4_matmul.cpp: int8 activations, AVX-512
-    VNNI, fp32 block scales) where it was built and the input size is a multiple of 64,
+    VNNI, fp16 block scales) where it was built and the input size is a multiple of 64,
     else torch's `_weight_int4pack_mm_for_cpu` (bf16 scales). Either holds one packed copy.
     """
 
@@ -93,8 +93,8 @@ class Int4WeightOnly(_WeightOnly):
         if self.lib is not None:
             # Byte j of a block: q[j] in the low nibble, q[j + 16] in the high one.
             layer.q4_packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-            layer.q4_scale = scale.reshape(n, k // g).contiguous()
-            layer.q4_min = lo.reshape(n, k // g).contiguous()
+            layer.q4_scale = scale.reshape(n, k // g).to(torch.float16).contiguous()
+            layer.q4_min = lo.reshape(n, k // g).to(torch.float16).contiguous()
             return
         layer.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             q.to(torch.int32).view(n, k), 1
