@@ -34,7 +34,7 @@ def test_paged_attention_matches_dense(dtype: torch.dtype, use_kernel: bool, d: 
     torch.manual_seed(0)
     heads, kv_heads, bs, num_blocks = 6, 2, 4, 64
     backend = SDPABackend(kernel)
-    k_cache = torch.zeros(num_blocks, bs, kv_heads, d, dtype=dtype)
+    k_cache = torch.zeros(num_blocks, kv_heads, bs, d, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     # Small group: three decodes (contexts 1, 19, 37) and a 5-token chunk after 16 cached
     # tokens; then an SDPA span: 7 tokens after 4 cached. Block ids scattered on purpose.
@@ -49,8 +49,10 @@ def test_paged_attention_matches_dense(dtype: torch.dtype, use_kernel: bool, d: 
 
     for i, c in enumerate(ctxs):  # the cache holds everything but the new tokens
         old = slots(i, range(c - new[i]))
-        k_cache.view(-1, kv_heads, d)[old] = full_k[i][: c - new[i]]
-        v_cache.view(-1, kv_heads, d)[old] = full_v[i][: c - new[i]]
+        slots_old = torch.tensor(old, dtype=torch.long)
+        blocks, offsets = slots_old // bs, slots_old % bs
+        k_cache[blocks, :, offsets] = full_k[i][: c - new[i]]
+        v_cache[blocks, :, offsets] = full_v[i][: c - new[i]]
     q = torch.randn(sum(new), heads, d, dtype=dtype)
     k = torch.cat([fk[-n:] for fk, n in zip(full_k, new, strict=True)])
     v = torch.cat([fv[-n:] for fv, n in zip(full_v, new, strict=True)])
@@ -90,8 +92,8 @@ def test_paged_attention_matches_dense(dtype: torch.dtype, use_kernel: bool, d: 
 def test_fresh_prefill_uses_causal_attention_on_new_tokens() -> None:
     torch.manual_seed(1)
     q, k, v = torch.randn(7, 4, 16), torch.randn(7, 2, 16), torch.randn(7, 2, 16)
-    k_cache = torch.zeros(4, 4, 2, 16)
+    k_cache = torch.zeros(4, 2, 4, 16)  # [blocks, kv_heads, block_size, d]
     meta = AttentionMetadata(slot_mapping=torch.arange(7), prefills=[PrefillSpan(0, 7)])
     out = SDPABackend(None).forward(q, k, v, k_cache, torch.zeros_like(k_cache), meta)
     assert torch.allclose(out, dense_reference(q, k, v), atol=1e-5)
-    assert torch.equal(k_cache.view(-1, 2, 16)[:7], k)  # and the cache was written
+    assert torch.equal(k_cache.transpose(1, 2).reshape(-1, 2, 16)[:7], k)  # cache written

@@ -18,7 +18,7 @@ def supports(dtype: torch.dtype, head_dim: int) -> bool:
 def paged_attention(
     lib: ctypes.CDLL,
     q: torch.Tensor,  # [num_queries, heads, d], contiguous
-    k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, d], contiguous
+    k_cache: torch.Tensor,  # [blocks, kv_heads, block_size, d], contiguous
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [S, max_blocks] int64, contiguous
     query_start: torch.Tensor,  # [S + 1] int64: sequence s owns queries qs[s] .. qs[s+1]-1
@@ -40,9 +40,9 @@ def paged_attention(
         out.data_ptr(),
         block_tables.shape[0],
         heads,
-        k_cache.shape[2],
-        d,
         k_cache.shape[1],
+        d,
+        k_cache.shape[2],
         scale,
     )
     return out

@@ -32,13 +32,13 @@ class SDPABackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+        block_size = k_cache.shape[2]
+        slots = meta.slot_mapping
         # Every new token's K/V goes into the cache before anyone reads it, so requests
         # that share blocks within one step see each other's writes.
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        blocks, offsets = slots // block_size, slots % block_size
+        k_cache[blocks, :, offsets] = k
+        v_cache[blocks, :, offsets] = v
 
         out = torch.empty_like(q)
         n = meta.num_small_tokens
@@ -57,9 +57,9 @@ class SDPABackend(AttentionBackend):
             )
         elif n:
             assert meta.row_block_tables is not None
-            # Gather whole blocks: [n, max_blocks, block_size, kvh, d] -> [n, kvh, L, d].
-            kd = k_cache[meta.row_block_tables].flatten(1, 2).transpose(1, 2)
-            vd = v_cache[meta.row_block_tables].flatten(1, 2).transpose(1, 2)
+            # Gather whole blocks: [n, max_blocks, kvh, block_size, d] -> [n, kvh, L, d].
+            kd = k_cache[meta.row_block_tables].transpose(1, 2).flatten(2, 3)
+            vd = v_cache[meta.row_block_tables].transpose(1, 2).flatten(2, 3)
             od = F.scaled_dot_product_attention(
                 q[:n].unsqueeze(2), kd, vd, attn_mask=meta.row_mask, enable_gqa=True
             )
@@ -71,8 +71,10 @@ class SDPABackend(AttentionBackend):
                 kp, vp = k[s:e], v[s:e]
                 causal, mask = True, None
             else:
-                kp = flat_k.index_select(0, span.context_slots)
-                vp = flat_v.index_select(0, span.context_slots)
+                ctx_blocks = span.context_slots // block_size
+                ctx_offsets = span.context_slots % block_size
+                kp = k_cache[ctx_blocks, :, ctx_offsets]  # [ctx, kvh, d]
+                vp = v_cache[ctx_blocks, :, ctx_offsets]
                 causal, mask = False, span.mask
             op = F.scaled_dot_product_attention(
                 qp,

@@ -91,7 +91,9 @@ class ModelRunner:
         self.forward = (
             torch.compile(self.model, dynamic=True, fullgraph=True) if compile else self.model
         )
-        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # Per layer, K and V pools of [blocks, kv_heads, block_size, head_dim]: within a
+        # block each head's tokens are contiguous (what the decode kernel streams).
+        shape = (config.num_layers, 2, num_blocks, config.num_kv_heads, block_size, config.head_dim)
         self.kv_cache = allocate_zeroed(shape, dtype, device)
         self.kv_caches = [
             (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)

@@ -2,7 +2,9 @@
 // (a few new tokens after a prefix-cache hit, short prompts). K/V are read in place
 // from the block pool, once per (sequence, kv head) whatever the number of queries;
 // query j of a sequence sees positions 0 .. ctx_end - q_len + j (causal). Exact
-// two-pass softmax in fp32. Built at first use by sluice/attention/cpu_kernels.py.
+// two-pass softmax in fp32. Blocks are [kv_heads, block_size, head_dim]: a task reads
+// its head's rows of a block as one contiguous run (DRAM-friendly, unlike 128-byte
+// pieces at a stride of all heads).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -37,8 +39,10 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
             int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
             float scale) {
   const int group = num_heads / num_kv_heads;
-  const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
-  const int64_t block_stride = token_stride * block_size;
+  // Block layout [kv_heads, block_size, head_dim]: one head's tokens are contiguous.
+  const int64_t token_stride = head_dim;
+  const int64_t head_stride = static_cast<int64_t>(block_size) * head_dim;
+  const int64_t block_stride = head_stride * num_kv_heads;
 #pragma omp parallel
   {
     std::vector<float> qf, scores, acc, mx, sum;
@@ -67,7 +71,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
         // Pass 1: scores and their max. Token t is visible to queries j >= t - first_ctx + 1.
         for (int64_t t = 0; t < ctx; ++t) {
           const T* kp = k_cache + table[t / block_size] * block_stride +
-                        (t % block_size) * token_stride + static_cast<int64_t>(h) * head_dim;
+                        (t % block_size) * token_stride + h * head_stride;
           for (int d = 0; d < head_dim; ++d) row[d] = load(kp, d);
           const int j0 = t < first_ctx ? 0 : static_cast<int>(t - first_ctx + 1);
           for (int r = j0 * group; r < rows; ++r) {
@@ -92,7 +96,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
         // Pass 2: weighted sum of V.
         for (int64_t t = 0; t < ctx; ++t) {
           const T* vp = v_cache + table[t / block_size] * block_stride +
-                        (t % block_size) * token_stride + static_cast<int64_t>(h) * head_dim;
+                        (t % block_size) * token_stride + h * head_stride;
           for (int d = 0; d < head_dim; ++d) row[d] = load(vp, d);
           const int j0 = t < first_ctx ? 0 : static_cast<int>(t - first_ctx + 1);
           for (int r = j0 * group; r < rows; ++r) {
@@ -142,11 +146,10 @@ inline __m512 exp16(__m512 x) {
 }
 
 // Blocks sit anywhere in the pool: ask for the next one while this one is computed.
-template <typename T, int D>
-inline void prefetch_block(const T* p, int block_size, int64_t token_stride) {
-  for (int i = 0; i < block_size; ++i, p += token_stride)
-    for (size_t off = 0; off < D * sizeof(T); off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
+template <typename T>
+inline void prefetch(const T* p, int64_t elems) {
+  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
 }
 
 template <typename T, int D>
@@ -155,8 +158,8 @@ void attend_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t
                    int num_seqs, int num_heads, int num_kv_heads, int block_size, float scale) {
   constexpr int kVecs = D / 16;
   const int group = num_heads / num_kv_heads;
-  const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * D;
-  const int64_t block_stride = token_stride * block_size;
+  const int64_t head_stride = static_cast<int64_t>(block_size) * D;
+  const int64_t block_stride = head_stride * num_kv_heads;
 #pragma omp parallel
   {
     std::vector<float> qf, scores, acc, mx, sum;
@@ -188,11 +191,12 @@ void attend_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t
         int in_block = 0;
         for (int64_t t = 0; t < ctx; ++t) {
           if (++in_block == block_size || t == 0) {
-            kp = k_cache + table[t == 0 ? 0 : ++b] * block_stride + h * D;
+            kp = k_cache + table[t == 0 ? 0 : ++b] * block_stride + h * head_stride;
             in_block = 0;
-            if ((b + 1) * block_size < ctx) prefetch_block<T, D>(k_cache + table[b + 1] * block_stride + h * D, block_size, token_stride);
+            if ((b + 1) * block_size < ctx)
+              prefetch(k_cache + table[b + 1] * block_stride + h * head_stride, head_stride);
           } else {
-            kp += token_stride;
+            kp += D;
           }
           __m512 k[kVecs];
           for (int i = 0; i < kVecs; ++i) k[i] = load16(kp + 16 * i);
@@ -232,11 +236,12 @@ void attend_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t
         in_block = 0;
         for (int64_t t = 0; t < ctx; ++t) {
           if (++in_block == block_size || t == 0) {
-            vp = v_cache + table[t == 0 ? 0 : ++b] * block_stride + h * D;
+            vp = v_cache + table[t == 0 ? 0 : ++b] * block_stride + h * head_stride;
             in_block = 0;
-            if ((b + 1) * block_size < ctx) prefetch_block<T, D>(v_cache + table[b + 1] * block_stride + h * D, block_size, token_stride);
+            if ((b + 1) * block_size < ctx)
+              prefetch(v_cache + table[b + 1] * block_stride + h * head_stride, head_stride);
           } else {
-            vp += token_stride;
+            vp += D;
           }
           __m512 v[kVecs];
           for (int i = 0; i < kVecs; ++i) v[i] = load16(vp + 16 * i);
