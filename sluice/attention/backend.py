@@ -39,6 +39,8 @@ class AttentionMetadata:
     row_block_tables: torch.Tensor | None = None  # [num_small_tokens, max_blocks]
     row_mask: torch.Tensor | None = None  # [num_small_tokens, 1, 1, max_blocks*block_size]
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Filled in by the backend at the first layer and reused by the others.
+    cache_rows: torch.Tensor | None = None
 
 
 class AttentionBackend(abc.ABC):

@@ -16,6 +16,14 @@ from sluice.attention import cpu_kernels
 from sluice.attention.backend import AttentionBackend, AttentionMetadata
 
 
+def cache_rows(slots: torch.Tensor, num_kv_heads: int, block_size: int) -> torch.Tensor:
+    """Row of the [blocks * kv_heads * block_size, head_dim] view of a pool for each
+    (token, kv head), flattened token-major: where index_copy_ writes new K/V."""
+    blocks, offsets = slots // block_size, slots % block_size
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    return ((blocks[:, None] * num_kv_heads + heads) * block_size + offsets[:, None]).flatten()
+
+
 class SDPABackend(AttentionBackend):
     name = "sdpa"
 
@@ -32,28 +40,33 @@ class SDPABackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        block_size = k_cache.shape[2]
-        slots = meta.slot_mapping
+        num_kv_heads, block_size, head_dim = k_cache.shape[1:]
         # Every new token's K/V goes into the cache before anyone reads it, so requests
         # that share blocks within one step see each other's writes.
-        blocks, offsets = slots // block_size, slots % block_size
-        k_cache[blocks, :, offsets] = k
-        v_cache[blocks, :, offsets] = v
+        if self.kernel is not None:
+            cpu_kernels.write_kv(self.kernel, k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            if meta.cache_rows is None:  # once per step, shared by every layer
+                meta.cache_rows = cache_rows(meta.slot_mapping, num_kv_heads, block_size)
+            rows = meta.cache_rows
+            k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim))
+            v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim))
 
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)  # contiguous even where q is a strided slice of qkv
         n = meta.num_small_tokens
         if n and self.kernel is not None:
             assert meta.small_block_tables is not None
             assert meta.small_query_start is not None and meta.small_ctx_end is not None
-            out[:n] = cpu_kernels.paged_attention(
+            cpu_kernels.paged_attention(
                 self.kernel,
-                q[:n].contiguous(),
+                q[:n],
                 k_cache,
                 v_cache,
                 meta.small_block_tables,
                 meta.small_query_start,
                 meta.small_ctx_end,
                 q.shape[-1] ** -0.5,
+                out=out[:n],
             )
         elif n:
             assert meta.row_block_tables is not None

@@ -40,8 +40,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     for name in ("sluice_paged_attention_f32", "sluice_paged_attention_bf16"):
         fn = getattr(lib, name)
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32]
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, i64]
         fn.restype = None
+    lib.sluice_write_kv.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32]
+    lib.sluice_write_kv.restype = None
     lib.sluice_q4_matmul.argtypes = [ptr, i32, i32, i32, ptr, ptr, ptr, i32, ptr]
     lib.sluice_q4_matmul.restype = None
     lib.sluice_q4_matmul_available.argtypes = []

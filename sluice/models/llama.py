@@ -64,7 +64,7 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k heads rotate together, in place where fused.
         q, k = fused.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = attend(q, k, v.contiguous(), self.layer_index)
+        out = attend(q, k, v, self.layer_index)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,14 +42,22 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 def allocate_zeroed(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """A zero-filled tensor. On CPU it comes from calloc (through numpy), so the OS maps
-    zero pages lazily: no seconds spent writing a large KV pool at start-up, and blocks
-    never used never take memory. (Zeros, not garbage: a padded SDPA fallback multiplies
-    unused slots by a zero weight, and 0 * NaN would poison it.)"""
+    """A zero-filled tensor. On CPU it is an anonymous mapping: the OS supplies zero pages
+    lazily, so no seconds go to writing a large KV pool at start-up and blocks never used
+    never take memory. It asks for transparent huge pages: decode reads and writes K/V
+    in blocks scattered over the pool, and with 4 KiB pages nearly every block access
+    missed the TLB. (Zeros, not garbage: a padded SDPA fallback multiplies unused slots
+    by a zero weight, and 0 * NaN would poison it.)"""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # THP off or unsupported: 4 KiB pages then
+            buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class ModelRunner:

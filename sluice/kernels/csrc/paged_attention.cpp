@@ -37,7 +37,7 @@ template <typename T>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
             int64_t max_blocks, const int64_t* query_start, const int64_t* ctx_end, T* out,
             int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-            float scale) {
+            float scale, int64_t q_stride) {
   const int group = num_heads / num_kv_heads;
   // Block layout [kv_heads, block_size, head_dim]: one head's tokens are contiguous.
   const int64_t token_stride = head_dim;
@@ -63,7 +63,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
         sum.assign(rows, 0.f);
         for (int j = 0; j < nq; ++j) {
           for (int g = 0; g < group; ++g) {
-            const T* qp = q + ((q0 + j) * num_heads + h * group + g) * head_dim;
+            const T* qp = q + (q0 + j) * q_stride + (h * group + g) * head_dim;
             float* dst = qf.data() + (j * group + g) * head_dim;
             for (int d = 0; d < head_dim; ++d) dst[d] = load(qp, d) * scale;
           }
@@ -155,7 +155,8 @@ inline void prefetch(const T* p, int64_t elems) {
 template <typename T, int D>
 void attend_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    int64_t max_blocks, const int64_t* query_start, const int64_t* ctx_end, T* out,
-                   int num_seqs, int num_heads, int num_kv_heads, int block_size, float scale) {
+                   int num_seqs, int num_heads, int num_kv_heads, int block_size, float scale,
+                   int64_t q_stride) {
   constexpr int kVecs = D / 16;
   const int group = num_heads / num_kv_heads;
   const int64_t head_stride = static_cast<int64_t>(block_size) * D;
@@ -179,7 +180,7 @@ void attend_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t
         sum.assign(rows, 0.f);
         for (int j = 0; j < nq; ++j) {
           for (int g = 0; g < group; ++g) {
-            const T* qp = q + ((q0 + j) * num_heads + h * group + g) * D;
+            const T* qp = q + (q0 + j) * q_stride + (h * group + g) * D;
             float* dst = qf.data() + (j * group + g) * D;
             for (int d = 0; d < D; ++d) dst[d] = load(qp, d) * scale;
           }
@@ -269,17 +270,18 @@ void attend_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t
 template <typename T>
 void dispatch(const T* q, const T* k, const T* v, const int64_t* bt, int64_t max_blocks,
               const int64_t* qs, const int64_t* ctx, T* out, int num_seqs, int num_heads,
-              int num_kv_heads, int head_dim, int block_size, float scale) {
+              int num_kv_heads, int head_dim, int block_size, float scale,
+              int64_t q_stride) {
 #if defined(__AVX512F__)
   if (head_dim == 64)
     return attend_avx512<T, 64>(q, k, v, bt, max_blocks, qs, ctx, out, num_seqs, num_heads,
-                                num_kv_heads, block_size, scale);
+                                num_kv_heads, block_size, scale, q_stride);
   if (head_dim == 128)
     return attend_avx512<T, 128>(q, k, v, bt, max_blocks, qs, ctx, out, num_seqs, num_heads,
-                                 num_kv_heads, block_size, scale);
+                                 num_kv_heads, block_size, scale, q_stride);
 #endif
   attend(q, k, v, bt, max_blocks, qs, ctx, out, num_seqs, num_heads, num_kv_heads, head_dim,
-         block_size, scale);
+         block_size, scale, q_stride);
 }
 
 }  // namespace
@@ -289,17 +291,37 @@ extern "C" {
 void sluice_paged_attention_f32(const float* q, const float* k, const float* v,
                                 const int64_t* bt, int64_t max_blocks, const int64_t* qs,
                                 const int64_t* ctx, float* out, int num_seqs, int num_heads,
-                                int num_kv_heads, int head_dim, int block_size, float scale) {
+                                int num_kv_heads, int head_dim, int block_size, float scale,
+                                int64_t q_stride) {
   dispatch(q, k, v, bt, max_blocks, qs, ctx, out, num_seqs, num_heads, num_kv_heads, head_dim,
-           block_size, scale);
+           block_size, scale, q_stride);
 }
 
 void sluice_paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                  const int64_t* bt, int64_t max_blocks, const int64_t* qs,
                                  const int64_t* ctx, uint16_t* out, int num_seqs,
                                  int num_heads, int num_kv_heads, int head_dim, int block_size,
-                                 float scale) {
+                                 float scale, int64_t q_stride) {
   dispatch(q, k, v, bt, max_blocks, qs, ctx, out, num_seqs, num_heads, num_kv_heads, head_dim,
-           block_size, scale);
+           block_size, scale, q_stride);
 }
+}
+
+// New K and V rows into their cache slots. k/v: [T, kv_heads, head_dim] with token
+// stride `src_stride` (slices of the qkv output); caches [blocks, kv_heads, block_size,
+// head_dim]. One call replaces a copy to make the slices contiguous plus two scatters.
+extern "C" void sluice_write_kv(const void* k, const void* v, int64_t src_stride, void* k_cache,
+                                void* v_cache, const int64_t* slots, int64_t num_tokens,
+                                int num_kv_heads, int block_size, int head_dim, int elem_size) {
+  const int64_t row = static_cast<int64_t>(head_dim) * elem_size;
+#pragma omp parallel for if (num_tokens > 256) schedule(static)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+    for (int h = 0; h < num_kv_heads; ++h) {
+      const int64_t dst = ((block * num_kv_heads + h) * block_size + offset) * row;
+      const int64_t src = (t * src_stride + static_cast<int64_t>(h) * head_dim) * elem_size;
+      std::memcpy(static_cast<char*>(k_cache) + dst, static_cast<const char*>(k) + src, row);
+      std::memcpy(static_cast<char*>(v_cache) + dst, static_cast<const char*>(v) + src, row);
+    }
+  }
 }
