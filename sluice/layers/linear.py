@@ -11,15 +11,38 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def onednn_packable(weight: torch.Tensor) -> bool:
+    """bf16 weights on CPU go through oneDNN with a prepacked layout: torch's default bf16
+    matmul (MKL) takes a generic path on CPUs without AMX, 1.2-2x slower here."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
 class LinearMethod:
-    """Dense weights in the model's dtype: a plain matmul."""
+    """Dense weights in the model's dtype: a plain matmul (oneDNN-packed on CPU bf16)."""
 
     name = "none"
+    packed = False
 
     def process_weight(self, layer: Linear) -> None:
-        """Dense weights are used as loaded."""
+        """Pack CPU bf16 weights for oneDNN once; the plain copy is then dropped (a
+        weight tied to the embedding lives on there)."""
+        if not onednn_packable(layer.weight):
+            return
+        # The batch-size hint picks the blocking; results are the same for every M.
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 256)
+        layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
+        self.packed = True
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(
+                x, layer.packed_weight, layer.bias, "none", [], ""
+            )
         return F.linear(x, layer.weight, layer.bias)
 
 

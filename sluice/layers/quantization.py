@@ -14,7 +14,6 @@ import ctypes
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from sluice import kernels
 from sluice.layers.linear import Linear, LinearMethod
@@ -31,11 +30,19 @@ class _WeightOnly(LinearMethod, abc.ABC):
     def __init__(self, dense_min_rows: int = DENSE_MIN_ROWS) -> None:
         self.dense_min_rows = dense_min_rows
 
+    def process_weight(self, layer: Linear) -> None:
+        self._quantize(layer)
+        super().process_weight(layer)  # the dense copy for large batches, packed on CPU
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.dense_min_rows:
-            return F.linear(x, layer.weight, layer.bias)
+            return super().apply(layer, x)
         y = self._matmul(layer, x)
         return y if layer.bias is None else y + layer.bias
+
+    @abc.abstractmethod
+    def _quantize(self, layer: Linear) -> None:
+        """Build the quantized weight from the dense one."""
 
     @abc.abstractmethod
     def _matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +54,7 @@ class Int8WeightOnly(_WeightOnly):
 
     name = "int8"
 
-    def process_weight(self, layer: Linear) -> None:
+    def _quantize(self, layer: Linear) -> None:
         w = layer.weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
         layer.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
@@ -72,7 +79,7 @@ class Int4WeightOnly(_WeightOnly):
         self.group_size = group_size
         self.lib: ctypes.CDLL | None = None
 
-    def process_weight(self, layer: Linear) -> None:
+    def _quantize(self, layer: Linear) -> None:
         w = layer.weight.detach().float()
         n, k = w.shape
         g = self.group_size
