@@ -64,8 +64,14 @@ def build(kind: str, directory: Path, smollm2_path: Path) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("kind", sorted(CONFIGS))
-def test_random_model_matches_transformers(kind: str, tmp_path: Path, smollm2_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "compile"),
+    # torch.compile once, on the plainest architecture: compiling costs tens of seconds.
+    [(kind, False) for kind in sorted(CONFIGS)] + [("llama", True)],
+)
+def test_random_model_matches_transformers(
+    kind: str, compile: bool, tmp_path: Path, smollm2_path: Path
+) -> None:
     model = build(kind, tmp_path, smollm2_path)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 23, 40, 70)]
@@ -75,6 +81,7 @@ def test_random_model_matches_transformers(kind: str, tmp_path: Path, smollm2_pa
         kv_cache_memory=0.02,
         max_num_batched_tokens=32,
         block_size=8,
+        compile=compile,
     )
     assert llm.engine.model_config.architecture == kind.split("-")[0]
     sp = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
