@@ -17,7 +17,7 @@ from typing import Any
 
 import sluice
 
-BENCHMARKS = ("throughput", "serve", "prefix", "quantization")
+BENCHMARKS = ("throughput", "single", "serve", "prefix", "quantization")
 
 # Small sizes for a smoke run: minutes on a laptop CPU instead of an hour.
 QUICK_ARGS: dict[str, list[str]] = {
@@ -25,6 +25,7 @@ QUICK_ARGS: dict[str, list[str]] = {
     "serve": ["--concurrency", "1,4", "--num-prompts", "2,8", "--max-tokens", "16"],
     "prefix": ["--num-questions", "8", "--num-conversations", "2", "--turns", "4"],
     "quantization": ["--windows", "2", "--prompts", "2", "--gen-tokens", "16"],
+    "single": ["--methods", "int4", "--max-tokens", "16", "--repeats", "1"],
 }
 
 _SCRIPTS = {
@@ -32,6 +33,7 @@ _SCRIPTS = {
     "serve": "serve.py",
     "prefix": "prefix_cache.py",
     "quantization": "quantization.py",
+    "single": "single_stream.py",
 }
 
 
@@ -72,7 +74,9 @@ def plan(
     if quick:
         argv += QUICK_ARGS[name]
     results = bench_dir / "results"
-    stem = {"prefix": "prefix_cache"}.get(name, name) + ("_quick" if quick else "")
+    stem = {"prefix": "prefix_cache", "single": "single_stream"}.get(name, name) + (
+        "_quick" if quick else ""
+    )
     if name == "serve":
         # serve.py is the only script that takes an output path.
         result = out_dir / f"{stem}.json"
@@ -146,6 +150,25 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             }
             for name, w in results["prefix"]["workloads"].items()
         }
+    if "single" in results:
+        single = results["single"]
+        lc = single.get("llamacpp")
+        summary["single"] = {
+            label: {
+                "decode_tok_s": r["decode_tokens_per_s"],
+                "ttft_s": r["ttft_s"],
+                "vs_llamacpp": (r["decode_tokens_per_s"] / lc["decode_tokens_per_s"])
+                if lc
+                else None,
+            }
+            for label, r in single["sluice"].items()
+        }
+        if lc:
+            summary["single"]["llama.cpp"] = {
+                "decode_tok_s": lc["decode_tokens_per_s"],
+                "ttft_s": lc["ttft_s"],
+                "vs_llamacpp": 1.0,
+            }
     if "quantization" in results:
         summary["quantization"] = {
             mode: {
@@ -176,7 +199,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         for metric, value in lvl.items():
             if metric != "concurrency":
                 rows.append(("serve", case, metric, _fmt(value)))
-    for section in ("prefix", "quantization"):
+    for section in ("single", "prefix", "quantization"):
         for case, metrics in summary.get(section, {}).items():
             for metric, value in metrics.items():
                 rows.append((section, case, metric, _fmt(value)))

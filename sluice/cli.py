@@ -12,6 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any, TextIO
 
+from sluice.bench import BENCHMARKS
 from sluice.config import EngineConfig
 from sluice.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
 from sluice.sampling_params import SamplingParams, SamplingParamsError
@@ -137,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         "which",
         nargs="?",
         default="all",
-        choices=["throughput", "serve", "prefix", "quantization", "all"],
+        choices=[*BENCHMARKS, "all"],
         help="which benchmark to run (default: all)",
     )
     bench.add_argument(

@@ -66,6 +66,12 @@ def _fake_results() -> dict[str, dict[str, Any]]:
                 },
             },
         },
+        "single": {
+            "benchmark": "single_stream",
+            "machine": machine,
+            "sluice": {"int4": {"decode_tokens_per_s": 120.0, "ttft_s": 0.04}},
+            "llamacpp": {"decode_tokens_per_s": 100.0, "ttft_s": 0.1},
+        },
         "quantization": {
             "benchmark": "quantization",
             "machine": machine,
@@ -87,6 +93,8 @@ def test_summary_numbers() -> None:
     assert summary["prefix"]["shared_prompt"]["ttft_p50_on_s"] == 0.5
     assert summary["prefix"]["chat_replay"]["hit_rate"] == 0.79
     assert summary["quantization"]["int8"]["single_stream_tok_s"] == 78.0
+    assert summary["single"]["int4"]["vs_llamacpp"] == 1.2
+    assert summary["single"]["llama.cpp"]["decode_tok_s"] == 100.0
     assert summary["quantization"]["fp32 reference"]["top1_agreement_vs_fp32"] is None
     table = bench.format_summary(summary)
     assert "sluice_tok_s" in table and "concurrency=16" in table and "chat_replay" in table
