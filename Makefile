@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve run test test-slow lint bench clean
+.PHONY: install serve run test test-slow lint bench llamacpp clean
 
 install: $(STAMP)
 
@@ -33,7 +33,13 @@ lint: install
 	$(BIN)/ruff check sluice tests benchmarks
 
 bench: install
-	$(BIN)/python benchmarks/throughput.py
+	$(BIN)/sluice bench
+
+# Optional: llama.cpp for the side-by-side single-stream benchmark. It compiles from
+# source (~30 min on 2 cores); a native build dies with an illegal instruction here.
+llamacpp: install
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
+		$(BIN)/pip install --no-binary llama-cpp-python llama-cpp-python==0.3.36 diskcache
 
 clean:
 	rm -rf $(VENV)
