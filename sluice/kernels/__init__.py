@@ -29,7 +29,9 @@ from sluice.loader.resolve import cache_dir
 
 logger = logging.getLogger("sluice")
 
-_SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
+_HEADERS = sorted(_CSRC.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -61,7 +63,7 @@ def _build() -> ctypes.CDLL | None:
         logger.warning("no C++ compiler found: sluice's CPU kernels are off (torch ops instead)")
         return None
     digest = hashlib.sha256(" ".join([cxx, *_FLAGS]).encode())
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         digest.update(src.read_bytes())
     out = cache_dir() / "kernels" / f"sluice-kernels-{digest.hexdigest()[:16]}.so"
     if not out.exists():

@@ -6,22 +6,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dtype.h"
+
 namespace {
 
-inline float to_float(float v) { return v; }
-inline float to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float round_to(float*, float v) { return v; }
-inline uint16_t round_to(uint16_t*, float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
-  return static_cast<uint16_t>(bits >> 16);
-}
+using sluice::round_to;
+using sluice::to_float;
+
 // Parallel only when there is enough work to pay for waking the other threads.
 constexpr int64_t kParallelElems = 1 << 16;
 

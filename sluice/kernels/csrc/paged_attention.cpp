@@ -10,6 +10,8 @@
 #include <cstring>
 #include <vector>
 
+#include "dtype.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -17,19 +19,9 @@
 namespace {
 
 inline float load(const float* p, int i) { return p[i]; }
-inline float load(const uint16_t* p, int i) {
-  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;  // bf16 is the top half of an fp32
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline void store(float* p, int i, float v) { p[i] = v; }
-inline void store(uint16_t* p, int i, float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
-  p[i] = static_cast<uint16_t>(bits >> 16);
-}
+inline float load(const uint16_t* p, int i) { return sluice::to_float(p[i]); }
+template <typename T>
+inline void store(T* p, int i, float v) { p[i] = sluice::round_to(p, v); }
 
 constexpr int kMaxHeadDim = 256;
 

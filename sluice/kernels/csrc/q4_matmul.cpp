@@ -19,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include "dtype.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define SLUICE_Q4_VNNI 1
@@ -26,20 +28,7 @@
 
 namespace {
 
-inline float to_float(float v) { return v; }
-inline float to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline void from_float(float* p, float v) { *p = v; }
-inline void from_float(uint16_t* p, float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
-  *p = static_cast<uint16_t>(bits >> 16);
-}
+using sluice::to_float;
 
 #if SLUICE_Q4_VNNI
 // x [M, K] -> int8 in pair-permuted order, per-block scales dx and dx * sum(qx).
@@ -125,7 +114,8 @@ void q4_matmul(const T* x, int M, int K, const uint8_t* qw, const uint16_t* d,
         const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mr + b));
         acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, sxr + b), acc);
       }
-      from_float(y + static_cast<int64_t>(r) * N + n, _mm512_reduce_add_ps(acc));
+      T* dst = y + static_cast<int64_t>(r) * N + n;
+      *dst = sluice::round_to(dst, _mm512_reduce_add_ps(acc));
     }
   }
 }
