@@ -289,13 +289,29 @@ class AsyncLLM:
                     commands.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
+            accepted: list[concurrent.futures.Future[None]] = []
+            num_adds = 0
             for cmd in commands:
                 if isinstance(cmd, _Stop):
                     self._fail_all(EngineShutdownError("the server is shutting down"))
+                    for fut in accepted:
+                        if not fut.cancelled():
+                            fut.set_exception(EngineShutdownError("the server is shutting down"))
                     return
-                self._handle(cmd)
+                if isinstance(cmd, _Add):
+                    num_adds += 1
+                    if self._handle_add(cmd):
+                        accepted.append(cmd.accepted)
+                else:
+                    self._handle_abort(cmd)
             if commands:
-                self._update_snapshot()
+                # A request leaves the pending count in the same update that shows it in
+                # the snapshot's waiting count, and its caller hears "accepted" only
+                # after that: admission control never sees it in neither.
+                self._update_snapshot(num_adds)
+                for fut in accepted:
+                    if not fut.cancelled():
+                        fut.set_result(None)
             if not self.engine.has_unfinished_requests():
                 continue
             try:
@@ -310,15 +326,15 @@ class AsyncLLM:
             self._dispatch(outputs)
             self._update_snapshot()
 
-    def _handle(self, cmd: _Add | _Abort) -> None:
-        if isinstance(cmd, _Abort):
-            self._streams.pop(cmd.request_id, None)
-            self.engine.abort_request(cmd.request_id)
-            return
-        with self._lock:
-            self._pending_adds -= 1
+    def _handle_abort(self, cmd: _Abort) -> None:
+        self._streams.pop(cmd.request_id, None)
+        self.engine.abort_request(cmd.request_id)
+
+    def _handle_add(self, cmd: _Add) -> bool:
+        """Add the request to the engine; False if it was cancelled or rejected (its
+        caller has been told)."""
         if cmd.accepted.cancelled():
-            return
+            return False
         try:
             self.engine.add_request(
                 cmd.request_id,
@@ -329,9 +345,9 @@ class AsyncLLM:
             )
         except Exception as exc:
             cmd.accepted.set_exception(exc)
-            return
+            return False
         self._streams[cmd.request_id] = cmd.stream
-        cmd.accepted.set_result(None)
+        return True
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
@@ -372,14 +388,16 @@ class AsyncLLM:
         except RuntimeError:
             pass  # that event loop is closed: nobody is listening any more
 
-    def _update_snapshot(self) -> None:
+    def _update_snapshot(self, num_adds_handled: int = 0) -> None:
         try:
             stats = dict(self.engine.stats())
         except Exception:
             logger.exception("engine stats failed")
-            return
+            stats = None
         with self._lock:
-            self._stats = stats
+            if stats is not None:
+                self._stats = stats
+            self._pending_adds -= num_adds_handled
 
 
 def _deliver(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
