@@ -144,6 +144,43 @@ inline void prefetch(const T* p, int64_t elems) {
     _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
 }
 
+// One (sequence, kv head)'s rows of a K or V pool, token by token: the block table is
+// walked, not divided into (no 64-bit division per token), and each block, on entry,
+// asks for the next one.
+template <typename T>
+class HeadRows {
+ public:
+  HeadRows(const T* cache, const int64_t* table, int64_t ctx, int block_size,
+           int64_t block_stride, int64_t head_offset, int row)
+      : cache_(cache), table_(table), ctx_(ctx), block_size_(block_size),
+        block_stride_(block_stride), head_offset_(head_offset), row_(row) {}
+
+  const T* next() {
+    if (in_block_ == 0) {
+      p_ = cache_ + table_[block_] * block_stride_ + head_offset_;
+      if ((block_ + 1) * block_size_ < ctx_)
+        prefetch(cache_ + table_[block_ + 1] * block_stride_ + head_offset_,
+                 static_cast<int64_t>(block_size_) * row_);
+      ++block_;
+    } else {
+      p_ += row_;
+    }
+    if (++in_block_ == block_size_) in_block_ = 0;
+    return p_;
+  }
+
+ private:
+  const T* cache_;
+  const int64_t* table_;
+  int64_t ctx_;
+  int block_size_;
+  int64_t block_stride_, head_offset_;
+  int row_;
+  const T* p_ = nullptr;
+  int64_t block_ = 0;
+  int in_block_ = 0;
+};
+
 template <typename T, int D>
 void attend_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    int64_t max_blocks, const int64_t* query_start, const int64_t* ctx_end, T* out,
@@ -178,19 +215,9 @@ void attend_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t
           }
         }
         // Pass 1: scores and their max.
-        // The block table is walked, not divided into: no 64-bit division per token.
-        const T* kp = nullptr;
-        int64_t b = 0;
-        int in_block = 0;
+        HeadRows<T> keys(k_cache, table, ctx, block_size, block_stride, h * head_stride, D);
         for (int64_t t = 0; t < ctx; ++t) {
-          if (++in_block == block_size || t == 0) {
-            kp = k_cache + table[t == 0 ? 0 : ++b] * block_stride + h * head_stride;
-            in_block = 0;
-            if ((b + 1) * block_size < ctx)
-              prefetch(k_cache + table[b + 1] * block_stride + h * head_stride, head_stride);
-          } else {
-            kp += D;
-          }
+          const T* kp = keys.next();
           __m512 k[kVecs];
           for (int i = 0; i < kVecs; ++i) k[i] = load16(kp + 16 * i);
           const int j0 = t < first_ctx ? 0 : static_cast<int>(t - first_ctx + 1);
@@ -224,18 +251,9 @@ void attend_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t
           sum[r] = _mm512_reduce_add_ps(total);
         }
         // Pass 2: weighted sum of V.
-        const T* vp = nullptr;
-        b = 0;
-        in_block = 0;
+        HeadRows<T> values(v_cache, table, ctx, block_size, block_stride, h * head_stride, D);
         for (int64_t t = 0; t < ctx; ++t) {
-          if (++in_block == block_size || t == 0) {
-            vp = v_cache + table[t == 0 ? 0 : ++b] * block_stride + h * head_stride;
-            in_block = 0;
-            if ((b + 1) * block_size < ctx)
-              prefetch(v_cache + table[b + 1] * block_stride + h * head_stride, head_stride);
-          } else {
-            vp += D;
-          }
+          const T* vp = values.next();
           __m512 v[kVecs];
           for (int i = 0; i < kVecs; ++i) v[i] = load16(vp + 16 * i);
           const int j0 = t < first_ctx ? 0 : static_cast<int>(t - first_ctx + 1);
