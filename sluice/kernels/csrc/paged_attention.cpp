@@ -18,130 +18,13 @@
 
 namespace {
 
-inline float load(const float* p, int i) { return p[i]; }
-inline float load(const uint16_t* p, int i) { return sluice::to_float(p[i]); }
-template <typename T>
-inline void store(T* p, int i, float v) { p[i] = sluice::round_to(p, v); }
-
 constexpr int kMaxHeadDim = 256;
-
-template <typename T>
-void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-            int64_t max_blocks, const int64_t* query_start, const int64_t* ctx_end, T* out,
-            int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-            float scale, int64_t q_stride) {
-  const int group = num_heads / num_kv_heads;
-  // Block layout [kv_heads, block_size, head_dim]: one head's tokens are contiguous.
-  const int64_t token_stride = head_dim;
-  const int64_t head_stride = static_cast<int64_t>(block_size) * head_dim;
-  const int64_t block_stride = head_stride * num_kv_heads;
-#pragma omp parallel
-  {
-    std::vector<float> qf, scores, acc, mx, sum;
-    float row[kMaxHeadDim];
-#pragma omp for schedule(dynamic, 1) collapse(2)
-    for (int s = 0; s < num_seqs; ++s) {
-      for (int h = 0; h < num_kv_heads; ++h) {
-        const int64_t q0 = query_start[s];
-        const int nq = static_cast<int>(query_start[s + 1] - q0);
-        const int64_t ctx = ctx_end[s];
-        const int64_t first_ctx = ctx - nq + 1;  // context of the first query
-        const int rows = nq * group;             // (query, head) pairs sharing this K/V
-        const int64_t* table = block_tables + s * max_blocks;
-        qf.resize(static_cast<size_t>(rows) * head_dim);
-        scores.resize(static_cast<size_t>(rows) * ctx);
-        acc.assign(static_cast<size_t>(rows) * head_dim, 0.f);
-        mx.assign(rows, -INFINITY);
-        sum.assign(rows, 0.f);
-        for (int j = 0; j < nq; ++j) {
-          for (int g = 0; g < group; ++g) {
-            const T* qp = q + (q0 + j) * q_stride + (h * group + g) * head_dim;
-            float* dst = qf.data() + (j * group + g) * head_dim;
-            for (int d = 0; d < head_dim; ++d) dst[d] = load(qp, d) * scale;
-          }
-        }
-        // Pass 1: scores and their max. Token t is visible to queries j >= t - first_ctx + 1.
-        for (int64_t t = 0; t < ctx; ++t) {
-          const T* kp = k_cache + table[t / block_size] * block_stride +
-                        (t % block_size) * token_stride + h * head_stride;
-          for (int d = 0; d < head_dim; ++d) row[d] = load(kp, d);
-          const int j0 = t < first_ctx ? 0 : static_cast<int>(t - first_ctx + 1);
-          for (int r = j0 * group; r < rows; ++r) {
-            const float* qr = qf.data() + r * head_dim;
-            float dot = 0.f;
-            for (int d = 0; d < head_dim; ++d) dot += qr[d] * row[d];
-            scores[r * ctx + t] = dot;
-            mx[r] = dot > mx[r] ? dot : mx[r];
-          }
-        }
-        // Softmax weights over each row's visible prefix.
-        for (int r = 0; r < rows; ++r) {
-          const int64_t visible = first_ctx + r / group;
-          float* sc = scores.data() + r * ctx;
-          float total = 0.f;
-          for (int64_t t = 0; t < visible; ++t) {
-            sc[t] = std::exp(sc[t] - mx[r]);
-            total += sc[t];
-          }
-          sum[r] = total;
-        }
-        // Pass 2: weighted sum of V.
-        for (int64_t t = 0; t < ctx; ++t) {
-          const T* vp = v_cache + table[t / block_size] * block_stride +
-                        (t % block_size) * token_stride + h * head_stride;
-          for (int d = 0; d < head_dim; ++d) row[d] = load(vp, d);
-          const int j0 = t < first_ctx ? 0 : static_cast<int>(t - first_ctx + 1);
-          for (int r = j0 * group; r < rows; ++r) {
-            const float w = scores[r * ctx + t];
-            float* a = acc.data() + r * head_dim;
-            for (int d = 0; d < head_dim; ++d) a[d] += w * row[d];
-          }
-        }
-        for (int r = 0; r < rows; ++r) {
-          const int j = r / group, g = r % group;
-          T* op = out + ((q0 + j) * num_heads + h * group + g) * head_dim;
-          const float inv = 1.f / sum[r];
-          const float* a = acc.data() + r * head_dim;
-          for (int d = 0; d < head_dim; ++d) store(op, d, a[d] * inv);
-        }
-      }
-    }
-  }
-}
-
-#if defined(__AVX512F__)
-// The same algorithm with AVX-512 for the common head sizes: K/V rows are widened to
-// fp32 once per (token, kv head) and shared by all query rows of the group; scores
-// and the softmax run 16 lanes at a time. The generic loops above leave dot products
-// and exp scalar, which made the kernel compute bound far below memory bandwidth.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// e^x for x <= 0 (scores minus their max): 2^(x log2 e) split into integer and
-// fraction, degree-6 Taylor polynomial for 2^f on |f| <= 0.5 (relative error ~1e-7).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // Blocks sit anywhere in the pool: ask for the next one while this one is computed.
 template <typename T>
 inline void prefetch(const T* p, int64_t elems) {
   for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + off);
 }
 
 // One (sequence, kv head)'s rows of a K or V pool, token by token: the block table is
@@ -181,14 +64,116 @@ class HeadRows {
   int in_block_ = 0;
 };
 
-template <typename T, int D>
-void attend_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                   int64_t max_blocks, const int64_t* query_start, const int64_t* ctx_end, T* out,
-                   int num_seqs, int num_heads, int num_kv_heads, int block_size, float scale,
-                   int64_t q_stride) {
-  constexpr int kVecs = D / 16;
+// The arithmetic of the kernel: a policy, so the generic and the AVX-512 kernels share
+// one loop structure. A K or V row is widened into a `Row` once and used by every
+// query row of the group.
+struct GenericMath {
+  struct Row {
+    float v[kMaxHeadDim];
+  };
+  int d;
+  int dim() const { return d; }
+  template <typename T>
+  Row widen(const T* p) const {
+    Row row;
+    for (int i = 0; i < d; ++i) row.v[i] = sluice::to_float(p[i]);
+    return row;
+  }
+  float dot(const float* q, const Row& row) const {
+    float s = 0.f;
+    for (int i = 0; i < d; ++i) s += q[i] * row.v[i];
+    return s;
+  }
+  void axpy(float w, const Row& row, float* y) const {
+    for (int i = 0; i < d; ++i) y[i] += w * row.v[i];
+  }
+  // sc[t] = exp(sc[t] - m) for t < n; returns their sum.
+  float exp_sum(float* sc, int64_t n, float m) const {
+    float total = 0.f;
+    for (int64_t t = 0; t < n; ++t) total += sc[t] = std::exp(sc[t] - m);
+    return total;
+  }
+};
+
+#if defined(__AVX512F__)
+// AVX-512 math for the common head sizes (64, 128): dot products, the weighted sum and
+// exp run 16 lanes at a time. The generic loops leave dot products and exp scalar,
+// which made the kernel compute bound far below memory bandwidth.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// e^x for x <= 0 (scores minus their max): 2^(x log2 e) split into integer and
+// fraction, degree-6 Taylor polynomial for 2^f on |f| <= 0.5 (relative error ~1e-7).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <int D>
+struct Avx512Math {
+  static constexpr int kVecs = D / 16;
+  struct Row {
+    __m512 v[kVecs];  // stays in registers
+  };
+  static constexpr int dim() { return D; }
+  template <typename T>
+  Row widen(const T* p) const {
+    Row row;
+    for (int i = 0; i < kVecs; ++i) row.v[i] = load16(p + 16 * i);
+    return row;
+  }
+  float dot(const float* q, const Row& row) const {
+    __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), row.v[0]);
+    for (int i = 1; i < kVecs; ++i) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), row.v[i], s);
+    return _mm512_reduce_add_ps(s);
+  }
+  void axpy(float w, const Row& row, float* y) const {
+    const __m512 wv = _mm512_set1_ps(w);
+    for (int i = 0; i < kVecs; ++i)
+      _mm512_storeu_ps(y + 16 * i, _mm512_fmadd_ps(wv, row.v[i], _mm512_loadu_ps(y + 16 * i)));
+  }
+  float exp_sum(float* sc, int64_t n, float m) const {
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 total = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + t), mv));
+      _mm512_storeu_ps(sc + t, e);
+      total = _mm512_add_ps(total, e);
+    }
+    if (t < n) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sc + t), mv));
+      _mm512_mask_storeu_ps(sc + t, tail, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
+    }
+    return _mm512_reduce_add_ps(total);
+  }
+};
+#endif
+
+template <typename T, typename Math>
+void attend(const Math& math, const T* q, const T* k_cache, const T* v_cache,
+            const int64_t* block_tables, int64_t max_blocks, const int64_t* query_start,
+            const int64_t* ctx_end, T* out, int num_seqs, int num_heads, int num_kv_heads,
+            int block_size, float scale, int64_t q_stride) {
+  const int head_dim = math.dim();  // a constant where the policy fixes it
   const int group = num_heads / num_kv_heads;
-  const int64_t head_stride = static_cast<int64_t>(block_size) * D;
+  // Block layout [kv_heads, block_size, head_dim]: one head's tokens are contiguous.
+  const int64_t head_stride = static_cast<int64_t>(block_size) * head_dim;
   const int64_t block_stride = head_stride * num_kv_heads;
 #pragma omp parallel
   {
@@ -199,83 +184,57 @@ void attend_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t
         const int64_t q0 = query_start[s];
         const int nq = static_cast<int>(query_start[s + 1] - q0);
         const int64_t ctx = ctx_end[s];
-        const int64_t first_ctx = ctx - nq + 1;
-        const int rows = nq * group;
+        const int64_t first_ctx = ctx - nq + 1;  // context of the first query
+        const int rows = nq * group;             // (query, head) pairs sharing this K/V
         const int64_t* table = block_tables + s * max_blocks;
-        qf.resize(static_cast<size_t>(rows) * D);
+        qf.resize(static_cast<size_t>(rows) * head_dim);
         scores.resize(static_cast<size_t>(rows) * ctx);
-        acc.assign(static_cast<size_t>(rows) * D, 0.f);
+        acc.assign(static_cast<size_t>(rows) * head_dim, 0.f);
         mx.assign(rows, -INFINITY);
         sum.assign(rows, 0.f);
         for (int j = 0; j < nq; ++j) {
           for (int g = 0; g < group; ++g) {
-            const T* qp = q + (q0 + j) * q_stride + (h * group + g) * D;
-            float* dst = qf.data() + (j * group + g) * D;
-            for (int d = 0; d < D; ++d) dst[d] = load(qp, d) * scale;
+            const T* qp = q + (q0 + j) * q_stride + (h * group + g) * head_dim;
+            float* dst = qf.data() + (j * group + g) * head_dim;
+            for (int d = 0; d < head_dim; ++d) dst[d] = sluice::to_float(qp[d]) * scale;
           }
         }
-        // Pass 1: scores and their max.
-        HeadRows<T> keys(k_cache, table, ctx, block_size, block_stride, h * head_stride, D);
+        // Pass 1: scores and their max. Token t is visible to queries j >= t - first_ctx + 1;
+        // each K row is widened to fp32 once for all query rows of the group.
+        HeadRows<T> keys(k_cache, table, ctx, block_size, block_stride, h * head_stride,
+                         head_dim);
         for (int64_t t = 0; t < ctx; ++t) {
-          const T* kp = keys.next();
-          __m512 k[kVecs];
-          for (int i = 0; i < kVecs; ++i) k[i] = load16(kp + 16 * i);
+          const typename Math::Row row = math.widen(keys.next());
           const int j0 = t < first_ctx ? 0 : static_cast<int>(t - first_ctx + 1);
           for (int r = j0 * group; r < rows; ++r) {
-            const float* qr = qf.data() + r * D;
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), k[0]);
-            for (int i = 1; i < kVecs; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * i), k[i], a);
-            const float dot = _mm512_reduce_add_ps(a);
+            const float dot = math.dot(qf.data() + r * head_dim, row);
             scores[r * ctx + t] = dot;
             mx[r] = dot > mx[r] ? dot : mx[r];
           }
         }
-        // Softmax weights over each row's visible prefix, 16 at a time.
-        for (int r = 0; r < rows; ++r) {
-          const int64_t visible = first_ctx + r / group;
-          float* sc = scores.data() + r * ctx;
-          const __m512 m = _mm512_set1_ps(mx[r]);
-          __m512 total = _mm512_setzero_ps();
-          int64_t t = 0;
-          for (; t + 16 <= visible; t += 16) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + t), m));
-            _mm512_storeu_ps(sc + t, e);
-            total = _mm512_add_ps(total, e);
-          }
-          if (t < visible) {
-            const __mmask16 tail = static_cast<__mmask16>((1u << (visible - t)) - 1);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sc + t), m));
-            _mm512_mask_storeu_ps(sc + t, tail, e);
-            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
-          }
-          sum[r] = _mm512_reduce_add_ps(total);
-        }
+        // Softmax weights over each row's visible prefix.
+        for (int r = 0; r < rows; ++r)
+          sum[r] = math.exp_sum(scores.data() + r * ctx, first_ctx + r / group, mx[r]);
         // Pass 2: weighted sum of V.
-        HeadRows<T> values(v_cache, table, ctx, block_size, block_stride, h * head_stride, D);
+        HeadRows<T> values(v_cache, table, ctx, block_size, block_stride, h * head_stride,
+                           head_dim);
         for (int64_t t = 0; t < ctx; ++t) {
-          const T* vp = values.next();
-          __m512 v[kVecs];
-          for (int i = 0; i < kVecs; ++i) v[i] = load16(vp + 16 * i);
+          const typename Math::Row row = math.widen(values.next());
           const int j0 = t < first_ctx ? 0 : static_cast<int>(t - first_ctx + 1);
-          for (int r = j0 * group; r < rows; ++r) {
-            const __m512 w = _mm512_set1_ps(scores[r * ctx + t]);
-            float* a = acc.data() + r * D;
-            for (int i = 0; i < kVecs; ++i)
-              _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(w, v[i], _mm512_loadu_ps(a + 16 * i)));
-          }
+          for (int r = j0 * group; r < rows; ++r)
+            math.axpy(scores[r * ctx + t], row, acc.data() + r * head_dim);
         }
         for (int r = 0; r < rows; ++r) {
           const int j = r / group, g = r % group;
-          T* op = out + ((q0 + j) * num_heads + h * group + g) * D;
+          T* op = out + ((q0 + j) * num_heads + h * group + g) * head_dim;
           const float inv = 1.f / sum[r];
-          const float* a = acc.data() + r * D;
-          for (int d = 0; d < D; ++d) store(op, d, a[d] * inv);
+          const float* a = acc.data() + r * head_dim;
+          for (int d = 0; d < head_dim; ++d) op[d] = sluice::round_to(op, a[d] * inv);
         }
       }
     }
   }
 }
-#endif
 
 template <typename T>
 void dispatch(const T* q, const T* k, const T* v, const int64_t* bt, int64_t max_blocks,
@@ -284,14 +243,14 @@ void dispatch(const T* q, const T* k, const T* v, const int64_t* bt, int64_t max
               int64_t q_stride) {
 #if defined(__AVX512F__)
   if (head_dim == 64)
-    return attend_avx512<T, 64>(q, k, v, bt, max_blocks, qs, ctx, out, num_seqs, num_heads,
-                                num_kv_heads, block_size, scale, q_stride);
+    return attend(Avx512Math<64>{}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
+                  num_heads, num_kv_heads, block_size, scale, q_stride);
   if (head_dim == 128)
-    return attend_avx512<T, 128>(q, k, v, bt, max_blocks, qs, ctx, out, num_seqs, num_heads,
-                                 num_kv_heads, block_size, scale, q_stride);
+    return attend(Avx512Math<128>{}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
+                  num_heads, num_kv_heads, block_size, scale, q_stride);
 #endif
-  attend(q, k, v, bt, max_blocks, qs, ctx, out, num_seqs, num_heads, num_kv_heads, head_dim,
-         block_size, scale, q_stride);
+  attend(GenericMath{head_dim}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs, num_heads,
+         num_kv_heads, block_size, scale, q_stride);
 }
 
 }  // namespace
