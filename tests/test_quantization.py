@@ -167,6 +167,15 @@ def test_our_int4_kernel_on_model_shapes(k: int, dtype: torch.dtype) -> None:
         assert torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=0), rows
 
 
+def test_int4_keeps_the_output_head_in_int8() -> None:
+    llm = LLM(quantization="int4", kv_cache_memory=0.05)
+    model = llm.engine.runner.model
+    assert isinstance(model.lm_head.method, Int8WeightOnly)
+    assert isinstance(model.layers[0].mlp.down_proj.method, Int4WeightOnly)
+    assert make_linear_method("int4", output_head=True).name == "int8"
+    assert make_linear_method("none", output_head=True).name == "none"
+
+
 def test_unknown_quantization_is_rejected() -> None:
     with pytest.raises(ValueError, match="quantization"):
         make_linear_method("int3")
@@ -183,11 +192,11 @@ def test_quantized_model_answers(quantization: str) -> None:
     assert "Paris" in out.outputs[0].text
 
 
-# Measured top-1 agreement with fp32 on PARAGRAPH (182 positions): bf16 95.6%,
-# bf16+int8 92.9%, bf16+int4 88.5% (benchmarks/quantization.py on 8k Wikipedia tokens:
-# 97.5%, 95.2%, 84.1%). Pinned with a margin for numerical noise.
+# Measured top-1 agreement with fp32 on PARAGRAPH (181 positions): bf16 96.7%,
+# bf16+int8 95.0%, bf16+int4 95.0% (int4 with an int4 output head was 88.5%).
+# Pinned with a margin for numerical noise.
 @pytest.mark.parametrize(
-    ("quantization", "minimum"), [("none", 0.90), ("int8", 0.86), ("int4", 0.78)]
+    ("quantization", "minimum"), [("none", 0.90), ("int8", 0.88), ("int4", 0.88)]
 )
 def test_agreement_with_fp32_is_pinned(llm_fp32: LLM, quantization: str, minimum: float) -> None:
     reference = top1_tokens(llm_fp32)

@@ -90,9 +90,10 @@ class ModelRunner:
         if quantization != "none":
             if device.type != "cpu":
                 raise ValueError(f"quantization={quantization!r} runs on CPU kernels only")
+            head = getattr(model, "lm_head", None)
             for layer in model.modules():
                 if isinstance(layer, Linear):
-                    layer.method = make_linear_method(quantization)
+                    layer.method = make_linear_method(quantization, output_head=layer is head)
         model.load_weights(tensors)
         model.init_rotary(max_model_len)
         self.model = model.eval()
