@@ -5,9 +5,11 @@ sources and flags.
 They link OpenMP, and at load time bind to the libgomp torch has already loaded, so
 kernels and torch ops share one thread pool instead of fighting over the cores.
 
-Sources (csrc/): paged_attention.cpp (decode attention over the block pool),
-q4_matmul.cpp (4-bit weight x int8 activation matmul for small batches) and
-fused_ops.cpp (RMSNorm with the residual add, rotary, SiLU-and-multiply).
+Sources (csrc/): the kernels live in headers, each with a .cpp of C entry points:
+paged_attention (decode attention over the block pool), q4_matmul (4-bit weight x
+int8 activation matmul for small batches) and fused_ops (RMSNorm with the residual
+add, rotary, SiLU-and-multiply). decode_stack.cpp runs a whole Llama decoder stack
+on them in one call, for decode steps.
 SLUICE_CPU_KERNELS=0 turns them all off (torch's ops are used instead).
 """
 
@@ -55,6 +57,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sluice_silu_and_mul.argtypes = [i32, ptr, ptr, i64, i32]
     for name in ("sluice_add_rms_norm", "sluice_rotary", "sluice_silu_and_mul"):
         getattr(lib, name).restype = None
+    lib.sluice_fused_max_dim.argtypes = []
+    lib.sluice_fused_max_dim.restype = i32
+    lib.sluice_decode_stack_fields.argtypes = []
+    lib.sluice_decode_stack_fields.restype = i32
+    lib.sluice_decode_stack.argtypes = [i32, ptr, *[i32] * 7, f32, f32, ptr, ptr, ptr, i32]
+    lib.sluice_decode_stack.argtypes += [ptr, ptr, i64, ptr, ptr, i32]
+    lib.sluice_decode_stack.restype = None
 
 
 def _build() -> ctypes.CDLL | None:

@@ -17,6 +17,7 @@ from sluice.engine.request import Request
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import make_linear_method
 from sluice.models import model_class
+from sluice.models.llama_decode_stack import LlamaDecodeStack
 
 
 @dataclass
@@ -109,6 +110,8 @@ class ModelRunner:
         self.kv_caches = [
             (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)
         ]
+        # Small decode steps skip the Python model where all of it runs on our kernels.
+        self.decode_stack = LlamaDecodeStack.build(self.model, self.backend, self.kv_caches)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -179,10 +182,12 @@ class ModelRunner:
                 span.mask = (pos[None, :] <= (start + torch.arange(n))[:, None]).to(dev)
             meta.prefills.append(span)
 
-        with step_context(StepContext(self.backend, meta, self.kv_caches)):
-            hidden = self.forward(
-                torch.tensor(token_ids, dtype=torch.long, device=dev), positions.to(dev)
-            )
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        if self.decode_stack is not None and self.decode_stack.accepts(num_tokens, meta):
+            hidden = self.decode_stack(input_ids, positions, meta)
+        else:
+            with step_context(StepContext(self.backend, meta, self.kv_caches)):
+                hidden = self.forward(input_ids, positions.to(dev))
 
         # Which rows need logits: the last token of every request that catches up with
         # its known tokens (it samples), and prompt positions for prompt logprobs.

@@ -1,0 +1,160 @@
+// A Llama-family decoder stack for a few rows (decode steps), all layers in one call.
+//
+// A 1-token step through the Python model makes about ten kernel calls per layer, each
+// paying Python, ctypes and OpenMP fork/join costs that together were as large as the
+// arithmetic (~5 ms of a ~10 ms step on 2 cores). Here every layer runs inside one
+// parallel region: the matmuls and attention share their work out with orphaned
+// `omp for` loops, and the small elementwise steps run on one thread between barriers.
+//
+// It calls the same kernels, in the same order and with the same roundings, as the
+// eager model with int4 weights on our kernel (sluice/models/llama.py), so its output
+// is bit-identical to that path (tests/test_decode_stack.py checks it).
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "dtype.h"
+#include "fused_ops.h"
+#include "paged_attention.h"
+#include "q4_matmul.h"
+
+namespace {
+
+#if SLUICE_Q4_VNNI
+// Per layer, kLayerFields pointers (sluice/models/llama_decode_stack.py builds them).
+enum Field {
+  kInputNorm,
+  kQkvPacked, kQkvScale, kQkvMin, kQkvBias,  // bias may be null
+  kOPacked, kOScale, kOMin,
+  kPostNorm,
+  kGateUpPacked, kGateUpScale, kGateUpMin,
+  kDownPacked, kDownScale, kDownMin,
+  kKCache, kVCache,
+  kLayerFields
+};
+
+struct Shape {
+  int layers, hidden, heads, kv_heads, head_dim, inter, block_size;
+  float eps, scale;
+};
+
+struct Batch {
+  int rows;                 // M tokens
+  const int64_t* slots;     // [M] cache slot of each new token
+  const int64_t* tables;    // [S, max_blocks]
+  int64_t max_blocks;
+  const int64_t* q_start;   // [S + 1]
+  const int64_t* ctx_end;   // [S]
+  int seqs;
+};
+
+template <typename T>
+const T* at(const int64_t* layer, Field f) {
+  return reinterpret_cast<const T*>(layer[f]);
+}
+
+template <typename T>
+void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* cos,
+         const T* sin) {
+  const int M = b.rows, H = s.hidden;
+  const int q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim;
+  const int qkv_n = q_size + 2 * kv_size;
+  std::vector<T> residual(static_cast<size_t>(M) * H), x(residual.size());
+  std::vector<T> qkv(static_cast<size_t>(M) * qkv_n), attn(static_cast<size_t>(M) * q_size);
+  std::vector<T> gate_up(static_cast<size_t>(M) * 2 * s.inter), act(static_cast<size_t>(M) * s.inter);
+  sluice::Q4Activations xa;
+#pragma omp parallel
+  for (int l = 0; l < s.layers; ++l) {
+    const int64_t* L = fields + static_cast<int64_t>(l) * kLayerFields;
+#pragma omp single
+    {
+      if (l == 0) {  // the embeddings are the residual stream's start
+        std::memcpy(residual.data(), h, residual.size() * sizeof(T));
+        sluice::add_rms_norm<T>(nullptr, residual.data(), at<T>(L, kInputNorm), x.data(), M, H,
+                                s.eps);
+      } else {
+        sluice::add_rms_norm<T>(h, residual.data(), at<T>(L, kInputNorm), x.data(), M, H, s.eps);
+      }
+      xa.quantize(x.data(), M, H);
+    }
+    sluice::q4_rows(xa, M, H, at<uint8_t>(L, kQkvPacked), at<uint16_t>(L, kQkvScale),
+                    at<uint16_t>(L, kQkvMin), qkv_n, qkv.data());
+#pragma omp single
+    {
+      if (const T* bias = at<T>(L, kQkvBias))
+        for (int r = 0; r < M; ++r)
+          for (int i = 0; i < qkv_n; ++i) {
+            T* p = qkv.data() + static_cast<int64_t>(r) * qkv_n + i;
+            *p = sluice::round_to(p, sluice::to_float(*p) + sluice::to_float(bias[i]));
+          }
+      // q and k heads rotate together; then k and v go to the cache before attention.
+      sluice::rotary(qkv.data(), M, qkv_n, s.heads + s.kv_heads, s.head_dim, cos, sin);
+      sluice::write_kv(qkv.data() + q_size, qkv.data() + q_size + kv_size, qkv_n,
+                       reinterpret_cast<void*>(L[kKCache]), reinterpret_cast<void*>(L[kVCache]),
+                       b.slots, M, s.kv_heads, s.block_size, s.head_dim, sizeof(T));
+    }
+    sluice::attend_tasks(qkv.data(), at<T>(L, kKCache), at<T>(L, kVCache), b.tables,
+                         b.max_blocks, b.q_start, b.ctx_end, attn.data(), b.seqs, s.heads,
+                         s.kv_heads, s.head_dim, s.block_size, s.scale,
+                         static_cast<int64_t>(qkv_n));
+#pragma omp single
+    xa.quantize(attn.data(), M, q_size);
+    sluice::q4_rows(xa, M, q_size, at<uint8_t>(L, kOPacked), at<uint16_t>(L, kOScale),
+                    at<uint16_t>(L, kOMin), H, h);
+#pragma omp single
+    {
+      sluice::add_rms_norm<T>(h, residual.data(), at<T>(L, kPostNorm), x.data(), M, H, s.eps);
+      xa.quantize(x.data(), M, H);
+    }
+    sluice::q4_rows(xa, M, H, at<uint8_t>(L, kGateUpPacked), at<uint16_t>(L, kGateUpScale),
+                    at<uint16_t>(L, kGateUpMin), 2 * s.inter, gate_up.data());
+#pragma omp single
+    {
+      sluice::silu_and_mul(gate_up.data(), act.data(), M, s.inter);
+      xa.quantize(act.data(), M, s.inter);
+    }
+    sluice::q4_rows(xa, M, s.inter, at<uint8_t>(L, kDownPacked), at<uint16_t>(L, kDownScale),
+                    at<uint16_t>(L, kDownMin), H, h);
+  }
+  // The model's output is the last layer's MLP output plus the residual stream.
+  for (int64_t i = 0; i < static_cast<int64_t>(M) * H; ++i)
+    h[i] = sluice::round_to(h, sluice::to_float(h[i]) + sluice::to_float(residual[i]));
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+int sluice_decode_stack_fields() {
+#if SLUICE_Q4_VNNI
+  return kLayerFields;
+#else
+  return 0;
+#endif
+}
+
+// h [rows, hidden]: the embeddings in, the stack's output (before the final norm) out.
+// cos/sin [rows, head_dim / 2]; slots, tables, q_start, ctx_end as for the paged kernel.
+void sluice_decode_stack(int bf16, const int64_t* fields, int layers, int hidden, int heads,
+                         int kv_heads, int head_dim, int inter, int block_size, float eps,
+                         float scale, void* h, const void* cos, const void* sin, int rows,
+                         const int64_t* slots, const int64_t* tables, int64_t max_blocks,
+                         const int64_t* q_start, const int64_t* ctx_end, int seqs) {
+#if SLUICE_Q4_VNNI
+  const Shape s{layers, hidden, heads, kv_heads, head_dim, inter, block_size, eps, scale};
+  const Batch b{rows, slots, tables, max_blocks, q_start, ctx_end, seqs};
+  if (bf16)
+    run(s, fields, b, static_cast<uint16_t*>(h), static_cast<const uint16_t*>(cos),
+        static_cast<const uint16_t*>(sin));
+  else
+    run(s, fields, b, static_cast<float*>(h), static_cast<const float*>(cos),
+        static_cast<const float*>(sin));
+#else
+  (void)bf16, (void)fields, (void)layers, (void)hidden, (void)heads, (void)kv_heads;
+  (void)head_dim, (void)inter, (void)block_size, (void)eps, (void)scale, (void)h, (void)cos;
+  (void)sin, (void)rows, (void)slots, (void)tables, (void)max_blocks, (void)q_start;
+  (void)ctx_end, (void)seqs;
+#endif
+}
+}

@@ -1,0 +1,80 @@
+// Fused elementwise ops of a decoder layer, for eager CPU decoding: in a decode step
+// each of these is a handful of tiny torch ops (RMSNorm alone is eight), and their
+// per-op overhead, not their arithmetic, is what a 1-token step pays for. Math in
+// fp32, rounded once to the storage dtype.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "dtype.h"
+
+namespace sluice {
+
+
+
+// Parallel only when there is enough work to pay for waking the other threads.
+constexpr int64_t kParallelElems = 1 << 16;
+
+// residual += x (when x is given), then out = residual / rms(residual) * weight.
+template <typename T>
+void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, int dim,
+                  float eps) {
+#pragma omp parallel for if (rows * dim > kParallelElems) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    T* h = residual + r * dim;
+    float buf[8192];
+    float ss = 0.f;
+    for (int i = 0; i < dim; ++i) {
+      float v = to_float(h[i]);
+      if (x != nullptr) {
+        v += to_float(x[r * dim + i]);
+        h[i] = round_to(h, v);
+        v = to_float(h[i]);  // the norm sees the stored (rounded) residual, as torch does
+      }
+      buf[i] = v;
+      ss += v * v;
+    }
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    T* o = out + r * dim;
+    for (int i = 0; i < dim; ++i) o[i] = round_to(o, buf[i] * inv * to_float(weight[i]));
+  }
+}
+
+// In place on heads [rows, heads, dim] with row stride `stride` (a slice of qkv):
+// (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), cos/sin [rows, dim / 2].
+template <typename T>
+void rotary(T* x, int64_t rows, int64_t stride, int heads, int dim, const T* cos, const T* sin) {
+  const int half = dim / 2;
+#pragma omp parallel for if (rows * heads * dim > kParallelElems) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* c = cos + r * half;
+    const T* s = sin + r * half;
+    for (int h = 0; h < heads; ++h) {
+      T* p = x + r * stride + static_cast<int64_t>(h) * dim;
+      for (int i = 0; i < half; ++i) {
+        const float x1 = to_float(p[i]), x2 = to_float(p[i + half]);
+        const float ci = to_float(c[i]), si = to_float(s[i]);
+        p[i] = round_to(p, x1 * ci - x2 * si);
+        p[i + half] = round_to(p, x2 * ci + x1 * si);
+      }
+    }
+  }
+}
+
+// out[rows, inter] = silu(gate) * up, from gate_up [rows, 2 * inter].
+template <typename T>
+void silu_and_mul(const T* gate_up, T* out, int64_t rows, int inter) {
+#pragma omp parallel for if (rows * inter > kParallelElems) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + r * inter;
+    for (int i = 0; i < inter; ++i) {
+      const float gv = to_float(g[i]);
+      o[i] = round_to(o, gv / (1.f + std::exp(-gv)) * to_float(u[i]));
+    }
+  }
+}
+
+}  // namespace sluice

@@ -1,0 +1,102 @@
+"""The one-call decoder stack for small CPU decode steps returns exactly what the
+Python model returns: the same tokens and bit-identical logprobs, whether it runs or
+not, on the real model and on random Llama (head size 32, generic attention math)
+and Qwen2 (QKV biases) models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from sluice import LLM, SamplingParams
+from sluice.attention.backend import AttentionMetadata
+from sluice.models import llama_decode_stack
+from tests.test_architectures import build
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time, a dragon"]
+
+
+def stack_or_skip(llm: LLM) -> Any:
+    stack = llm.engine.runner.decode_stack
+    if stack is None:
+        pytest.skip("the decode stack needs our CPU kernels (a C++ compiler, AVX-512 VNNI)")
+    return stack
+
+
+def run(llm: LLM, prompts: list[Any], use_stack: bool) -> tuple[list[Any], int]:
+    """Outputs with or without the stack, and how many steps the stack ran."""
+    runner = llm.engine.runner
+    stack = runner.decode_stack
+    calls = 0
+
+    class Counting:
+        def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+            return stack.accepts(num_tokens, meta)
+
+        def __call__(self, *args: Any) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            return stack(*args)
+
+    runner.decode_stack = Counting() if use_stack else None
+    # Both runs compute every token: a prefix-cache hit would turn the second run's
+    # 17-token prefill (dense weights) into a 1-token step (int4 weights).
+    llm.engine.reset_prefix_cache()
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=3)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        runner.decode_stack = stack
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], calls
+
+
+def assert_stack_equals_model(llm: LLM, prompts: list[Any]) -> None:
+    stack = stack_or_skip(llm)
+    assert stack.max_rows == 3
+    eager, none = run(llm, prompts, use_stack=False)
+    fused, calls = run(llm, prompts, use_stack=True)
+    assert none == 0 and calls > 0
+    assert fused == eager  # token ids and logprob floats, exactly
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_stack_equals_model_on_smollm2(dtype: str) -> None:
+    # Three prompts decode as 3-row steps, then one alone; chunks of 3 prompt tokens
+    # (max_num_batched_tokens=3) are multi-query rows of one sequence.
+    llm = LLM(quantization="int4", dtype=dtype, kv_cache_memory=0.05)
+    assert_stack_equals_model(llm, PROMPTS)
+    llm = LLM(quantization="int4", dtype=dtype, kv_cache_memory=0.05, max_num_batched_tokens=3)
+    assert_stack_equals_model(llm, PROMPTS[:1])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_stack_equals_model_on_random_models(kind: str, tmp_path: Path, smollm2_path: Path) -> None:
+    build(kind, tmp_path, smollm2_path)
+    llm = LLM(model=str(tmp_path), quantization="int4", dtype="float32", kv_cache_memory=0.02)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 9, 17)]
+    assert_stack_equals_model(llm, prompts)
+
+
+def test_stack_takes_only_small_all_decode_steps() -> None:
+    llm = LLM(quantization="int4", kv_cache_memory=0.05)
+    stack = stack_or_skip(llm)
+    small = AttentionMetadata(slot_mapping=torch.zeros(3, dtype=torch.long), num_small_tokens=3)
+    assert stack.accepts(3, small)
+    assert not stack.accepts(4, AttentionMetadata(torch.zeros(4), num_small_tokens=4))
+    assert not stack.accepts(3, AttentionMetadata(torch.zeros(3), num_small_tokens=1))
+
+
+def test_stack_is_built_only_where_every_kernel_is_ours(
+    tmp_path: Path, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert LLM(quantization="none", kv_cache_memory=0.05).engine.runner.decode_stack is None
+    assert LLM(quantization="int8", kv_cache_memory=0.05).engine.runner.decode_stack is None
+    build("qwen3", tmp_path, smollm2_path)  # QK-norm: not in the stack
+    llm = LLM(model=str(tmp_path), quantization="int4", kv_cache_memory=0.02)
+    assert llm.engine.runner.decode_stack is None
+    monkeypatch.setattr(llama_decode_stack.kernels, "load", lambda: None)
+    assert LLM(quantization="int4", kv_cache_memory=0.05).engine.runner.decode_stack is None
