@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve run test test-slow lint bench llamacpp clean
+.PHONY: install serve run test test-slow lint bench llamacpp llama-server clean
 
 install: $(STAMP)
 
@@ -40,6 +40,11 @@ bench: install
 llamacpp: install
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
 		$(BIN)/pip install --no-binary llama-cpp-python llama-cpp-python==0.3.36 diskcache
+
+# Optional: llama-server for the serving side-by-side (benchmarks/serve.py). Reuses the
+# libraries `make llamacpp` built when present (minutes), else builds them too.
+llama-server: install
+	bash benchmarks/build_llama_server.sh
 
 clean:
 	rm -rf $(VENV)

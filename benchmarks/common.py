@@ -130,12 +130,18 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--kv-cache-memory", type=float, default=None, help="GiB")
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        choices=["auto", "none", "int8", "int4"],
+        help="weight-only quantization (default: the engine's, auto)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     # Only pass what was set, so the engine's own defaults are what gets measured.
     opts: dict[str, Any] = {"dtype": args.dtype}
-    for key in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
+    for key in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "quantization"):
         value = getattr(args, key)
         if value is not None:
             opts[key] = value

@@ -3,6 +3,11 @@
     python benchmarks/serve.py                                # starts `sluice serve` itself
     python benchmarks/serve.py --url http://127.0.0.1:8080    # llama-server, vLLM, ...
 
+When it starts sluice itself and a llama-server binary is found (`make llama-server`
+links one as .venv/bin/llama-server; or --llama-server PATH), llama-server is started
+on the same GGUF with as many threads and one slot per stream, and every level runs
+on both servers back to back with the same prompts, with sluice's ratio printed.
+
 Each concurrency level sends its prompts through that many concurrent streaming
 requests, each asking for exactly --max-tokens output tokens (`ignore_eos`), and reports
 output tokens/s, TTFT p50/p99 and TPOT p50/p99. TTFT is measured at the client, from
@@ -17,6 +22,7 @@ import asyncio
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -180,19 +186,86 @@ def start_sluice(server_args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     cmd = [sys.executable, "-m", "sluice.cli", "serve", "--port", str(port), *server_args]
     print("starting:", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)
-    url = f"http://127.0.0.1:{port}"
+    return proc, wait_healthy(proc, f"http://127.0.0.1:{port}", "sluice serve")
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, name: str) -> str:
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"sluice serve exited with {proc.returncode}")
+            raise SystemExit(f"{name} exited with {proc.returncode}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
+                return url
         except httpx.TransportError:
             pass  # not listening yet: poll again
         time.sleep(0.5)
     proc.kill()
-    raise SystemExit("sluice serve did not become healthy in 600 s")
+    raise SystemExit(f"{name} did not become healthy in 600 s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def print_table(title: str, results: list[LevelResult]) -> None:
+    header = (
+        f"{'conc':>5} {'prompts':>7} {'ok':>4} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'TPOT p50':>9} {'TPOT p99':>9}"
+    )
+    print(f"\n{title}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(
+            f"{r.concurrency:>5} {r.num_prompts:>7} {r.completed:>4} {r.output_tok_per_s:>9.1f} "
+            f"{r.ttft_p50_ms:>7.0f}ms {r.ttft_p99_ms:>7.0f}ms "
+            f"{r.tpot_p50_ms:>7.1f}ms {r.tpot_p99_ms:>7.1f}ms"
+        )
+
+
+def report(name: str, res: LevelResult, count: int) -> None:
+    print(
+        f"  {name:<12} concurrency {res.concurrency:>3}: {res.output_tok_per_s:8.1f} tok/s, "
+        f"TTFT p50 {res.ttft_p50_ms:.0f} ms, TPOT p50 {res.tpot_p50_ms:.1f} ms "
+        f"({res.completed}/{count} ok, {res.duration_s:.1f} s)",
+        flush=True,
+    )
+
+
+def find_llama_server(option: str) -> Path | None:
+    """The llama-server binary: --llama-server PATH, or on PATH / next to this Python."""
+    if option == "none":
+        return None
+    if option != "auto":
+        return Path(option)
+    found = shutil.which("llama-server") or shutil.which(
+        "llama-server", path=str(Path(sys.executable).parent)
+    )
+    return Path(found) if found else None
+
+
+def start_llama_server(
+    binary: Path, model: str | None, threads: int, slots: int, slot_ctx: int
+) -> tuple[subprocess.Popen[bytes], str]:
+    """llama-server on the GGUF sluice would serve, one slot of slot_ctx tokens per stream."""
+    from sluice.loader.resolve import resolve_model_path
+
+    gguf = resolve_model_path(model)
+    if gguf.suffix != ".gguf":
+        raise SystemExit(f"llama-server needs a GGUF file; {gguf} is not one")
+    port = _free_port()
+    cmd = [
+        str(binary), "-m", str(gguf), "--port", str(port), "-t", str(threads),
+        "-tb", str(threads), "-np", str(slots), "-c", str(slots * slot_ctx),
+    ]  # fmt: skip
+    print("starting:", " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, wait_healthy(proc, f"http://127.0.0.1:{port}", "llama-server")
 
 
 def _ints(text: str) -> list[int]:
@@ -224,6 +297,18 @@ def main() -> None:
         default="",
         help="extra arguments for the sluice serve this script starts, e.g. '--dtype float32'",
     )
+    ap.add_argument(
+        "--llama-server",
+        default="auto",
+        help="llama-server binary to run side by side: PATH, 'auto' (PATH or .venv/bin) "
+        "or 'none'; only when this script starts sluice itself",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="llama-server threads (default: sluice's, the physical cores)",
+    )
     args = ap.parse_args()
 
     levels = _ints(args.concurrency)
@@ -233,16 +318,32 @@ def main() -> None:
     if len(counts) != len(levels):
         raise SystemExit("--num-prompts needs one number or one per --concurrency level")
 
-    proc = None
+    procs: list[subprocess.Popen[bytes]] = []
     url = args.url.rstrip("/") if args.url else None
+    peer_bin = None if url else find_llama_server(args.llama_server)
+    peer_url: str | None = None
     if url is None:
         proc, url = start_sluice(args.server_args.split())
+        procs.append(proc)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    results: list[LevelResult] = []
+    peer_results: list[LevelResult] = []
     try:
         model = args.model
         if model is None:
             models = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()
             model = models["data"][0]["id"]
+        if peer_bin is not None:
+            from sluice.config import EngineConfig
+
+            threads = args.threads or EngineConfig().threads()
+            # A slot holds a prompt (<= max-prompt-bytes tokens) and the output.
+            slot_ctx = args.max_prompt_bytes + args.max_tokens + 64
+            proc, peer_url = start_llama_server(
+                peer_bin, args.model, threads, max(levels), slot_ctx
+            )
+            procs.append(proc)
+            peer_model = httpx.get(f"{peer_url}/v1/models", timeout=30).json()["data"][0]["id"]
         # Bytes bound tokens from above for byte-level BPE: a cheap, tokenizer-free filter.
         pool = sharegpt_prompts(
             sum(counts),
@@ -251,40 +352,42 @@ def main() -> None:
             tokenizer_encode=lambda s: list(s.encode("utf-8")),
         )
         print(f"model {model} at {url}; {args.max_tokens} output tokens per request", flush=True)
-        warm = asyncio.run(run_level(url, model, pool[:1], 1, 8, headers))
-        if warm.errors:
-            raise SystemExit(f"warm-up request failed: {warm.error_samples}")
-        results: list[LevelResult] = []
+        servers = [("sluice", url, model, headers)]
+        if peer_url is not None:
+            servers.append(("llama-server", peer_url, peer_model, {}))
+        for name, target, target_model, target_headers in servers:
+            warm = asyncio.run(run_level(target, target_model, pool[:1], 1, 8, target_headers))
+            if warm.errors:
+                raise SystemExit(f"{name} warm-up request failed: {warm.error_samples}")
         start = 0
         for conc, count in zip(levels, counts, strict=True):
             prompts = pool[start : start + count]
             start += count
+            # Back to back on the same prompts: the machine's speed drifts over minutes.
             res = asyncio.run(run_level(url, model, prompts, conc, args.max_tokens, headers))
             results.append(res)
-            print(
-                f"  concurrency {conc:>3}: {res.output_tok_per_s:8.1f} tok/s, "
-                f"TTFT p50 {res.ttft_p50_ms:.0f} ms, TPOT p50 {res.tpot_p50_ms:.1f} ms "
-                f"({res.completed}/{count} ok, {res.duration_s:.1f} s)",
-                flush=True,
-            )
+            report("sluice", res, count)
+            if peer_url is not None:
+                res = asyncio.run(
+                    run_level(peer_url, peer_model, prompts, conc, args.max_tokens, {})
+                )
+                peer_results.append(res)
+                report("llama-server", res, count)
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
+        for proc in procs:
+            stop(proc)
 
-    header = (
-        f"{'conc':>5} {'prompts':>7} {'ok':>4} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'TPOT p50':>9} {'TPOT p99':>9}"
-    )
-    print()
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        print(
-            f"{r.concurrency:>5} {r.num_prompts:>7} {r.completed:>4} {r.output_tok_per_s:>9.1f} "
-            f"{r.ttft_p50_ms:>7.0f}ms {r.ttft_p99_ms:>7.0f}ms "
-            f"{r.tpot_p50_ms:>7.1f}ms {r.tpot_p99_ms:>7.1f}ms"
-        )
+    print_table("sluice" if args.url is None else url, results)
+    if peer_results:
+        print_table(f"llama-server ({peer_bin})", peer_results)
+        print("\nsluice / llama-server:")
+        for ours, theirs in zip(results, peer_results, strict=True):
+            ratio = ours.output_tok_per_s / theirs.output_tok_per_s
+            print(
+                f"  concurrency {ours.concurrency:>3}: {ratio:.2f}x output tok/s, "
+                f"TTFT p50 {ours.ttft_p50_ms:.0f} vs {theirs.ttft_p50_ms:.0f} ms, "
+                f"TPOT p50 {ours.tpot_p50_ms:.1f} vs {theirs.tpot_p50_ms:.1f} ms"
+            )
     payload: dict[str, Any] = {
         "url": url if args.url else "sluice serve (started by the script)",
         "server_args": args.server_args if not args.url else None,
@@ -296,6 +399,15 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "levels": [asdict(r) for r in results],
     }
+    if peer_results:
+        payload["llama_server"] = {
+            "binary": str(peer_bin),
+            "levels": [asdict(r) for r in peer_results],
+            "ratio_output_tok_per_s": [
+                round(o.output_tok_per_s / t.output_tok_per_s, 3)
+                for o, t in zip(results, peer_results, strict=True)
+            ],
+        }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nwrote {args.output}")

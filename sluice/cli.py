@@ -25,7 +25,8 @@ _OPTION_HELP = {
     "kv_cache_memory": "GiB for the K and V pools together",
     "scheduling_policy": "fcfs or priority",
     "num_threads": "CPU threads for torch (default: all cores)",
-    "quantization": "weight-only quantization on CPU: none, int8 or int4",
+    "quantization": "weight-only quantization on CPU: auto (default: a 4/8-bit GGUF "
+    "stays int4/int8 in bf16), none, int8 or int4",
     "compile": "torch.compile the model (first steps compile; cached on disk)",
 }
 

@@ -68,6 +68,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
+def resolve_quantization(
+    quantization: str, device: torch.device, dtype: torch.dtype, weight_bits: int | None
+) -> str:
+    """'auto' keeps a quantized file's weights at their precision where our weight-only
+    kernels run (CPU, bf16: the fast path); fp32 stays the exact, unquantized mode."""
+    if quantization != "auto":
+        return quantization
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return "none"
+    return {4: "int4", 8: "int8"}.get(weight_bits or 0, "none")
+
+
 @dataclass
 class EngineConfig:
     """Every option of LLM(...), of the CLI (--kebab-case) and of `sluice serve`."""
@@ -83,7 +98,9 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
-    quantization: str = "none"  # weight-only: "none", "int8", "int4" (CPU kernels)
+    # Weight-only, on CPU kernels: "none", "int8", "int4", or "auto": a GGUF's 4-bit
+    # (8-bit) linear weights stay int4 (int8) when computing in bf16 on CPU, else none.
+    quantization: str = "auto"
     # torch.compile the model (inductor): fuses the per-layer elementwise work; costs a
     # compile at the first steps of each shape class (cached on disk across runs).
     compile: bool = False
@@ -109,9 +126,9 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
-        if self.quantization not in ("none", "int8", "int4"):
+        if self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"quantization must be one of none, int8, int4; got {self.quantization!r}"
+                f"quantization must be one of auto, none, int8, int4; got {self.quantization!r}"
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(

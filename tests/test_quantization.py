@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sluice import LLM, SamplingParams
+from sluice.config import EngineConfig, resolve_quantization
 from sluice.layers import quantization
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import (
@@ -15,6 +16,7 @@ from sluice.layers.quantization import (
     make_linear_method,
     quantized_kernels_only,
 )
+from sluice.loader import load_model
 
 PARAGRAPH = (
     "The river rises in the hills north of the town and runs for about forty miles before "
@@ -176,11 +178,26 @@ def test_int4_keeps_the_output_head_in_int8() -> None:
     assert make_linear_method("none", output_head=True).name == "none"
 
 
+def test_auto_keeps_a_quantized_files_precision_on_cpu_bf16() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_quantization("auto", cpu, torch.bfloat16, 4) == "int4"
+    assert resolve_quantization("auto", cpu, torch.bfloat16, 8) == "int8"
+    assert resolve_quantization("auto", cpu, torch.bfloat16, None) == "none"
+    assert resolve_quantization("auto", cpu, torch.float32, 4) == "none"  # the exact mode
+    assert resolve_quantization("auto", cuda, torch.bfloat16, 4) == "none"
+    assert resolve_quantization("int8", cpu, torch.float32, 4) == "int8"
+    assert load_model(None).weight_bits == 4  # the bundled GGUF is Q4_1
+    assert LLM(dtype="bfloat16", kv_cache_memory=0.05).engine.quantization == "int4"
+    assert LLM(dtype="float32", kv_cache_memory=0.05).engine.stats()["quantization"] == "none"
+
+
 def test_unknown_quantization_is_rejected() -> None:
     with pytest.raises(ValueError, match="quantization"):
         make_linear_method("int3")
     with pytest.raises(ValueError, match="quantization"):
         LLM(quantization="fp4")
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int3")
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from sluice.config import EngineConfig, resolve_dtype
+from sluice.config import EngineConfig, resolve_dtype, resolve_quantization
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.output import SequenceOutputState
 from sluice.engine.request import Request, RequestStatus
@@ -66,6 +66,9 @@ class LLMEngine:
         config.model_config = mc
         self.tokenizer = loaded.tokenizer
         self.dtype = resolve_dtype(config.dtype, device)
+        self.quantization = resolve_quantization(
+            config.quantization, device, self.dtype, loaded.weight_bits
+        )
 
         per_block = kv_bytes_per_block(mc, config.block_size, self.dtype)
         num_blocks = int(config.kv_cache_memory * 2**30) // per_block
@@ -87,7 +90,7 @@ class LLMEngine:
             config.block_size,
             num_blocks,
             self.max_model_len,
-            config.quantization,
+            self.quantization,
             config.compile,
         )
         del loaded
@@ -104,10 +107,12 @@ class LLMEngine:
         gc.freeze()
         self.startup_seconds = time.perf_counter() - t0
         logger.info(
-            "sluice ready in %.1fs: %s, %s, %d KV blocks of %d tokens, max_model_len %d",
+            "sluice ready in %.1fs: %s, %s, weights %s, %d KV blocks of %d tokens, "
+            "max_model_len %d",
             self.startup_seconds,
             mc.name,
             self.dtype,
+            self.quantization,
             num_blocks,
             config.block_size,
             self.max_model_len,
@@ -391,6 +396,7 @@ class LLMEngine:
             "block_size": self.config.block_size,
             "max_model_len": self.max_model_len,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "quantization": self.quantization,
         }
 
     def reset_prefix_cache(self) -> int:

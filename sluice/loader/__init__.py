@@ -31,13 +31,17 @@ class LoadedModel:
     tensors: dict[str, torch.Tensor]  # float32, Hugging Face parameter names
     tokenizer: Tokenizer
     path: Path
+    # 4 or 8 when the source file's linear weights were quantized to that many bits or
+    # fewer (a GGUF), None for float weights: what quantization="auto" keeps.
+    weight_bits: int | None = None
 
 
 def load_model(model: str | None) -> LoadedModel:
     """Resolve `model` (alias, .gguf path or HF directory; None = default) and load it."""
     path = resolve_model_path(model)
+    bits = None
     if path.is_dir():
         config, tensors, tokenizer = load_hf_dir(path)
     else:
-        config, tensors, tokenizer = load_gguf(path)
-    return LoadedModel(config=config, tensors=tensors, tokenizer=tokenizer, path=path)
+        config, tensors, tokenizer, bits = load_gguf(path)
+    return LoadedModel(config, tensors, tokenizer, path, weight_bits=bits)

@@ -29,7 +29,7 @@ from .resolve import cache_dir
 from .tokenizer import Tokenizer
 
 # Bump when the cached layout or the conversion changes, so stale caches are never reused.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: entries record the source weight bits (source.json)
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -186,6 +186,25 @@ def tensors_from_gguf(reader: GGUFReader, config: ModelConfig) -> dict[str, torc
     return out
 
 
+# Bits per weight of GGUF quantized types, rounded up to what our methods keep: 2-4 bit
+# types to int4, 5-8 bit types to int8 (never fewer bits than the file had).
+_TYPE_BITS = {"Q2_K": 4, "Q3_K": 4, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "IQ4_NL": 4, "IQ4_XS": 4}
+_TYPE_BITS |= {"Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q6_K": 8, "Q8_0": 8, "Q8_1": 8, "Q8_K": 8}
+
+
+def weight_bits(reader: GGUFReader) -> int | None:
+    """4 or 8 when the file's decoder linear weights are mostly quantized to that many
+    bits or fewer, None when they are floats."""
+    counts: dict[int | None, int] = {}
+    for t in reader.tensors:
+        m = _BLOCK_RE.fullmatch(t.name)
+        if m is None or m.group(3) != "weight" or "norm" in m.group(2):
+            continue
+        bits = _TYPE_BITS.get(t.tensor_type.name)
+        counts[bits] = counts.get(bits, 0) + 1
+    return max(counts, key=lambda b: counts[b]) if counts else None
+
+
 def _cache_entry(path: Path) -> Path:
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_FORMAT}"
@@ -196,19 +215,27 @@ def _weight_cache_enabled() -> bool:
     return os.environ.get("SLUICE_WEIGHT_CACHE", "1") not in ("0", "false", "no")
 
 
-def _read_cache(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer] | None:
+GGUFModel = tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, int | None]
+
+
+def _read_cache(entry: Path) -> GGUFModel | None:
     try:
         config = ModelConfig(**json.loads((entry / "config.json").read_text()))
+        bits = json.loads((entry / "source.json").read_text())["weight_bits"]
         tokenizer = Tokenizer.load(entry)
         tensors = load_file(entry / "model.safetensors")
     except Exception:
         # A corrupt or foreign entry is rebuilt rather than failing the load.
         return None
-    return config, tensors, tokenizer
+    return config, tensors, tokenizer, bits
 
 
 def _write_cache(
-    entry: Path, config: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer
+    entry: Path,
+    config: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    tokenizer: Tokenizer,
+    bits: int | None,
 ) -> None:
     entry.parent.mkdir(parents=True, exist_ok=True)
     # Build in a temp dir and rename it into place: a crash or a concurrent loader never
@@ -217,6 +244,7 @@ def _write_cache(
     try:
         save_file(tensors, tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+        (tmp / "source.json").write_text(json.dumps({"weight_bits": bits}))
         tokenizer.save(tmp)
         try:
             os.rename(tmp, entry)
@@ -226,12 +254,10 @@ def _write_cache(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_gguf(
-    path: str | os.PathLike[str],
-    use_cache: bool | None = None,
-) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Config, float32 HF-named tensors and tokenizer of a GGUF model (cached after the first
-    call unless use_cache is False or $SLUICE_WEIGHT_CACHE=0)."""
+def load_gguf(path: str | os.PathLike[str], use_cache: bool | None = None) -> GGUFModel:
+    """Config, float32 HF-named tensors, tokenizer and the source's weight bits (see
+    weight_bits) of a GGUF model (cached after the first call unless use_cache is False
+    or $SLUICE_WEIGHT_CACHE=0)."""
     path = Path(path)
     use_cache = _weight_cache_enabled() if use_cache is None else use_cache
     entry = _cache_entry(path) if use_cache else None
@@ -245,9 +271,10 @@ def load_gguf(
     config = config_from_gguf(meta, name=path.stem)
     tokenizer = Tokenizer.from_gguf(meta)
     tensors = tensors_from_gguf(meta.reader, config)
+    bits = weight_bits(meta.reader)
     if entry is not None:
         try:
-            _write_cache(entry, config, tensors, tokenizer)
+            _write_cache(entry, config, tensors, tokenizer, bits)
         except OSError:
             pass  # a read-only or full disk costs speed next time, not correctness
-    return config, tensors, tokenizer
+    return config, tensors, tokenizer, bits
