@@ -690,6 +690,29 @@ def test_async_llm_streams_and_aborts() -> None:
     asyncio.run(main())
 
 
+def test_engine_is_built_on_the_loop_thread() -> None:
+    # All OpenMP regions must start from one thread (see AsyncLLM's docstring), so the
+    # engine, model load included, is built by the thread that will step it.
+    built_on: list[str] = []
+
+    def make() -> FakeEngine:
+        built_on.append(threading.current_thread().name)
+        return FakeEngine()
+
+    llm = AsyncLLM(make)  # type: ignore[arg-type]
+    try:
+        assert built_on == ["sluice-engine"]
+        assert isinstance(llm.engine, FakeEngine) and llm.max_model_len == FakeEngine.max_model_len
+    finally:
+        llm.shutdown()
+
+    def broken() -> FakeEngine:
+        raise ValueError("kv_cache_memory=0.0001 GiB holds fewer than 2 blocks")
+
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        AsyncLLM(broken)  # type: ignore[arg-type]
+
+
 def test_queue_full_is_503_with_retry_after() -> None:
     async def main() -> None:
         engine = FakeEngine(step_delay=0.01)

@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -160,20 +161,28 @@ class RequestStream:
 class AsyncLLM:
     """An LLMEngine stepped by one background thread, driven from asyncio.
 
-    ``AsyncLLM.from_config(config)`` builds the engine; ``AsyncLLM(engine)`` wraps one.
+    ``AsyncLLM.from_config(config)`` builds the engine on the loop thread;
+    ``AsyncLLM(engine)`` wraps one built elsewhere (tests pass fakes).
+
+    Why build it on the loop thread: each thread that starts OpenMP regions gets its
+    own pool of worker threads, and once libgomp manages more threads than there are
+    cores it stops spinning between regions and sleeps on futexes instead. Loading
+    the model on the main thread and stepping on this one did exactly that: every
+    parallel kernel call then paid a futex wake-up (~85 us on these VMs), which made a
+    1-token step 2-3x slower in the server than offline.
     """
 
     def __init__(
         self,
-        engine: EngineLike,
+        engine: EngineLike | Callable[[], EngineLike],
         *,
         max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
     ) -> None:
+        """`engine`: an engine, or a function that builds one on the loop thread (its
+        exceptions are raised here)."""
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
-        self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self.max_model_len = engine.max_model_len
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         # Weak: a stream its consumer dropped is collected, and its request aborted.
         self._streams: dict[str, weakref.ref[RequestStream]] = {}
@@ -183,10 +192,15 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._accepting = True
         self._dead: BaseException | None = None
-        self._stats: dict[str, Any] = dict(engine.stats())
+        self._stats: dict[str, Any] = {}
         self._num_step_errors = 0
-        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+        built: concurrent.futures.Future[EngineLike] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(engine, built), name="sluice-engine", daemon=True
+        )
         self._thread.start()
+        self.engine = built.result()  # re-raises what building the engine raised
+        self.max_model_len = self.engine.max_model_len
 
     @classmethod
     def from_config(
@@ -195,7 +209,7 @@ class AsyncLLM:
         *,
         max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
     ) -> AsyncLLM:
-        return cls(LLMEngine(config), max_waiting_requests=max_waiting_requests)
+        return cls(lambda: LLMEngine(config), max_waiting_requests=max_waiting_requests)
 
     # ---- caller side (any thread with a running event loop) ------------------------
 
@@ -269,7 +283,18 @@ class AsyncLLM:
 
     # ---- the loop thread ----------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(
+        self,
+        engine: EngineLike | Callable[[], EngineLike],
+        built: concurrent.futures.Future[EngineLike],
+    ) -> None:
+        try:
+            self.engine = engine() if callable(engine) and not hasattr(engine, "step") else engine
+            self._stats = dict(self.engine.stats())
+        except BaseException as exc:
+            built.set_exception(exc)
+            return
+        built.set_result(self.engine)
         try:
             self._loop()
         except BaseException as exc:  # the loop must never die silently
