@@ -137,7 +137,17 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "tpot_p50_ms",
             "tpot_p99_ms",
         )
-        summary["serve"] = [{k: lvl.get(k) for k in keys} for lvl in results["serve"]["levels"]]
+        serve = results["serve"]
+        summary["serve"] = [{k: lvl.get(k) for k in keys} for lvl in serve["levels"]]
+        # llama-server, when serve.py ran it side by side: its rate and our ratio per level.
+        peer = {lvl["concurrency"]: lvl for lvl in serve.get("llama_server", {}).get("levels", [])}
+        for row in summary["serve"]:
+            theirs = peer.get(row["concurrency"])
+            if theirs is not None:
+                row["llama_server_tok_per_s"] = theirs["output_tok_per_s"]
+                row["llama_server_ttft_p50_ms"] = theirs["ttft_p50_ms"]
+                row["llama_server_tpot_p50_ms"] = theirs["tpot_p50_ms"]
+                row["vs_llama_server"] = row["output_tok_per_s"] / theirs["output_tok_per_s"]
     if "prefix" in results:
         summary["prefix"] = {
             name: {
@@ -256,24 +266,35 @@ def _concurrency_axis(ax: Any, levels: list[int]) -> None:
 def plot_serve(serve: dict[str, Any], out_dir: Path) -> list[Path]:
     """`serve_throughput.png` (output tok/s vs concurrency) and `serve_latency.png`
     (TTFT and TPOT p50/p99 vs concurrency)."""
-    levels = sorted(serve["levels"], key=lambda lvl: lvl["concurrency"])
-    conc = [int(lvl["concurrency"]) for lvl in levels]
+    systems = [("sluice", serve["levels"])]
+    if serve.get("llama_server", {}).get("levels"):
+        systems.append(("llama-server", serve["llama_server"]["levels"]))
+    series = [(name, sorted(lv, key=lambda lvl: lvl["concurrency"])) for name, lv in systems]
+    conc = [int(lvl["concurrency"]) for lvl in series[0][1]]
 
     fig = _figure()
     ax = fig.add_subplot()
-    ax.plot(conc, [lvl["output_tok_per_s"] for lvl in levels], marker="o")
+    for name, levels in series:
+        xs = [int(lvl["concurrency"]) for lvl in levels]
+        ax.plot(xs, [lvl["output_tok_per_s"] for lvl in levels], marker="o", label=name)
     _concurrency_axis(ax, conc)
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"Serving throughput ({serve.get('model', 'model')})")
     ax.set_ylim(bottom=0)
+    if len(series) > 1:
+        ax.legend()
     tput = out_dir / "serve_throughput.png"
     fig.savefig(tput)
 
     fig = _figure(9.0, 4.0)
     for i, metric in enumerate(("ttft", "tpot")):
         ax = fig.add_subplot(1, 2, i + 1)
-        for pct, style in (("p50", "-o"), ("p99", "--s")):
-            ax.plot(conc, [lvl[f"{metric}_{pct}_ms"] for lvl in levels], style, label=pct)
+        for name, levels in series:
+            xs = [int(lvl["concurrency"]) for lvl in levels]
+            prefix = f"{name} " if len(series) > 1 else ""
+            for pct, style in (("p50", "-o"), ("p99", "--s")):
+                ys = [lvl[f"{metric}_{pct}_ms"] for lvl in levels]
+                ax.plot(xs, ys, style, label=prefix + pct)
         _concurrency_axis(ax, conc)
         ax.set_ylabel("ms")
         ax.set_title(metric.upper())

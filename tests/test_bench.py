@@ -49,6 +49,19 @@ def _fake_results() -> dict[str, dict[str, Any]]:
                 }
                 for c in (16, 1, 4)  # unsorted on purpose
             ],
+            "llama_server": {  # serve.py ran llama-server side by side
+                "levels": [
+                    {
+                        "concurrency": c,
+                        "output_tok_per_s": 10.0 * c,
+                        "ttft_p50_ms": 200.0 * c,
+                        "ttft_p99_ms": 300.0 * c,
+                        "tpot_p50_ms": 50.0 + c,
+                        "tpot_p99_ms": 60.0 + c,
+                    }
+                    for c in (1, 4, 16)
+                ]
+            },
         },
         "prefix": {
             "benchmark": "prefix_cache",
@@ -90,6 +103,8 @@ def test_summary_numbers() -> None:
     assert summary["throughput"]["ratio_vs_transformers"] == 5.0
     assert [lvl["concurrency"] for lvl in summary["serve"]] == [16, 1, 4]
     assert summary["serve"][1]["ttft_p99_ms"] == 100.0
+    assert summary["serve"][0]["llama_server_tok_per_s"] == 160.0
+    assert summary["serve"][0]["vs_llama_server"] == 3.0
     assert summary["prefix"]["shared_prompt"]["ttft_p50_on_s"] == 0.5
     assert summary["prefix"]["chat_replay"]["hit_rate"] == 0.79
     assert summary["quantization"]["int8"]["single_stream_tok_s"] == 78.0
