@@ -76,3 +76,46 @@ def test_seeded_rows_do_not_depend_on_neighbours() -> None:
     alone = sampler(logits[:1], [a], [[]]).token_ids[0]
     together = sampler(logits, [request(sp, [0], []), a, request(sp, [1], [])], [[]] * 3)
     assert together.token_ids[1] == alone
+
+
+def frequencies(
+    vocab: int, logits: torch.Tensor, params: SamplingParams, draws: int
+) -> torch.Tensor:
+    """How often each token is drawn from `draws` identical rows (unseeded)."""
+    sampler = Sampler(vocab, seed=0, device=torch.device("cpu"))
+    reqs = [request(params, [0], []) for _ in range(draws)]
+    out = sampler(logits.expand(draws, vocab), reqs, [[]] * draws).token_ids
+    return torch.bincount(torch.tensor(out), minlength=vocab).float() / draws
+
+
+def test_sampling_follows_the_filtered_distribution() -> None:
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logits = probs.log()
+    # Temperature 1 without filters: the distribution itself (4 sigma ~ 0.02 here).
+    freq = frequencies(6, logits, SamplingParams(temperature=1.0), 8000)
+    assert torch.allclose(freq, probs, atol=0.025), freq
+    # top_k=3 renormalizes over the three best; top_p=0.7 keeps the smallest prefix
+    # reaching 0.7 (0.4 + 0.25 + 0.15); temperature 0.5 squares the ratios.
+    kept = probs[:3] / probs[:3].sum()
+    for params, expected in [
+        (SamplingParams(temperature=1.0, top_k=3), kept),
+        (SamplingParams(temperature=1.0, top_p=0.7), kept),
+        (SamplingParams(temperature=0.5), probs**2 / (probs**2).sum()),
+    ]:
+        freq = frequencies(6, logits, params, 8000)
+        assert torch.allclose(freq[:3], expected[:3], atol=0.025), (params, freq)
+        if params.top_k or params.top_p < 1:
+            assert freq[3:].sum() == 0, params
+
+
+def test_top_p_nucleus_beyond_the_candidates_is_not_truncated() -> None:
+    # A nearly flat distribution over 4096 tokens: top_p=0.9 keeps ~3,700 of them, far more
+    # than the candidates top-p looks at first, so those rows take the full sort.
+    vocab = 4096
+    logits = -torch.arange(vocab) * 1e-4  # strictly decreasing: the nucleus is a prefix
+    freq = frequencies(vocab, logits, SamplingParams(temperature=1.0, top_p=0.9), 4000)
+    drawn = freq.nonzero().flatten()
+    assert int(drawn.max()) > 2048  # tokens far past the first candidates are drawn
+    p = logits.softmax(dim=-1)
+    nucleus = int(((p.cumsum(dim=-1) - p) < 0.9).sum())
+    assert int(drawn.max()) < nucleus

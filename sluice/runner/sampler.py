@@ -1,10 +1,11 @@
 """Batched sampling: logit bias, min_tokens, penalties, temperature, top-k/top-p/min-p,
 per-request seeds and logprobs, in a handful of tensor ops per step.
 
-Randomness uses the exponential race (argmax of p / E with E ~ Exp(1)), which samples
-exactly from p. A seeded request draws its E from a generator keyed by (seed, output
-position), so its text depends only on its own logits, never on what else is batched
-with it or on whether it was preempted and recomputed.
+Sampling is by inverse CDF with one uniform draw per row, exact for p. A seeded
+request draws its uniform from a generator keyed by (seed, output position), so its
+text depends only on its own logits, never on what else is batched with it or on
+whether it was preempted and recomputed. (An exponential race, argmax p / E, needs a
+random number per vocabulary entry: 63 ms a step for 64 rows here, against ~3 ms.)
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 from sluice.engine.request import Request
 
 _GREEDY_EPS = 1e-5
+# Candidates that top-k/top-p look at before falling back to sorting a whole row.
+_CANDIDATES = 512
 
 
 @dataclass
@@ -63,10 +66,17 @@ class Sampler:
 
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         greedy = temps < _GREEDY_EPS
-        tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            tokens = torch.where(
-                greedy.to(logits.device), tokens, self._sample(logits, requests, temps)
+        if bool(greedy.all()):
+            tokens = logits.argmax(dim=-1)
+        elif not bool(greedy.any()):
+            tokens = self._sample(logits, requests, temps)
+        else:  # each kind of row through its own path only
+            tokens = torch.empty(s, dtype=torch.long, device=logits.device)
+            g, ng = greedy.nonzero().flatten(), (~greedy).nonzero().flatten()
+            tokens[g.to(logits.device)] = logits[g.to(logits.device)].argmax(dim=-1)
+            sampled = [requests[i] for i in ng.tolist()]
+            tokens[ng.to(logits.device)] = self._sample(
+                logits[ng.to(logits.device)], sampled, temps[ng]
             )
 
         token_list = tokens.tolist()
@@ -92,33 +102,58 @@ class Sampler:
     ) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         dev = logits.device
+        s, v = logits.shape
         logits = logits / temps.clamp(min=_GREEDY_EPS).to(dev)[:, None]
-        top_k = torch.tensor([p.top_k or self.vocab_size for p in params], device=dev)
+        top_k = torch.tensor([min(p.top_k or v, v) for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        if bool((top_k < self.vocab_size).any()) or bool((top_p < 1.0).any()):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(logits.shape[-1], device=dev)
-            drop = ranks[None, :] >= top_k[:, None]
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            probs = sorted_logits.softmax(dim=-1)
-            # Keep the smallest set whose mass reaches top_p (always at least one token).
-            drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-        probs = logits.softmax(dim=-1)
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
-        if bool((min_p > 0).any()):
-            keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs * keep
-        race = torch.empty_like(probs)
+        u = self._uniforms(requests).to(dev)
+        tokens = torch.empty(s, dtype=torch.long, device=dev)
+        filtered = (top_k < v) | (top_p < 1.0)
+
+        if not bool(filtered.any()):  # the common case: no index copies
+            return _inverse_cdf(_min_p(logits.softmax(dim=-1), min_p), u)
+        rows = (~filtered).nonzero().flatten()
+        if rows.numel():  # the whole vocabulary
+            probs = _min_p(logits[rows].softmax(dim=-1), min_p[rows])
+            tokens[rows] = _inverse_cdf(probs, u[rows])
+
+        rows = filtered.nonzero().flatten()
+        if rows.numel():
+            # top-k/top-p on the best candidates only: topk is ~10x cheaper than sorting
+            # the vocabulary on CPU. A row whose nucleus may reach past the candidates
+            # is redone on a full sort.
+            k_rows = top_k[rows]
+            limited = k_rows[k_rows < v]
+            k0 = int(limited.max()) if limited.numel() else 0
+            if limited.numel() < rows.numel():  # some rows have top-p only
+                k0 = max(k0, _CANDIDATES)
+            k0 = min(k0, v)
+            vals, ids = logits[rows].topk(k0, dim=-1)
+            vals, covered = _top_k_top_p(vals, ids, logits[rows], k_rows, top_p[rows])
+            if not bool(covered.all()):
+                redo = rows[~covered]
+                full, full_ids = logits[redo].sort(dim=-1, descending=True)
+                full, _ = _top_k_top_p(full, full_ids, logits[redo], top_k[redo], top_p[redo])
+                pick = _inverse_cdf(_min_p(full.softmax(dim=-1), min_p[redo]), u[redo])
+                tokens[redo] = full_ids.gather(-1, pick[:, None]).squeeze(-1)
+                vals, ids, rows = vals[covered], ids[covered], rows[covered]
+            if rows.numel():
+                probs = _min_p(vals.softmax(dim=-1), min_p[rows])
+                pick = _inverse_cdf(probs, u[rows])
+                tokens[rows] = ids.gather(-1, pick[:, None]).squeeze(-1)
+        return tokens
+
+    def _uniforms(self, requests: list[Request]) -> torch.Tensor:
+        """One U[0, 1) per row: from (seed, output position) for seeded requests, so a
+        seeded row never depends on its neighbours; from the sampler's stream otherwise."""
+        u = torch.rand(len(requests), generator=self.generator)
         for i, r in enumerate(requests):
             if r.seed is not None:
-                g = torch.Generator(device=dev)
+                g = torch.Generator()
                 g.manual_seed(hash((r.seed, r.num_output_tokens)) & 0x7FFF_FFFF_FFFF_FFFF)
-                race[i].exponential_(generator=g)
-            else:
-                race[i].exponential_(generator=self.generator)
-        return (probs / race).argmax(dim=-1)
+                u[i] = torch.rand(1, generator=g)[0]
+        return u
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> None:
         s, v = logits.shape
@@ -143,6 +178,49 @@ class Sampler:
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits.copy_(torch.where(seen, penalised, logits))
         logits -= freq[:, None] * counts + pres[:, None] * (counts > 0).float()
+
+
+def _top_k_top_p(
+    sorted_logits: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    row_logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask the leading, descending-sorted logits of each row (the first K of its V)
+    to its top-k, then to the smallest prefix whose mass (renormalized after top-k, as
+    a full sort would) reaches top-p. Also: which rows' answer is exact, i.e. whose
+    kept set cannot extend past the K given."""
+    k0, v = sorted_logits.shape[-1], row_logits.shape[-1]
+    ranks = torch.arange(k0, device=sorted_logits.device)
+    masked = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    # Renormalized over the kept top-k where top-k applies (all inside the K), else
+    # over the whole row.
+    probs = masked.softmax(dim=-1)
+    whole = top_k >= v
+    if bool(whole.any()):
+        probs[whole] = row_logits[whole].softmax(dim=-1).gather(-1, sorted_ids[whole])
+    mass = probs.cumsum(dim=-1)
+    drop = (mass - probs) >= top_p[:, None]  # always keeps the first token
+    covered = (top_k <= k0) | (k0 == v) | (mass[:, -1] >= top_p)
+    return masked.masked_fill(drop, float("-inf")), covered
+
+
+def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    if not bool((min_p > 0).any()):
+        return probs
+    keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return probs * keep
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row of (unnormalized) probs, given U[0, 1) per row: the
+    first whose cumulative mass exceeds u * total, so a zero-mass entry is never drawn."""
+    cdf = probs.float().cumsum(dim=-1)
+    total = cdf[:, -1]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    pick = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
+    return pick.clamp(max=probs.shape[-1] - 1)
 
 
 def _has_penalty(p: object) -> bool:
