@@ -78,13 +78,18 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    sampling: dict[str, float],
 ) -> RequestResult:
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "temperature": 0.0,
+        **sampling,
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
@@ -134,6 +139,7 @@ async def run_level(
     concurrency: int,
     max_tokens: int,
     headers: dict[str, str],
+    sampling: dict[str, float] | None = None,
 ) -> LevelResult:
     queue: asyncio.Queue[str] = asyncio.Queue()
     for p in prompts:
@@ -149,7 +155,11 @@ async def run_level(
                     prompt = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                results.append(await one_request(client, url, model, prompt, max_tokens))
+                results.append(
+                    await one_request(
+                        client, url, model, prompt, max_tokens, sampling or {"temperature": 0.0}
+                    )
+                )
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -309,7 +319,14 @@ def main() -> None:
         default=None,
         help="llama-server threads (default: sluice's, the physical cores)",
     )
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (default greedy)"
+    )
+    ap.add_argument("--top-p", type=float, default=None)
     args = ap.parse_args()
+    sampling: dict[str, float] = {"temperature": args.temperature}
+    if args.top_p is not None:
+        sampling["top_p"] = args.top_p
 
     levels = _ints(args.concurrency)
     counts = _ints(args.num_prompts)
@@ -364,12 +381,14 @@ def main() -> None:
             prompts = pool[start : start + count]
             start += count
             # Back to back on the same prompts: the machine's speed drifts over minutes.
-            res = asyncio.run(run_level(url, model, prompts, conc, args.max_tokens, headers))
+            res = asyncio.run(
+                run_level(url, model, prompts, conc, args.max_tokens, headers, sampling)
+            )
             results.append(res)
             report("sluice", res, count)
             if peer_url is not None:
                 res = asyncio.run(
-                    run_level(peer_url, peer_model, prompts, conc, args.max_tokens, {})
+                    run_level(peer_url, peer_model, prompts, conc, args.max_tokens, {}, sampling)
                 )
                 peer_results.append(res)
                 report("llama-server", res, count)
@@ -393,6 +412,7 @@ def main() -> None:
         "server_args": args.server_args if not args.url else None,
         "model": model,
         "max_tokens": args.max_tokens,
+        "sampling": sampling,
         "max_prompt_bytes": args.max_prompt_bytes,
         "seed": args.seed,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
