@@ -23,7 +23,6 @@ from sluice.layers.linear import Linear, LinearMethod
 # oneDNN-packed dense matmul caught up at ~4 rows for every model shape, torch's int8
 # and int4 kernels and ours alike (the output head at 16 rows: int8 5.7 ms, dense 2.6).
 DENSE_MIN_ROWS = 4
-OUR_Q4_MAX_ROWS = DENSE_MIN_ROWS - 1
 
 
 class _WeightOnly(LinearMethod, abc.ABC):
@@ -87,7 +86,6 @@ class Int4WeightOnly(_WeightOnly):
         if lib is not None and lib.sluice_q4_matmul_available() and g == 32 and k % 64 == 0:
             if layer.weight.dtype in (torch.float32, torch.bfloat16):
                 self.lib = lib
-                self.dense_min_rows = min(self.dense_min_rows, OUR_Q4_MAX_ROWS + 1)
         if self.lib is None and (k % g or n % 16):
             # Shapes torch's int4 packing cannot take stay dense (one method per layer).
             self.dense_min_rows = 0

@@ -122,12 +122,7 @@ class LlamaDecodeStack:
     def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Steps whose tokens all go to the paged kernel and our int4 kernel (and that
         the eager model would run through exactly those kernels)."""
-        return (
-            0 < num_tokens <= self.max_rows
-            and meta.num_small_tokens == num_tokens
-            and not meta.prefills
-            and not torch.compiler.is_compiling()
-        )
+        return 0 < num_tokens <= self.max_rows and meta.num_small_tokens == num_tokens
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

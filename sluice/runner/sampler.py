@@ -108,11 +108,11 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
         u = self._uniforms(requests).to(dev)
-        tokens = torch.empty(s, dtype=torch.long, device=dev)
         filtered = (top_k < v) | (top_p < 1.0)
-
         if not bool(filtered.any()):  # the common case: no index copies
             return _inverse_cdf(_min_p(logits.softmax(dim=-1), min_p), u)
+
+        tokens = torch.empty(s, dtype=torch.long, device=dev)
         rows = (~filtered).nonzero().flatten()
         if rows.numel():  # the whole vocabulary
             probs = _min_p(logits[rows].softmax(dim=-1), min_p[rows])
@@ -129,8 +129,9 @@ class Sampler:
             if limited.numel() < rows.numel():  # some rows have top-p only
                 k0 = max(k0, _CANDIDATES)
             k0 = min(k0, v)
-            vals, ids = logits[rows].topk(k0, dim=-1)
-            vals, covered = _top_k_top_p(vals, ids, logits[rows], k_rows, top_p[rows])
+            row_logits = logits[rows]
+            vals, ids = row_logits.topk(k0, dim=-1)
+            vals, covered = _top_k_top_p(vals, ids, row_logits, k_rows, top_p[rows])
             if not bool(covered.all()):
                 redo = rows[~covered]
                 full, full_ids = logits[redo].sort(dim=-1, descending=True)
