@@ -11,8 +11,6 @@
 
 namespace sluice {
 
-
-
 // Parallel only when there is enough work to pay for waking the other threads.
 constexpr int64_t kParallelElems = 1 << 16;
 

@@ -19,7 +19,6 @@
 
 namespace sluice {
 
-
 constexpr int kMaxHeadDim = 256;
 
 // Blocks sit anywhere in the pool: ask for the next one while this one is computed.

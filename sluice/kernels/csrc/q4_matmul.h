@@ -29,8 +29,6 @@
 
 namespace sluice {
 
-
-
 #if SLUICE_Q4_VNNI
 // x [M, K] -> int8 in pair-permuted order, per-block scales dx and dx * sum(qx).
 template <typename T>
