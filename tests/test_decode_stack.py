@@ -1,7 +1,7 @@
 """The one-call decoder stack for small CPU decode steps returns exactly what the
 Python model returns: the same tokens and bit-identical logprobs, whether it runs or
-not, on the real model and on random Llama (head size 32, generic attention math)
-and Qwen2 (QKV biases) models."""
+not, with int4 and int8 weights, on the real model and on random Llama (head size 32,
+generic attention math) and Qwen2 (QKV biases) models."""
 
 from __future__ import annotations
 
@@ -62,20 +62,29 @@ def assert_stack_equals_model(llm: LLM, prompts: list[Any]) -> None:
     assert fused == eager  # token ids and logprob floats, exactly
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_stack_equals_model_on_smollm2(dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("quantization", "dtype"), [("int4", "bfloat16"), ("int4", "float32"), ("int8", "bfloat16")]
+)
+def test_stack_equals_model_on_smollm2(quantization: str, dtype: str) -> None:
     # Three prompts decode as 3-row steps, then one alone; chunks of 3 prompt tokens
     # (max_num_batched_tokens=3) are multi-query rows of one sequence.
-    llm = LLM(quantization="int4", dtype=dtype, kv_cache_memory=0.05)
+    llm = LLM(quantization=quantization, dtype=dtype, kv_cache_memory=0.05)
+    assert stack_or_skip(llm).bits == int(quantization[-1])
     assert_stack_equals_model(llm, PROMPTS)
-    llm = LLM(quantization="int4", dtype=dtype, kv_cache_memory=0.05, max_num_batched_tokens=3)
+    llm = LLM(
+        quantization=quantization, dtype=dtype, kv_cache_memory=0.05, max_num_batched_tokens=3
+    )
     assert_stack_equals_model(llm, PROMPTS[:1])
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_stack_equals_model_on_random_models(kind: str, tmp_path: Path, smollm2_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "quantization"), [("llama", "int4"), ("qwen2", "int4"), ("qwen2", "int8")]
+)
+def test_stack_equals_model_on_random_models(
+    kind: str, quantization: str, tmp_path: Path, smollm2_path: Path
+) -> None:
     build(kind, tmp_path, smollm2_path)
-    llm = LLM(model=str(tmp_path), quantization="int4", dtype="float32", kv_cache_memory=0.02)
+    llm = LLM(model=str(tmp_path), quantization=quantization, dtype="float32", kv_cache_memory=0.02)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 9, 17)]
     assert_stack_equals_model(llm, prompts)
@@ -94,7 +103,6 @@ def test_stack_is_built_only_where_every_kernel_is_ours(
     tmp_path: Path, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert LLM(quantization="none", kv_cache_memory=0.05).engine.runner.decode_stack is None
-    assert LLM(quantization="int8", kv_cache_memory=0.05).engine.runner.decode_stack is None
     build("qwen3", tmp_path, smollm2_path)  # QK-norm: not in the stack
     llm = LLM(model=str(tmp_path), quantization="int4", kv_cache_memory=0.02)
     assert llm.engine.runner.decode_stack is None

@@ -49,8 +49,12 @@ def top1_tokens(llm: LLM) -> list[int]:
 
 def dequantized(layer: Linear, method: Int8WeightOnly | Int4WeightOnly) -> torch.Tensor:
     """Reconstruct the weight the kernel should be multiplying by."""
-    if isinstance(method, Int8WeightOnly):
+    if isinstance(method, Int8WeightOnly) and method.lib is None:
         return layer.qweight.float() * layer.qscale.float()[:, None]
+    if isinstance(method, Int8WeightOnly):  # ours: offset bytes in pair order
+        n, k = layer.q8_packed.shape
+        q = layer.q8_packed.view(n, k // 64, 2, 2, 16).transpose(2, 3).reshape(n, k)
+        return (q.float() - 128) * layer.q8_scale[:, None]
     n, k = layer.out_features, layer.in_features
     eye = torch.eye(k, dtype=layer.weight.dtype if layer.weight.numel() else torch.bfloat16)
     # Multiplying the identity through the int4 kernel reads the dequantized weight back.
@@ -58,7 +62,7 @@ def dequantized(layer: Linear, method: Int8WeightOnly | Int4WeightOnly) -> torch
 
 
 def int8_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x as our int4 kernel sees it: int8 in blocks of 32 with scale absmax / 127."""
+    """x as our int4 and int8 kernels see it: int8 in blocks of 32, scale absmax / 127."""
     blocks = x.view(x.shape[0], -1, 32)
     scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
     q = torch.where(scale > 0, blocks / scale, torch.zeros_like(blocks)).round()
@@ -71,7 +75,7 @@ def without_our_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(params=["ours", "torch"])
 def int4_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run an int4 test on each kernel: ours (where built) and torch's."""
+    """Run a weight-only test on each kernel: ours (where built) and torch's."""
     if request.param == "ours":
         lib = quantization.kernels.load()
         if lib is None or not lib.sluice_q4_matmul_available():
@@ -87,8 +91,6 @@ def int4_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 def test_weight_only_matches_reference(
     dtype: torch.dtype, method_cls: type, rows: int, int4_kernel: str
 ) -> None:
-    if method_cls is Int8WeightOnly and int4_kernel == "ours":
-        pytest.skip("int8 has one kernel")
     torch.manual_seed(0)
     layer = Linear(128, 96, bias=True).to(dtype)
     with torch.no_grad():
@@ -107,7 +109,7 @@ def test_weight_only_matches_reference(
     w_used = w if rows >= method.dense_min_rows else w_q
     x_used = x.float()
     if rows < method.dense_min_rows and getattr(method, "lib", None) is not None:
-        x_used = int8_blocks(x_used)  # our int4 kernel multiplies int8 activations
+        x_used = int8_blocks(x_used)  # our kernels multiply int8 activations
     ref = x_used @ w_used.t() + layer.bias.float()
     tol = 1e-3 if dtype == torch.float32 else 0.15
     assert torch.allclose(y, ref, atol=tol * ref.abs().max().item(), rtol=0)
@@ -161,6 +163,31 @@ def test_our_int4_kernel_on_model_shapes(k: int, dtype: torch.dtype) -> None:
     q = torch.cat([lo.view(48, -1, 16), hi.view(48, -1, 16)], dim=-1).float()
     w = (q * layer.q4_scale[..., None].float() + layer.q4_min[..., None].float()).view(48, k)
     assert (w - w_orig).abs().max() <= layer.q4_scale.float().max() / 2 + 1e-2
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, k, dtype=dtype)
+        ref = int8_blocks(x.float()) @ w.t()
+        got = method._matmul(layer, x).float()
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=0), rows
+
+
+@pytest.mark.parametrize("k", [64, 576])  # 576: 9 block pairs, an odd count
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_our_int8_kernel_on_model_shapes(k: int, dtype: torch.dtype) -> None:
+    lib = quantization.kernels.load()
+    if lib is None or not lib.sluice_q4_matmul_available():
+        pytest.skip("our int8 kernel needs a C++ compiler and AVX-512 VNNI")
+    torch.manual_seed(3)
+    layer = Linear(k, 48).to(dtype)
+    with torch.no_grad():
+        layer.weight.normal_()
+    method = Int8WeightOnly()
+    layer.method = method
+    w_orig = layer.weight.detach().float().clone()
+    method.process_weight(layer)
+    assert method.lib is not None and not hasattr(layer, "qweight")  # one int8 copy
+    w = dequantized(layer, method)
+    assert (w - w_orig).abs().max() <= layer.q8_scale.max() / 2 + 1e-6
     for rows in (1, 2, 3):
         x = torch.randn(rows, k, dtype=dtype)
         ref = int8_blocks(x.float()) @ w.t()

@@ -6,10 +6,10 @@ They link OpenMP, and at load time bind to the libgomp torch has already loaded,
 kernels and torch ops share one thread pool instead of fighting over the cores.
 
 Sources (csrc/): the kernels live in headers, each with a .cpp of C entry points:
-paged_attention (decode attention over the block pool), q4_matmul (4-bit weight x
-int8 activation matmul for small batches) and fused_ops (RMSNorm with the residual
-add, rotary, SiLU-and-multiply). decode_stack.cpp runs a whole Llama decoder stack
-on them in one call, for decode steps.
+paged_attention (decode attention over the block pool), q4_matmul and q8_matmul
+(4-bit and 8-bit weight x int8 activation matmuls for small batches) and fused_ops
+(RMSNorm with the residual add, rotary, SiLU-and-multiply). decode_stack.cpp runs a
+whole Llama decoder stack on them in one call, for decode steps.
 SLUICE_CPU_KERNELS=0 turns them all off (torch's ops are used instead).
 """
 
@@ -50,6 +50,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sluice_write_kv.restype = None
     lib.sluice_q4_matmul.argtypes = [ptr, i32, i32, i32, ptr, ptr, ptr, i32, ptr]
     lib.sluice_q4_matmul.restype = None
+    lib.sluice_q8_matmul.argtypes = [ptr, i32, i32, i32, ptr, ptr, i32, ptr]
+    lib.sluice_q8_matmul.restype = None
     lib.sluice_q4_matmul_available.argtypes = []
     lib.sluice_q4_matmul_available.restype = i32
     lib.sluice_add_rms_norm.argtypes = [i32, ptr, ptr, ptr, ptr, i64, i32, f32]
@@ -61,7 +63,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sluice_fused_max_dim.restype = i32
     lib.sluice_decode_stack_fields.argtypes = []
     lib.sluice_decode_stack_fields.restype = i32
-    lib.sluice_decode_stack.argtypes = [i32, ptr, *[i32] * 7, f32, f32, ptr, ptr, ptr, i32]
+    lib.sluice_decode_stack.argtypes = [i32, i32, ptr, *[i32] * 7, f32, f32, ptr, ptr, ptr, i32]
     lib.sluice_decode_stack.argtypes += [ptr, ptr, i64, ptr, ptr, i32]
     lib.sluice_decode_stack.restype = None
 

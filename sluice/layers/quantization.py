@@ -49,17 +49,46 @@ class _WeightOnly(LinearMethod, abc.ABC):
 
 
 class Int8WeightOnly(_WeightOnly):
-    """Symmetric per-output-channel int8."""
+    """Symmetric per-output-channel int8.
+
+    Two kernels: ours (sluice/kernels/csrc/q8_matmul.h: int8 activations, AVX-512
+    VNNI) where it was built and the input size is a multiple of 64, else torch's
+    `_weight_int8pack_mm` (bf16 activations). Either holds one copy of the int8 weight.
+    """
 
     name = "int8"
 
+    def __init__(self, dense_min_rows: int = DENSE_MIN_ROWS) -> None:
+        super().__init__(dense_min_rows)
+        self.lib: ctypes.CDLL | None = None
+
     def _quantize(self, layer: Linear) -> None:
         w = layer.weight.detach().float()
+        n, k = w.shape
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
-        layer.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        q = (w / scale[:, None]).round().clamp(-127, 127)
+        lib = kernels.load()
+        if (
+            lib is not None
+            and lib.sluice_q4_matmul_available()
+            and k % 64 == 0
+            and layer.weight.dtype in (torch.float32, torch.bfloat16)
+        ):
+            self.lib = lib
+            # Offset to unsigned (vpdpbusd), each pair of 32-blocks in the activations'
+            # order: [b0 low 16, b1 low 16, b0 high 16, b1 high 16].
+            u = (q + 128).to(torch.uint8).view(n, k // 64, 2, 2, 16).transpose(2, 3)
+            layer.q8_packed = u.reshape(n, k).contiguous()
+            layer.q8_scale = scale.contiguous()
+            return
+        layer.qweight = q.to(torch.int8)
         layer.qscale = scale.to(layer.weight.dtype)
 
     def _matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.lib is not None:
+            if torch.compiler.is_compiling():
+                return _q8_matmul_op(x, layer.q8_packed, layer.q8_scale)  # opaque
+            return _q8_matmul(x, layer.q8_packed, layer.q8_scale)
         return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.qscale)
 
 
@@ -151,6 +180,35 @@ def _q4_matmul_op(
 
 @_q4_matmul_op.register_fake
 def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+def _q8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    lib = kernels.load()
+    assert lib is not None
+    x = x.contiguous()
+    m, n = x.shape[0], packed.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    lib.sluice_q8_matmul(
+        x.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        m,
+        x.shape[1],
+        packed.data_ptr(),
+        scale.data_ptr(),
+        n,
+        y.data_ptr(),
+    )
+    return y
+
+
+@torch.library.custom_op("sluice::q8_matmul", mutates_args=())
+def _q8_matmul_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return _q8_matmul(x, packed, scale)
+
+
+@_q8_matmul_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], packed.shape[0])
 
 

@@ -4,8 +4,8 @@ A 1-token step through the Python model spends about as long in per-op overhead
 (Python, ctypes, OpenMP fork/join for each of ~300 kernel calls) as in arithmetic.
 `sluice_decode_stack` (sluice/kernels/csrc/decode_stack.cpp) runs all layers inside
 one parallel region with the same kernels, so it returns exactly what the model's
-forward would. It applies where every one of those kernels is ours: CPU, int4 weights
-on our int4 kernel, the paged attention kernel, no QK-norm; and to steps whose every
+forward would. It applies where every one of those kernels is ours: CPU, int4 or int8
+weights on our kernels, the paged attention kernel, no QK-norm; and to steps whose every
 token is a short-chunk query with at most as many rows as our int4 kernel takes.
 Anything else goes through the model as usual.
 """
@@ -19,17 +19,21 @@ import torch
 from sluice import kernels
 from sluice.attention.backend import AttentionBackend, AttentionMetadata
 from sluice.layers.linear import Linear
-from sluice.layers.quantization import Int4WeightOnly
+from sluice.layers.quantization import Int4WeightOnly, Int8WeightOnly
 from sluice.models.llama import LlamaForCausalLM
 
 
-def _int4_fields(layer: Linear, bias_allowed: bool) -> list[int] | None:
+def _linear_fields(layer: Linear, bias_allowed: bool) -> tuple[int, list[int]] | None:
+    """(weight bits, the kernel's three pointers) where the layer runs on our int4 or
+    int8 kernel; None otherwise."""
     method = layer.method
-    if not isinstance(method, Int4WeightOnly) or method.lib is None:
-        return None
     if layer.bias is not None and not bias_allowed:
         return None
-    return [layer.q4_packed.data_ptr(), layer.q4_scale.data_ptr(), layer.q4_min.data_ptr()]
+    if isinstance(method, Int4WeightOnly) and method.lib is not None:
+        return 4, [layer.q4_packed.data_ptr(), layer.q4_scale.data_ptr(), layer.q4_min.data_ptr()]
+    if isinstance(method, Int8WeightOnly) and method.lib is not None:
+        return 8, [layer.q8_packed.data_ptr(), layer.q8_scale.data_ptr(), 0]
+    return None
 
 
 class LlamaDecodeStack:
@@ -39,11 +43,13 @@ class LlamaDecodeStack:
         self,
         lib: ctypes.CDLL,
         model: LlamaForCausalLM,
+        bits: int,
         fields: torch.Tensor,
         max_rows: int,
         block_size: int,
     ) -> None:
         self.lib = lib
+        self.bits = bits  # of every linear's weights: 4 or 8
         self.model = model
         self.fields = fields  # [layers, F] int64 pointers; the tensors they point to live in model
         self.max_rows = max_rows
@@ -84,16 +90,22 @@ class LlamaDecodeStack:
         ):
             return None
         rows: list[list[int]] = []
+        bits: set[int] = set()
         max_rows = 1 << 30
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = _int4_fields(attn.qkv_proj, bias_allowed=True)
-            o = _int4_fields(attn.o_proj, bias_allowed=False)
-            gate_up = _int4_fields(mlp.gate_up_proj, bias_allowed=False)
-            down = _int4_fields(mlp.down_proj, bias_allowed=False)
+            linears = [
+                _linear_fields(attn.qkv_proj, bias_allowed=True),
+                _linear_fields(attn.o_proj, bias_allowed=False),
+                _linear_fields(mlp.gate_up_proj, bias_allowed=False),
+                _linear_fields(mlp.down_proj, bias_allowed=False),
+            ]
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if qkv is None or o is None or gate_up is None or down is None:
+            found = [f for f in linears if f is not None]
+            if len(found) < len(linears):
                 return None
+            bits |= {b for b, _ in found}
+            qkv, o, gate_up, down = (ptrs for _, ptrs in found)
             if any(w.dtype != dtype for w in norms) or k_cache.dtype != dtype:
                 return None
             bias = attn.qkv_proj.bias
@@ -114,14 +126,15 @@ class LlamaDecodeStack:
                     v_cache.data_ptr(),
                 ]
             )
-        if max_rows < 1 or any(len(r) != num_fields for r in rows):
-            return None
+        if max_rows < 1 or len(bits) != 1 or any(len(r) != num_fields for r in rows):
+            return None  # one weight format throughout: the stack takes one `bits`
         block_size = kv_caches[0][0].shape[2]  # pools are [blocks, kv_heads, block_size, d]
-        return cls(lib, model, torch.tensor(rows, dtype=torch.int64), max_rows, block_size)
+        fields = torch.tensor(rows, dtype=torch.int64)
+        return cls(lib, model, bits.pop(), fields, max_rows, block_size)
 
     def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """Steps whose tokens all go to the paged kernel and our int4 kernel (and that
-        the eager model would run through exactly those kernels)."""
+        """Steps whose tokens all go to the paged kernel and our weight-only kernels (and
+        that the eager model would run through exactly those kernels)."""
         return 0 < num_tokens <= self.max_rows and meta.num_small_tokens == num_tokens
 
     def __call__(
@@ -136,6 +149,7 @@ class LlamaDecodeStack:
         tables = meta.small_block_tables
         self.lib.sluice_decode_stack(
             int(h.dtype == torch.bfloat16),
+            self.bits,
             self.fields.data_ptr(),
             *self.shape,
             self.block_size,

@@ -7,8 +7,8 @@
 // `omp for` loops, and the small elementwise steps run on one thread between barriers.
 //
 // It calls the same kernels, in the same order and with the same roundings, as the
-// eager model with int4 weights on our kernel (sluice/models/llama.py), so its output
-// is bit-identical to that path (tests/test_decode_stack.py checks it).
+// eager model with int4 or int8 weights on our kernels (sluice/models/llama.py), so its
+// output is bit-identical to that path (tests/test_decode_stack.py checks it).
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -17,11 +17,14 @@
 #include "fused_ops.h"
 #include "paged_attention.h"
 #include "q4_matmul.h"
+#include "q8_matmul.h"
 
 namespace {
 
 #if SLUICE_Q4_VNNI
 // Per layer, kLayerFields pointers (sluice/models/llama_decode_stack.py builds them).
+// A linear is (packed, scale, min): int4 blocks with fp16 scales and minimums, or
+// int8 offset bytes with fp32 channel scales (min unused).
 enum Field {
   kInputNorm,
   kQkvPacked, kQkvScale, kQkvMin, kQkvBias,  // bias may be null
@@ -34,6 +37,7 @@ enum Field {
 };
 
 struct Shape {
+  int bits;  // of every linear's weights: 4 or 8
   int layers, hidden, heads, kv_heads, head_dim, inter, block_size;
   float eps, scale;
 };
@@ -51,6 +55,19 @@ struct Batch {
 template <typename T>
 const T* at(const int64_t* layer, Field f) {
   return reinterpret_cast<const T*>(layer[f]);
+}
+
+// y [M, N] = x @ W.T for the linear whose fields start at `packed` (its kernel's
+// orphaned omp for, barrier at the end).
+template <typename T>
+void linear(const Shape& s, const int64_t* layer, Field packed, const sluice::Q4Activations& xa,
+            int M, int K, int N, T* y) {
+  const auto* q = at<uint8_t>(layer, packed);
+  if (s.bits == 4)
+    sluice::q4_rows(xa, M, K, q, at<uint16_t>(layer, Field(packed + 1)),
+                    at<uint16_t>(layer, Field(packed + 2)), N, y);
+  else
+    sluice::q8_rows(xa, M, K, q, at<float>(layer, Field(packed + 1)), N, y);
 }
 
 template <typename T>
@@ -77,8 +94,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
       }
       xa.quantize(x.data(), M, H);
     }
-    sluice::q4_rows(xa, M, H, at<uint8_t>(L, kQkvPacked), at<uint16_t>(L, kQkvScale),
-                    at<uint16_t>(L, kQkvMin), qkv_n, qkv.data());
+    linear(s, L, kQkvPacked, xa, M, H, qkv_n, qkv.data());
 #pragma omp single
     {
       if (const T* bias = at<T>(L, kQkvBias))
@@ -99,22 +115,19 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
                          static_cast<int64_t>(qkv_n));
 #pragma omp single
     xa.quantize(attn.data(), M, q_size);
-    sluice::q4_rows(xa, M, q_size, at<uint8_t>(L, kOPacked), at<uint16_t>(L, kOScale),
-                    at<uint16_t>(L, kOMin), H, h);
+    linear(s, L, kOPacked, xa, M, q_size, H, h);
 #pragma omp single
     {
       sluice::add_rms_norm<T>(h, residual.data(), at<T>(L, kPostNorm), x.data(), M, H, s.eps);
       xa.quantize(x.data(), M, H);
     }
-    sluice::q4_rows(xa, M, H, at<uint8_t>(L, kGateUpPacked), at<uint16_t>(L, kGateUpScale),
-                    at<uint16_t>(L, kGateUpMin), 2 * s.inter, gate_up.data());
+    linear(s, L, kGateUpPacked, xa, M, H, 2 * s.inter, gate_up.data());
 #pragma omp single
     {
       sluice::silu_and_mul(gate_up.data(), act.data(), M, s.inter);
       xa.quantize(act.data(), M, s.inter);
     }
-    sluice::q4_rows(xa, M, s.inter, at<uint8_t>(L, kDownPacked), at<uint16_t>(L, kDownScale),
-                    at<uint16_t>(L, kDownMin), H, h);
+    linear(s, L, kDownPacked, xa, M, s.inter, H, h);
   }
   // The model's output is the last layer's MLP output plus the residual stream.
   for (int64_t i = 0; i < static_cast<int64_t>(M) * H; ++i)
@@ -136,13 +149,13 @@ int sluice_decode_stack_fields() {
 
 // h [rows, hidden]: the embeddings in, the stack's output (before the final norm) out.
 // cos/sin [rows, head_dim / 2]; slots, tables, q_start, ctx_end as for the paged kernel.
-void sluice_decode_stack(int bf16, const int64_t* fields, int layers, int hidden, int heads,
+void sluice_decode_stack(int bf16, int bits, const int64_t* fields, int layers, int hidden, int heads,
                          int kv_heads, int head_dim, int inter, int block_size, float eps,
                          float scale, void* h, const void* cos, const void* sin, int rows,
                          const int64_t* slots, const int64_t* tables, int64_t max_blocks,
                          const int64_t* q_start, const int64_t* ctx_end, int seqs) {
 #if SLUICE_Q4_VNNI
-  const Shape s{layers, hidden, heads, kv_heads, head_dim, inter, block_size, eps, scale};
+  const Shape s{bits, layers, hidden, heads, kv_heads, head_dim, inter, block_size, eps, scale};
   const Batch b{rows, slots, tables, max_blocks, q_start, ctx_end, seqs};
   if (bf16)
     run(s, fields, b, static_cast<uint16_t*>(h), static_cast<const uint16_t*>(cos),
@@ -151,7 +164,7 @@ void sluice_decode_stack(int bf16, const int64_t* fields, int layers, int hidden
     run(s, fields, b, static_cast<float*>(h), static_cast<const float*>(cos),
         static_cast<const float*>(sin));
 #else
-  (void)bf16, (void)fields, (void)layers, (void)hidden, (void)heads, (void)kv_heads;
+  (void)bf16, (void)bits, (void)fields, (void)layers, (void)hidden, (void)heads, (void)kv_heads;
   (void)head_dim, (void)inter, (void)block_size, (void)eps, (void)scale, (void)h, (void)cos;
   (void)sin, (void)rows, (void)slots, (void)tables, (void)max_blocks, (void)q_start;
   (void)ctx_end, (void)seqs;
