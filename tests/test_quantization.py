@@ -196,10 +196,21 @@ def test_our_int8_kernel_on_model_shapes(k: int, dtype: torch.dtype) -> None:
         assert torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=0), rows
 
 
+def test_default_weights_answer_a_plain_chat_question() -> None:
+    # The defaults (auto: int4 for the bundled Q4_1 file, bf16) on a newcomer's first
+    # question. With int8 activations in the output head the first token flipped here.
+    llm = LLM(kv_cache_memory=0.05)
+    assert llm.engine.quantization == "int4" or llm.engine.dtype == torch.float32
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    (out,) = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12))
+    assert "Paris" in out.outputs[0].text
+
+
 def test_int4_keeps_the_output_head_in_int8() -> None:
     llm = LLM(quantization="int4", kv_cache_memory=0.05)
     model = llm.engine.runner.model
     assert isinstance(model.lm_head.method, Int8WeightOnly)
+    assert model.lm_head.method.lib is None  # bf16 activations for the logits
     assert isinstance(model.layers[0].mlp.down_proj.method, Int4WeightOnly)
     assert make_linear_method("int4", output_head=True).name == "int8"
     assert make_linear_method("none", output_head=True).name == "none"

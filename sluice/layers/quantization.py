@@ -58,8 +58,14 @@ class Int8WeightOnly(_WeightOnly):
 
     name = "int8"
 
-    def __init__(self, dense_min_rows: int = DENSE_MIN_ROWS) -> None:
+    def __init__(
+        self, dense_min_rows: int = DENSE_MIN_ROWS, quantize_activations: bool = True
+    ) -> None:
+        """quantize_activations=False keeps torch's kernel and its bf16 activations:
+        for the output head, whose logits pick among near-ties (the int8 activation
+        blocks flipped the bundled model's first answer token on a plain question)."""
         super().__init__(dense_min_rows)
+        self.quantize_activations = quantize_activations
         self.lib: ctypes.CDLL | None = None
 
     def _quantize(self, layer: Linear) -> None:
@@ -69,7 +75,8 @@ class Int8WeightOnly(_WeightOnly):
         q = (w / scale[:, None]).round().clamp(-127, 127)
         lib = kernels.load()
         if (
-            lib is not None
+            self.quantize_activations
+            and lib is not None
             and lib.sluice_q4_matmul_available()
             and k % 64 == 0
             and layer.weight.dtype in (torch.float32, torch.bfloat16)
@@ -236,10 +243,13 @@ def make_linear_method(quantization: str, output_head: bool = False) -> LinearMe
     """The method for one layer. `output_head` marks the vocabulary projection: int4
     keeps it in int8, as llama.cpp's 4-bit files do (the bundled GGUF stores it as
     Q8_0). An int4 head cost 12 points of top-1 agreement with fp32 (83.8% against
-    95.5%, benchmarks/quantization.py) for 0.2 ms of a 1-row step."""
+    95.5%, benchmarks/quantization.py) for 0.2 ms of a 1-row step. The head also keeps
+    bf16 activations (see Int8WeightOnly)."""
     if quantization == "none":
         return LinearMethod()
-    if quantization == "int8" or (quantization == "int4" and output_head):
+    if output_head and quantization in ("int8", "int4"):
+        return Int8WeightOnly(quantize_activations=False)
+    if quantization == "int8":
         return Int8WeightOnly()
     if quantization == "int4":
         return Int4WeightOnly()
