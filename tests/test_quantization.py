@@ -144,56 +144,57 @@ def test_int4_keeps_unpackable_shapes_dense(monkeypatch: pytest.MonkeyPatch) -> 
     assert torch.allclose(layer(x), x @ layer.weight.t())
 
 
-@pytest.mark.parametrize("k", [64, 576])  # 576: 18 blocks, a partial tail of block terms
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_our_int4_kernel_on_model_shapes(k: int, dtype: torch.dtype) -> None:
+def our_kernel_on_model_shape(
+    method: Int8WeightOnly | Int4WeightOnly, k: int, dtype: torch.dtype, seed: int
+) -> tuple[Linear, torch.Tensor]:
+    """A k -> 48 layer with normal weights, converted by `method` on our kernel; and
+    its original weight."""
     lib = quantization.kernels.load()
     if lib is None or not lib.sluice_q4_matmul_available():
-        pytest.skip("our int4 kernel needs a C++ compiler and AVX-512 VNNI")
-    torch.manual_seed(2)
+        pytest.skip("our int4/int8 kernels need a C++ compiler and AVX-512 VNNI")
+    torch.manual_seed(seed)
     layer = Linear(k, 48).to(dtype)
     with torch.no_grad():
         layer.weight.normal_()
-    method = Int4WeightOnly()
     layer.method = method
     w_orig = layer.weight.detach().float().clone()
     method.process_weight(layer)
+    return layer, w_orig
+
+
+def assert_rows_match_int8_activations(
+    method: Int8WeightOnly | Int4WeightOnly, layer: Linear, w: torch.Tensor, dtype: torch.dtype
+) -> None:
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, layer.in_features, dtype=dtype)
+        ref = int8_blocks(x.float()) @ w.t()
+        got = method._matmul(layer, x).float()
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=0), rows
+
+
+@pytest.mark.parametrize("k", [64, 576])  # 576: 18 blocks, a partial tail of block terms
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_our_int4_kernel_on_model_shapes(k: int, dtype: torch.dtype) -> None:
+    method = Int4WeightOnly()
+    layer, w_orig = our_kernel_on_model_shape(method, k, dtype, seed=2)
     # Dequantize from the packed fields: w = d * q + m per block of 32.
     lo, hi = layer.q4_packed & 15, layer.q4_packed >> 4
     q = torch.cat([lo.view(48, -1, 16), hi.view(48, -1, 16)], dim=-1).float()
     w = (q * layer.q4_scale[..., None].float() + layer.q4_min[..., None].float()).view(48, k)
     assert (w - w_orig).abs().max() <= layer.q4_scale.float().max() / 2 + 1e-2
-    for rows in (1, 2, 3):
-        x = torch.randn(rows, k, dtype=dtype)
-        ref = int8_blocks(x.float()) @ w.t()
-        got = method._matmul(layer, x).float()
-        tol = 1e-4 if dtype == torch.float32 else 1e-2
-        assert torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=0), rows
+    assert_rows_match_int8_activations(method, layer, w, dtype)
 
 
 @pytest.mark.parametrize("k", [64, 576])  # 576: 9 block pairs, an odd count
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_our_int8_kernel_on_model_shapes(k: int, dtype: torch.dtype) -> None:
-    lib = quantization.kernels.load()
-    if lib is None or not lib.sluice_q4_matmul_available():
-        pytest.skip("our int8 kernel needs a C++ compiler and AVX-512 VNNI")
-    torch.manual_seed(3)
-    layer = Linear(k, 48).to(dtype)
-    with torch.no_grad():
-        layer.weight.normal_()
     method = Int8WeightOnly()
-    layer.method = method
-    w_orig = layer.weight.detach().float().clone()
-    method.process_weight(layer)
+    layer, w_orig = our_kernel_on_model_shape(method, k, dtype, seed=3)
     assert method.lib is not None and not hasattr(layer, "qweight")  # one int8 copy
     w = dequantized(layer, method)
     assert (w - w_orig).abs().max() <= layer.q8_scale.max() / 2 + 1e-6
-    for rows in (1, 2, 3):
-        x = torch.randn(rows, k, dtype=dtype)
-        ref = int8_blocks(x.float()) @ w.t()
-        got = method._matmul(layer, x).float()
-        tol = 1e-4 if dtype == torch.float32 else 1e-2
-        assert torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=0), rows
+    assert_rows_match_int8_activations(method, layer, w, dtype)
 
 
 def test_default_weights_answer_a_plain_chat_question() -> None:

@@ -38,7 +38,7 @@ def rms_norm(
     if (
         lib is None
         or weight.dtype != x.dtype
-        or dim > 8192
+        or dim > lib.sluice_fused_max_dim()  # the kernel's row buffer
         or not x.is_contiguous()
         or (residual is not None and not residual.is_contiguous())
     ):

@@ -156,26 +156,33 @@ class Int4WeightOnly(_WeightOnly):
         )
 
 
-def _q4_matmul(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+def _vnni_matmul(
+    fn: ctypes._CFuncPtr, x: torch.Tensor, packed: torch.Tensor, *weights: torch.Tensor
 ) -> torch.Tensor:
-    lib = kernels.load()
-    assert lib is not None
+    """y = x @ W.T through one of our C entry points, which share a signature:
+    (x, bf16, M, K, packed weight, the weight's scale tensors..., N, y)."""
     x = x.contiguous()
     m, n = x.shape[0], packed.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    lib.sluice_q4_matmul(
+    fn(
         x.data_ptr(),
         int(x.dtype == torch.bfloat16),
         m,
         x.shape[1],
         packed.data_ptr(),
-        scale.data_ptr(),
-        minimum.data_ptr(),
+        *(w.data_ptr() for w in weights),
         n,
         y.data_ptr(),
     )
     return y
+
+
+def _q4_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+) -> torch.Tensor:
+    lib = kernels.load()
+    assert lib is not None
+    return _vnni_matmul(lib.sluice_q4_matmul, x, packed, scale, minimum)
 
 
 @torch.library.custom_op("sluice::q4_matmul", mutates_args=())
@@ -193,20 +200,7 @@ def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch
 def _q8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     lib = kernels.load()
     assert lib is not None
-    x = x.contiguous()
-    m, n = x.shape[0], packed.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    lib.sluice_q8_matmul(
-        x.data_ptr(),
-        int(x.dtype == torch.bfloat16),
-        m,
-        x.shape[1],
-        packed.data_ptr(),
-        scale.data_ptr(),
-        n,
-        y.data_ptr(),
-    )
-    return y
+    return _vnni_matmul(lib.sluice_q8_matmul, x, packed, scale)
 
 
 @torch.library.custom_op("sluice::q8_matmul", mutates_args=())

@@ -10,7 +10,6 @@
 //   y_n = s_n * (sum_b dx_b * sum_{i in b} u_i qx_i  -  128 * sum_b dx_b * sum(qx_b)).
 #pragma once
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "dtype.h"
