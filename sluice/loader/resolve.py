@@ -14,6 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from sluice.settings import cache_dir
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -92,12 +94,6 @@ KNOWN_MODELS: dict[str, PackagedModel] = {
         ),
     )
 }
-
-
-def cache_dir() -> Path:
-    """Root of everything sluice writes: `$SLUICE_CACHE_DIR` or `~/.cache/sluice`."""
-    env = os.environ.get("SLUICE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "sluice"
 
 
 def _find_package_dir(module: str) -> Path | None:

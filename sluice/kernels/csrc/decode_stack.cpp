@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "dtype.h"
+#include "isa.h"
 #include "fused_ops.h"
 #include "paged_attention.h"
 #include "q4_matmul.h"
@@ -21,7 +22,6 @@
 
 namespace {
 
-#if SLUICE_Q4_VNNI
 // Per layer, kLayerFields pointers (sluice/models/llama_decode_stack.py builds them).
 // A linear is (packed, scale, min): int4 blocks with fp16 scales and minimums, or
 // int8 offset bytes with fp32 channel scales (min unused).
@@ -133,19 +133,12 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
   for (int64_t i = 0; i < static_cast<int64_t>(M) * H; ++i)
     h[i] = sluice::round_to(h, sluice::to_float(h[i]) + sluice::to_float(residual[i]));
 }
-#endif
 
 }  // namespace
 
 extern "C" {
 
-int sluice_decode_stack_fields() {
-#if SLUICE_Q4_VNNI
-  return kLayerFields;
-#else
-  return 0;
-#endif
-}
+int sluice_decode_stack_fields() { return kLayerFields; }
 
 // h [rows, hidden]: the embeddings in, the stack's output (before the final norm) out.
 // cos/sin [rows, head_dim / 2]; slots, tables, q_start, ctx_end as for the paged kernel.
@@ -154,7 +147,6 @@ void sluice_decode_stack(int bf16, int bits, const int64_t* fields, int layers, 
                          float scale, void* h, const void* cos, const void* sin, int rows,
                          const int64_t* slots, const int64_t* tables, int64_t max_blocks,
                          const int64_t* q_start, const int64_t* ctx_end, int seqs) {
-#if SLUICE_Q4_VNNI
   const Shape s{bits, layers, hidden, heads, kv_heads, head_dim, inter, block_size, eps, scale};
   const Batch b{rows, slots, tables, max_blocks, q_start, ctx_end, seqs};
   if (bf16)
@@ -163,11 +155,5 @@ void sluice_decode_stack(int bf16, int bits, const int64_t* fields, int layers, 
   else
     run(s, fields, b, static_cast<float*>(h), static_cast<const float*>(cos),
         static_cast<const float*>(sin));
-#else
-  (void)bf16, (void)bits, (void)fields, (void)layers, (void)hidden, (void)heads, (void)kv_heads;
-  (void)head_dim, (void)inter, (void)block_size, (void)eps, (void)scale, (void)h, (void)cos;
-  (void)sin, (void)rows, (void)slots, (void)tables, (void)max_blocks, (void)q_start;
-  (void)ctx_end, (void)seqs;
-#endif
 }
 }

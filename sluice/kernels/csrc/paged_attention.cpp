@@ -18,6 +18,11 @@ void attend(const T* q, const T* k, const T* v, const int64_t* bt, int64_t max_b
 
 extern "C" {
 
+// Whether head_dim takes this level's vectorized math (else the generic loops).
+int sluice_attention_vectorized(int head_dim) {
+  return sluice::vectorized_head_dim(head_dim) ? 1 : 0;
+}
+
 void sluice_paged_attention_f32(const float* q, const float* k, const float* v,
                                 const int64_t* bt, int64_t max_blocks, const int64_t* qs,
                                 const int64_t* ctx, float* out, int num_seqs, int num_heads,

@@ -12,10 +12,7 @@
 #include <vector>
 
 #include "dtype.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 namespace sluice {
 
@@ -96,7 +93,7 @@ struct GenericMath {
   }
 };
 
-#if defined(__AVX512F__)
+#if defined(SLUICE_ISA_AVX512)
 // AVX-512 math for the common head sizes (64, 128): dot products, the weighted sum and
 // exp run 16 lanes at a time. The generic loops leave dot products and exp scalar,
 // which made the kernel compute bound far below memory bandwidth.
@@ -164,6 +161,86 @@ struct Avx512Math {
     return _mm512_reduce_add_ps(total);
   }
 };
+template <int D>
+using VecMath = Avx512Math<D>;
+#elif defined(SLUICE_ISA_AVX2)
+// AVX2 math for the common head sizes (64, 128): the AVX-512 policy at 8 lanes. exp has
+// no vscalefps here: 2^n is built from n's bits in the exponent field.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float reduce8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x for x <= 0, as exp16: n = round(x log2 e) >= -126 (x clamped at -87), so 2^n
+// is a normal float whose exponent field is n + 127.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+template <int D>
+struct Avx2Math {
+  static constexpr int kVecs = D / 8;
+  struct Row {
+    __m256 v[kVecs];
+  };
+  static constexpr int dim() { return D; }
+  template <typename T>
+  Row widen(const T* p) const {
+    Row row;
+    for (int i = 0; i < kVecs; ++i) row.v[i] = load8(p + 8 * i);
+    return row;
+  }
+  float dot(const float* q, const Row& row) const {
+    __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(q), row.v[0]);
+    __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(q + 8), row.v[1]);
+    for (int i = 2; i < kVecs; i += 2) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), row.v[i], s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i + 8), row.v[i + 1], s1);
+    }
+    return reduce8(_mm256_add_ps(s0, s1));
+  }
+  void axpy(float w, const Row& row, float* y) const {
+    const __m256 wv = _mm256_set1_ps(w);
+    for (int i = 0; i < kVecs; ++i)
+      _mm256_storeu_ps(y + 8 * i, _mm256_fmadd_ps(wv, row.v[i], _mm256_loadu_ps(y + 8 * i)));
+  }
+  float exp_sum(float* sc, int64_t n, float m) const {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 total = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mv));
+      _mm256_storeu_ps(sc + t, e);
+      total = _mm256_add_ps(total, e);
+    }
+    float sum = reduce8(total);
+    for (; t < n; ++t) sum += sc[t] = std::exp(sc[t] - m);
+    return sum;
+  }
+};
+template <int D>
+using VecMath = Avx2Math<D>;
 #endif
 
 // The (sequence, kv head) tasks, shared out by an orphaned `omp for`: called by every
@@ -238,18 +315,28 @@ void attend_tasks(const Math& math, const T* q, const T* k_cache, const T* v_cac
   }
 }
 
+// The head sizes this level's vectorized math covers; the rest take GenericMath.
+inline bool vectorized_head_dim(int head_dim) {
+#if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
+  return head_dim == 64 || head_dim == 128;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
 // attend_tasks with the fastest math for head_dim; inside a parallel region.
 template <typename T>
 void attend_tasks(const T* q, const T* k, const T* v, const int64_t* bt, int64_t max_blocks,
                   const int64_t* qs, const int64_t* ctx, T* out, int num_seqs, int num_heads,
                   int num_kv_heads, int head_dim, int block_size, float scale,
                   int64_t q_stride) {
-#if defined(__AVX512F__)
+#if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
   if (head_dim == 64)
-    return attend_tasks(Avx512Math<64>{}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
+    return attend_tasks(VecMath<64>{}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
                         num_heads, num_kv_heads, block_size, scale, q_stride);
   if (head_dim == 128)
-    return attend_tasks(Avx512Math<128>{}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
+    return attend_tasks(VecMath<128>{}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
                         num_heads, num_kv_heads, block_size, scale, q_stride);
 #endif
   attend_tasks(GenericMath{head_dim}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,

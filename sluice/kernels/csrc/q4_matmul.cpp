@@ -1,22 +1,18 @@
-// C entry points of the 4-bit matmul (q4_matmul.h).
+// C entry points of the 4-bit matmul (q4_matmul.h), and the library's variant name.
 #include <cstdint>
 
+#include "isa.h"
 #include "q4_matmul.h"
 
 extern "C" {
 
-int sluice_q4_matmul_available() {
-#if SLUICE_Q4_VNNI
-  return 1;
-#else
-  return 0;
-#endif
-}
+// The instruction-set level these sources were compiled for (isa.h): lets the loader
+// and the tests check that the variant they asked for is the one that runs.
+const char* sluice_variant() { return SLUICE_ISA_NAME; }
 
 // x [M, K] fp32 or bf16 (same dtype as y [M, N]); K a multiple of 64.
 void sluice_q4_matmul(const void* x, int bf16, int M, int K, const uint8_t* qw,
                       const uint16_t* d, const uint16_t* m, int N, void* y) {
-#if SLUICE_Q4_VNNI
   sluice::Q4Activations xa;
   if (bf16) {
     xa.quantize(static_cast<const uint16_t*>(x), M, K);
@@ -27,8 +23,5 @@ void sluice_q4_matmul(const void* x, int bf16, int M, int K, const uint8_t* qw,
 #pragma omp parallel
     sluice::q4_rows(xa, M, K, qw, d, m, N, static_cast<float*>(y));
   }
-#else
-  (void)x, (void)bf16, (void)M, (void)K, (void)qw, (void)d, (void)m, (void)N, (void)y;
-#endif
 }
 }

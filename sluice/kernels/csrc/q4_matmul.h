@@ -1,16 +1,20 @@
-// 4-bit weight x 8-bit activation matmul for small batches (decode) on AVX-512 VNNI.
+// 4-bit weight x 8-bit activation matmul for small batches (decode), with a path for
+// each instruction-set level (isa.h): AVX-512 VNNI, AVX2 and portable C++.
 //
 // Weights: asymmetric 4-bit in blocks of 32 along the input dimension, w = d * q + m,
 // q in 0..15, fp16 d and m per block (11 bits of precision where bf16 has 8; the
-// scales are a sixth of the bytes a decode step reads, so fp32 would cost ~10%). Block byte j holds q[j] in its low nibble and
-// q[j + 16] in its high nibble (the GGUF Q4_1 order). Rows of packed bytes are K/2 long.
+// scales are a sixth of the bytes a decode step reads, so fp32 would cost ~10%). Block
+// byte j holds q[j] in its low nibble and q[j + 16] in its high nibble (the GGUF Q4_1
+// order). Rows of packed bytes are K/2 long.
 //
 // Activations are quantized per call to int8 in blocks of 32 (scale dx = absmax / 127),
-// so that one vpdpbusd multiplies 64 weight/activation pairs:
+// so that integer dot products do the multiply-adds:
 //   sum_i w_i x_i  ~=  d * dx * sum_i q_i qx_i  +  m * dx * sum_i qx_i.
-// Two blocks are processed per 512-bit register. Their 16-byte nibble halves unpack to
-// [b0 low, b1 low, b0 high, b1 high]; the activation bytes are stored permuted the same
-// way once per call, so the hot loop has no shuffles of activations.
+// Blocks are handled in pairs. A pair's 32 weight bytes unpack to [b0 low, b1 low] (the
+// low nibbles) and [b0 high, b1 high] (the high ones); the activation bytes are stored
+// in that order once per call, [b0 low, b1 low, b0 high, b1 high], so the hot loop has
+// no shuffles of activations on any path: AVX-512 multiplies all 64 in one vpdpbusd,
+// AVX2 in two maddubs (their int16 pair sums cannot saturate: 2 * 15 * 127 < 2^15).
 //
 // Decoding reads every weight once per step: the loop over weight rows is outermost and
 // parallel, each row's bytes stay in L1 while all activation rows use them.
@@ -21,15 +25,10 @@
 #include <vector>
 
 #include "dtype.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#define SLUICE_Q4_VNNI 1
-#endif
+#include "isa.h"
 
 namespace sluice {
 
-#if SLUICE_Q4_VNNI
 // x [M, K] -> int8 in pair-permuted order, per-block scales dx and dx * sum(qx).
 template <typename T>
 void quantize_rows(const T* x, int M, int K, int8_t* xq, float* dx, float* sx) {
@@ -61,27 +60,7 @@ void quantize_rows(const T* x, int M, int K, int8_t* xq, float* dx, float* sx) {
   }
 }
 
-// The 16 int32 partial dot products of block pair p (lanes: b0, b1, b0, b1 by fours).
-inline __m512 pair_dot(const uint8_t* wr, const int8_t* xr, int p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 32 * p));
-  const __m512i both =
-      _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
-  const __m512i q = _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
-  const __m512i xv = _mm512_loadu_si512(xr + 64 * p);
-  return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv));
-}
-
-// Per-lane scale d * dx of the block each lane of pair p belongs to.
-inline __m512 pair_scale(const uint16_t* dr, const float* dxr, int p, __m512i lanes) {
-  int32_t d2;
-  std::memcpy(&d2, dr + 2 * p, sizeof(d2));
-  const __m128 s2 =
-      _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d2)),
-                 _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dxr + 2 * p))));
-  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s2));
-}
-
-// Activation rows quantized by quantize_rows, for one call of q4_rows.
+// Activation rows quantized by quantize_rows, for one call of q4_rows / q8_rows.
 struct Q4Activations {
   std::vector<int8_t> q;
   std::vector<float> dx, sx;
@@ -94,45 +73,131 @@ struct Q4Activations {
   }
 };
 
+// One weight row . one activation row: sum_b d_b dx_b sum(q qx) + sum_b m_b sx_b.
+// wr: K/2 packed bytes; dr, mr: nb fp16; xr: K pair-ordered int8; dxr, sxr: nb floats.
+#if defined(SLUICE_ISA_AVX512)
+// The 16 int32 partial dot products of block pair p (lanes: b0, b1, b0, b1 by fours).
+inline __m512 q4_pair_dot(const uint8_t* wr, const int8_t* xr, int p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 32 * p));
+  const __m512i both =
+      _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+  const __m512i q = _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+  const __m512i xv = _mm512_loadu_si512(xr + 64 * p);
+  return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv));
+}
+
+// Per-lane scale d * dx of the block each lane of pair p belongs to.
+inline __m512 q4_pair_scale(const uint16_t* dr, const float* dxr, int p, __m512i lanes) {
+  int32_t d2;
+  std::memcpy(&d2, dr + 2 * p, sizeof(d2));
+  const __m128 s2 =
+      _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d2)),
+                 _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dxr + 2 * p))));
+  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s2));
+}
+
+inline float q4_row_dot(const uint8_t* wr, const uint16_t* dr, const uint16_t* mr,
+                        const int8_t* xr, const float* dxr, const float* sxr, int nb) {
+  const int np = nb / 2;
+  const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  // Two accumulators: consecutive pairs do not wait on each other's FMA.
+  __m512 acc = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();
+  int p = 0;
+  for (; p + 1 < np; p += 2) {
+    acc = _mm512_fmadd_ps(q4_pair_dot(wr, xr, p), q4_pair_scale(dr, dxr, p, lanes), acc);
+    acc2 = _mm512_fmadd_ps(q4_pair_dot(wr, xr, p + 1), q4_pair_scale(dr, dxr, p + 1, lanes),
+                           acc2);
+  }
+  if (p < np) acc = _mm512_fmadd_ps(q4_pair_dot(wr, xr, p), q4_pair_scale(dr, dxr, p, lanes), acc);
+  acc = _mm512_add_ps(acc, acc2);
+  // The blocks' minimum terms: sum_b m_b * dx_b * sum(qx_b), 16 blocks at a time.
+  for (int b = 0; b < nb; b += 16) {
+    const __mmask16 k = nb - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b)) - 1);
+    const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mr + b));
+    acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, sxr + b), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+#elif defined(SLUICE_ISA_AVX2)
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Lanes 0-3 get a, lanes 4-7 get b: the two blocks of a pair after maddubs + madd.
+inline __m256 pair_lanes(__m128 ab) {
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(ab),
+                                  _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+}
+
+inline float q4_row_dot(const uint8_t* wr, const uint16_t* dr, const uint16_t* mr,
+                        const int8_t* xr, const float* dxr, const float* sxr, int nb) {
+  const int np = nb / 2;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int p = 0; p < np; ++p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 32 * p));
+    const __m256i lo = _mm256_and_si256(raw, nibble);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 64 * p));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 64 * p + 32));
+    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+    int32_t d2;
+    std::memcpy(&d2, dr + 2 * p, sizeof(d2));
+    const __m128 s2 =
+        _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d2)),
+                   _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dxr + 2 * p))));
+    acc[p & 1] = _mm256_fmadd_ps(dot, pair_lanes(s2), acc[p & 1]);
+  }
+  __m256 total = _mm256_add_ps(acc[0], acc[1]);
+  int b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mr + b)));
+    total = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sxr + b), total);
+  }
+  float sum = hsum8(total);
+  for (; b < nb; ++b) sum += _cvtsh_ss(mr[b]) * sxr[b];
+  return sum;
+}
+#else
+inline float q4_row_dot(const uint8_t* wr, const uint16_t* dr, const uint16_t* mr,
+                        const int8_t* xr, const float* dxr, const float* sxr, int nb) {
+  float sum = 0.f;
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* w = wr + 32 * (b / 2) + 16 * (b % 2);
+    const int8_t* x = xr + 64 * (b / 2) + 16 * (b % 2);
+    int32_t dot = 0;
+    for (int j = 0; j < 16; ++j) dot += (w[j] & 0x0F) * x[j] + (w[j] >> 4) * x[32 + j];
+    sum += half_to_float(dr[b]) * dxr[b] * static_cast<float>(dot) +
+           half_to_float(mr[b]) * sxr[b];
+  }
+  return sum;
+}
+#endif
+
 // y [M, N] = x @ w.T for quantized x; the weight rows are shared out by an orphaned
 // `omp for` (every thread of an enclosing parallel region calls this; barrier at end).
 template <typename T>
 void q4_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const uint16_t* d,
              const uint16_t* m, int N, T* y) {
-  const int nb = K / 32, np = K / 64;
-  const int8_t* xq = xa.q.data();
-  const float* dx = xa.dx.data();
-  const float* sx = xa.sx.data();
-  const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  const int nb = K / 32;
 #pragma omp for schedule(static)
   for (int n = 0; n < N; ++n) {
     const uint8_t* wr = qw + static_cast<int64_t>(n) * (K / 2);
     const uint16_t* dr = d + static_cast<int64_t>(n) * nb;
     const uint16_t* mr = m + static_cast<int64_t>(n) * nb;
     for (int r = 0; r < M; ++r) {
-      const int8_t* xr = xq + static_cast<int64_t>(r) * K;
-      const float* dxr = dx + static_cast<int64_t>(r) * nb;
-      // Two accumulators: consecutive pairs do not wait on each other's FMA.
-      __m512 acc = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();
-      int p = 0;
-      for (; p + 1 < np; p += 2) {
-        acc = _mm512_fmadd_ps(pair_dot(wr, xr, p), pair_scale(dr, dxr, p, lanes), acc);
-        acc2 = _mm512_fmadd_ps(pair_dot(wr, xr, p + 1), pair_scale(dr, dxr, p + 1, lanes), acc2);
-      }
-      if (p < np) acc = _mm512_fmadd_ps(pair_dot(wr, xr, p), pair_scale(dr, dxr, p, lanes), acc);
-      acc = _mm512_add_ps(acc, acc2);
-      // The blocks' minimum terms: sum_b m_b * dx_b * sum(qx_b), 16 blocks at a time.
-      const float* sxr = sx + static_cast<int64_t>(r) * nb;
-      for (int b = 0; b < nb; b += 16) {
-        const __mmask16 k = nb - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b)) - 1);
-        const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mr + b));
-        acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, sxr + b), acc);
-      }
+      const float v = q4_row_dot(wr, dr, mr, xa.q.data() + static_cast<int64_t>(r) * K,
+                                 xa.dx.data() + static_cast<int64_t>(r) * nb,
+                                 xa.sx.data() + static_cast<int64_t>(r) * nb, nb);
       T* dst = y + static_cast<int64_t>(r) * N + n;
-      *dst = sluice::round_to(dst, _mm512_reduce_add_ps(acc));
+      *dst = sluice::round_to(dst, v);
     }
   }
 }
-#endif
 
 }  // namespace sluice

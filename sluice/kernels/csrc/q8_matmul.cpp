@@ -9,7 +9,6 @@ extern "C" {
 // qw [N, K] offset bytes in pair order, scale [N] fp32.
 void sluice_q8_matmul(const void* x, int bf16, int M, int K, const uint8_t* qw,
                       const float* scale, int N, void* y) {
-#if SLUICE_Q4_VNNI
   sluice::Q4Activations xa;
   if (bf16) {
     xa.quantize(static_cast<const uint16_t*>(x), M, K);
@@ -20,8 +19,5 @@ void sluice_q8_matmul(const void* x, int bf16, int M, int K, const uint8_t* qw,
 #pragma omp parallel
     sluice::q8_rows(xa, M, K, qw, scale, N, static_cast<float*>(y));
   }
-#else
-  (void)x, (void)bf16, (void)M, (void)K, (void)qw, (void)scale, (void)N, (void)y;
-#endif
 }
 }

@@ -1,31 +1,90 @@
-// 8-bit weight x 8-bit activation matmul for small batches (decode) on AVX-512 VNNI.
+// 8-bit weight x 8-bit activation matmul for small batches (decode), with a path for
+// each instruction-set level (isa.h).
 //
-// Weights: symmetric int8 per output channel, w = s * q. vpdpbusd multiplies unsigned
-// by signed bytes, so they are stored offset, u = q + 128, and the offset comes back
-// out per activation block: sum_i u_i qx_i = sum_i q_i qx_i + 128 * sum_i qx_i.
-// Activations are quantized per call exactly as for the 4-bit kernel (q4_matmul.h:
-// int8 in blocks of 32, each pair of blocks stored as [b0 low, b1 low, b0 high,
-// b1 high] halves); the weight bytes are stored in that same order at load time, so
-// one 64-byte load of each feeds one vpdpbusd:
-//   y_n = s_n * (sum_b dx_b * sum_{i in b} u_i qx_i  -  128 * sum_b dx_b * sum(qx_b)).
+// Weights: symmetric int8 per output channel, w = s * q, q in -127..127, stored offset
+// as u = q + 128 (so u ^ 0x80 is q again as a signed byte). Activations are quantized
+// per call exactly as for the 4-bit kernel (q4_matmul.h: int8 in blocks of 32, each
+// pair of blocks stored as [b0 low, b1 low, b0 high, b1 high] halves); the weight bytes
+// are stored in that same order at load time, so each 64-byte run of both lines up.
+//   AVX-512 VNNI: vpdpbusd multiplies unsigned u by signed qx; the offset comes back out
+//     once per activation row: sum_i u_i qx_i = sum_i q_i qx_i + 128 * sum_i qx_i.
+//   AVX2: maddubs(|q|, sign(qx, q)), whose int16 pair sums cannot saturate
+//     (2 * 127 * 127 < 2^15), as llama.cpp does for q8_0.
+//   generic: the signed products in plain C++.
+//   y_n = s_n * sum_b dx_b * sum_{i in b} q_i qx_i.
 #pragma once
 #include <cstdint>
 #include <vector>
 
 #include "dtype.h"
+#include "isa.h"
 #include "q4_matmul.h"
 
 namespace sluice {
 
-#if SLUICE_Q4_VNNI
+// sum_b dx_b * sum_{i in b} q_i qx_i for one weight row (K offset bytes) and one
+// activation row; `offset` is 128 * sum_b dx_b sum(qx_b) of that row (AVX-512 only).
+#if defined(SLUICE_ISA_AVX512)
+inline float q8_row_dot(const uint8_t* wr, const int8_t* xr, const float* dxr, int nb,
+                        float offset) {
+  const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  // Two accumulators: consecutive pairs do not wait on each other's FMA.
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int p = 0; p < nb / 2; ++p) {
+    const __m512i w = _mm512_loadu_si512(wr + 64 * p);
+    const __m512i x = _mm512_loadu_si512(xr + 64 * p);
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x));
+    const __m128 dx2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dxr + 2 * p)));
+    const __m512 sc = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(dx2));
+    acc[p & 1] = _mm512_fmadd_ps(dot, sc, acc[p & 1]);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) - offset;
+}
+#elif defined(SLUICE_ISA_AVX2)
+inline float q8_row_dot(const uint8_t* wr, const int8_t* xr, const float* dxr, int nb,
+                        float /*offset*/) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int p = 0; p < nb / 2; ++p) {
+    __m256i s32 = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {  // low halves, then high halves, of both blocks
+      const __m256i w = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 64 * p + 32 * h)), flip);
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 64 * p + 32 * h));
+      const __m256i prod = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+      s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(prod, ones));
+    }
+    const __m128 dx2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dxr + 2 * p)));
+    acc[p & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), pair_lanes(dx2), acc[p & 1]);
+  }
+  return hsum8(_mm256_add_ps(acc[0], acc[1]));
+}
+#else
+inline float q8_row_dot(const uint8_t* wr, const int8_t* xr, const float* dxr, int nb,
+                        float /*offset*/) {
+  float sum = 0.f;
+  for (int b = 0; b < nb; ++b) {
+    const int base = 64 * (b / 2) + 16 * (b % 2);
+    int32_t dot = 0;
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 16; ++j) {
+        const int i = base + 32 * h + j;
+        dot += (static_cast<int>(wr[i]) - 128) * xr[i];
+      }
+    sum += dxr[b] * static_cast<float>(dot);
+  }
+  return sum;
+}
+#endif
+
 // y [M, N] = x @ w.T for quantized x; weight rows shared out by an orphaned `omp for`
 // (called by every thread of an enclosing parallel region; barrier at the end).
 template <typename T>
 void q8_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const float* scale, int N,
              T* y) {
-  const int nb = K / 32, np = K / 64;
-  const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-  // The offset term does not depend on the weight row: once per activation row.
+  const int nb = K / 32;
+  // The AVX-512 offset term does not depend on the weight row: once per activation row.
   std::vector<float> offset(M);
   for (int r = 0; r < M; ++r) {
     float s = 0.f;
@@ -36,25 +95,12 @@ void q8_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const flo
   for (int n = 0; n < N; ++n) {
     const uint8_t* wr = qw + static_cast<int64_t>(n) * K;
     for (int r = 0; r < M; ++r) {
-      const int8_t* xr = xa.q.data() + static_cast<int64_t>(r) * K;
-      const float* dxr = xa.dx.data() + static_cast<int64_t>(r) * nb;
-      // Two accumulators: consecutive pairs do not wait on each other's FMA.
-      __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-      for (int p = 0; p < np; ++p) {
-        const __m512i w = _mm512_loadu_si512(wr + 64 * p);
-        const __m512i x = _mm512_loadu_si512(xr + 64 * p);
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x));
-        const __m128 dx2 =
-            _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dxr + 2 * p)));
-        const __m512 sc = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(dx2));
-        acc[p & 1] = _mm512_fmadd_ps(dot, sc, acc[p & 1]);
-      }
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+      const float sum = q8_row_dot(wr, xa.q.data() + static_cast<int64_t>(r) * K,
+                                   xa.dx.data() + static_cast<int64_t>(r) * nb, nb, offset[r]);
       T* dst = y + static_cast<int64_t>(r) * N + n;
-      *dst = sluice::round_to(dst, scale[n] * (sum - offset[r]));
+      *dst = sluice::round_to(dst, scale[n] * sum);
     }
   }
 }
-#endif
 
 }  // namespace sluice

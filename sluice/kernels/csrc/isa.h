@@ -1,0 +1,23 @@
+// The instruction-set level this translation unit is compiled for. The Python side
+// builds the same sources once per variant with explicit flags (generic: the plain
+// baseline of the architecture; avx2: x86-64-v3; avx512: x86-64-v4 + VNNI) and loads
+// the best one the CPU has, so every kernel needs a path for each level. Intrinsics
+// appear only inside the `#if SLUICE_ISA_*` blocks; everything else is portable C++,
+// so an aarch64 build falls back to the generic paths (NEON/dotprod paths would be a
+// fourth level, SLUICE_ISA_NEON, beside these).
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define SLUICE_ISA_AVX512 1
+#define SLUICE_ISA_NAME "avx512"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SLUICE_ISA_AVX2 1
+#define SLUICE_ISA_NAME "avx2"
+#else
+#define SLUICE_ISA_NAME "generic"
+#endif
+
+#if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
+#include <immintrin.h>
+#endif
