@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from sluice.kernels import cpu
+
 
 @dataclass
 class ModelConfig:
@@ -47,16 +49,6 @@ class ModelConfig:
             )
 
 
-def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16 make bf16 matmuls several times faster than fp32 on CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype in names:
@@ -65,20 +57,28 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
     if device.type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    return torch.bfloat16 if cpu.has_native_bf16() else torch.float32
 
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 def resolve_quantization(
-    quantization: str, device: torch.device, dtype: torch.dtype, weight_bits: int | None
+    quantization: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    weight_bits: int | None,
+    dtype_requested: str = "auto",
 ) -> str:
-    """'auto' keeps a quantized file's weights at their precision where our weight-only
-    kernels run (CPU, bf16: the fast path); fp32 stays the exact, unquantized mode."""
+    """'auto' keeps a quantized file's weights at their precision on CPU, where our
+    weight-only kernels run at every instruction-set level: in bf16, and in fp32 where
+    fp32 was chosen because the CPU has no native bf16 (AVX2). An fp32 the user asked
+    for stays the exact, unquantized mode the tests compare with transformers in."""
     if quantization != "auto":
         return quantization
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return "none"
+    if dtype == torch.float32 and dtype_requested != "auto":
         return "none"
     return {4: "int4", 8: "int8"}.get(weight_bits or 0, "none")
 
@@ -99,7 +99,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
     # Weight-only, on CPU kernels: "none", "int8", "int4", or "auto": a GGUF's 4-bit
-    # (8-bit) linear weights stay int4 (int8) when computing in bf16 on CPU, else none.
+    # (8-bit) linear weights stay int4 (int8) on CPU unless fp32 was asked for.
     quantization: str = "auto"
     # torch.compile the model (inductor): fuses the per-layer elementwise work; costs a
     # compile at the first steps of each shape class (cached on disk across runs).

@@ -10,15 +10,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sluice.kernels import cpu
+
 
 def onednn_packable(weight: torch.Tensor) -> bool:
     """bf16 weights on CPU go through oneDNN with a prepacked layout: torch's default bf16
-    matmul (MKL) takes a generic path on CPUs without AMX, 1.2-2x slower here."""
+    matmul (MKL) takes a generic path on CPUs without AMX, 1.2-2x slower here. oneDNN's
+    bf16 path needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere (AVX2, or a level
+    forced below avx512) the plain matmul it is."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
+        and cpu.at_least("avx512")
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
 

@@ -51,9 +51,10 @@ class _WeightOnly(LinearMethod, abc.ABC):
 class Int8WeightOnly(_WeightOnly):
     """Symmetric per-output-channel int8.
 
-    Two kernels: ours (sluice/kernels/csrc/q8_matmul.h: int8 activations, AVX-512
-    VNNI) where it was built and the input size is a multiple of 64, else torch's
-    `_weight_int8pack_mm` (bf16 activations). Either holds one copy of the int8 weight.
+    Two kernels: ours (sluice/kernels/csrc/q8_matmul.h: int8 activations; VNNI, AVX2
+    or portable C++ by the CPU's level) where it was built and the input size is a
+    multiple of 64, else torch's `_weight_int8pack_mm` (bf16 activations). Either
+    holds one copy of the int8 weight.
     """
 
     name = "int8"
@@ -77,7 +78,6 @@ class Int8WeightOnly(_WeightOnly):
         if (
             self.quantize_activations
             and lib is not None
-            and lib.sluice_q4_matmul_available()
             and k % 64 == 0
             and layer.weight.dtype in (torch.float32, torch.bfloat16)
         ):
@@ -95,16 +95,18 @@ class Int8WeightOnly(_WeightOnly):
         if self.lib is not None:
             if torch.compiler.is_compiling():
                 return _q8_matmul_op(x, layer.q8_packed, layer.q8_scale)  # opaque
-            return _q8_matmul(x, layer.q8_packed, layer.q8_scale)
+            fn = self.lib.sluice_q8_matmul
+            return _int8_activation_matmul(fn, x, layer.q8_packed, layer.q8_scale)
         return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.qscale)
 
 
 class Int4WeightOnly(_WeightOnly):
     """Asymmetric int4 in groups of `group_size` along the input dimension.
 
-    Two kernels: ours (sluice/kernels/csrc/q4_matmul.cpp: int8 activations, AVX-512
-    VNNI, fp16 block scales) where it was built and the input size is a multiple of 64,
-    else torch's `_weight_int4pack_mm_for_cpu` (bf16 scales). Either holds one packed copy.
+    Two kernels: ours (sluice/kernels/csrc/q4_matmul.h: int8 activations, fp16 block
+    scales; VNNI, AVX2 or portable C++ by the CPU's level) where it was built and the
+    input size is a multiple of 64, else torch's `_weight_int4pack_mm_for_cpu` (bf16
+    scales). Either holds one packed copy.
     """
 
     name = "int4"
@@ -119,7 +121,7 @@ class Int4WeightOnly(_WeightOnly):
         n, k = w.shape
         g = self.group_size
         lib = kernels.load()
-        if lib is not None and lib.sluice_q4_matmul_available() and g == 32 and k % 64 == 0:
+        if lib is not None and g == 32 and k % 64 == 0:
             if layer.weight.dtype in (torch.float32, torch.bfloat16):
                 self.lib = lib
         if self.lib is None and (k % g or n % 16):
@@ -150,13 +152,13 @@ class Int4WeightOnly(_WeightOnly):
             args = (x, layer.q4_packed, layer.q4_scale, layer.q4_min)
             if torch.compiler.is_compiling():
                 return _q4_matmul_op(*args)  # opaque to the compiler
-            return _q4_matmul(*args)
+            return _int8_activation_matmul(self.lib.sluice_q4_matmul, *args)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, layer.qweight, self.group_size, layer.qscale_zero
         )
 
 
-def _vnni_matmul(
+def _int8_activation_matmul(
     fn: ctypes._CFuncPtr, x: torch.Tensor, packed: torch.Tensor, *weights: torch.Tensor
 ) -> torch.Tensor:
     """y = x @ W.T through one of our C entry points, which share a signature:
@@ -182,7 +184,7 @@ def _q4_matmul(
 ) -> torch.Tensor:
     lib = kernels.load()
     assert lib is not None
-    return _vnni_matmul(lib.sluice_q4_matmul, x, packed, scale, minimum)
+    return _int8_activation_matmul(lib.sluice_q4_matmul, x, packed, scale, minimum)
 
 
 @torch.library.custom_op("sluice::q4_matmul", mutates_args=())
@@ -200,7 +202,7 @@ def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch
 def _q8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     lib = kernels.load()
     assert lib is not None
-    return _vnni_matmul(lib.sluice_q8_matmul, x, packed, scale)
+    return _int8_activation_matmul(lib.sluice_q8_matmul, x, packed, scale)
 
 
 @torch.library.custom_op("sluice::q8_matmul", mutates_args=())
