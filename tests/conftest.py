@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +76,39 @@ def llm_fp32() -> Any:
     from sluice import LLM
 
     return LLM(dtype="float32", kv_cache_memory=0.25)
+
+
+LEVELS = ("generic", "avx2", "avx512")
+
+
+@contextlib.contextmanager
+def kernels_at(level: str) -> Iterator[str]:
+    """Our CPU kernels of `level` active in the block; the test is skipped only where
+    the CPU (or SLUICE_CPU_ISA) does not run that level or no compiler is installed."""
+    import os
+    import shutil
+
+    from sluice import kernels
+    from sluice.kernels import cpu
+
+    if level not in cpu.available_levels():
+        pytest.skip(
+            f"this CPU (or SLUICE_CPU_ISA) does not run the {level} kernels "
+            f"(levels here: {', '.join(cpu.available_levels())})"
+        )
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler: our CPU kernels cannot be built")
+    if os.environ.get("SLUICE_CPU_KERNELS") == "0":
+        pytest.skip("SLUICE_CPU_KERNELS=0 turns our CPU kernels off")
+    with kernels.use_variant(level) as lib:
+        assert lib is not None, f"the {level} kernels failed to build (see the log)"
+        assert lib.sluice_variant().decode() == level
+        yield level
+
+
+@pytest.fixture(params=LEVELS)
+def kernel_level(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test on each instruction-set level of our CPU kernels that this CPU has
+    (an AVX-512 machine runs all three, an AVX2 one avx2 and generic)."""
+    with kernels_at(request.param) as level:
+        yield level

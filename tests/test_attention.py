@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from sluice.attention import AttentionMetadata, PrefillSpan, SDPABackend, cpu_kernels
+from tests.conftest import LEVELS, kernels_at
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -23,14 +27,29 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return out[0].transpose(0, 1)
 
 
+@pytest.fixture(params=[*LEVELS, "torch"])
+def attention_kernel(request: pytest.FixtureRequest) -> Iterator[ctypes.CDLL | None]:
+    """Our paged kernel at each instruction-set level this CPU has, and torch alone."""
+    if request.param == "torch":
+        yield None
+        return
+    with kernels_at(request.param):
+        kernel = cpu_kernels.load()
+        assert kernel is not None and kernel.sluice_variant().decode() == request.param
+        yield kernel
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("use_kernel", [True, False])
-# 64 and 128 take the kernel's vectorized path where the CPU has AVX-512; 32 the generic one.
+# 64 and 128 take the kernel's vectorized math at the avx2 and avx512 levels; 32 the
+# generic loops (the generic level has only those).
 @pytest.mark.parametrize("d", [32, 64, 128])
-def test_paged_attention_matches_dense(dtype: torch.dtype, use_kernel: bool, d: int) -> None:
-    kernel = cpu_kernels.load() if use_kernel else None
-    if use_kernel and kernel is None:
-        pytest.skip("no C++ compiler: the CPU kernel path is not available")
+def test_paged_attention_matches_dense(
+    dtype: torch.dtype, attention_kernel: ctypes.CDLL | None, d: int
+) -> None:
+    kernel = attention_kernel
+    if kernel is not None:
+        vectorized = kernel.sluice_variant() != b"generic" and d in (64, 128)
+        assert bool(kernel.sluice_attention_vectorized(d)) == vectorized
     torch.manual_seed(0)
     heads, kv_heads, bs, num_blocks = 6, 2, 4, 64
     backend = SDPABackend(kernel)

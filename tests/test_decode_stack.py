@@ -5,6 +5,7 @@ generic attention math) and Qwen2 (QKV biases) models."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +14,28 @@ import torch
 
 from sluice import LLM, SamplingParams
 from sluice.attention.backend import AttentionMetadata
+from sluice.kernels import cpu
 from sluice.models import llama_decode_stack
+from tests.conftest import kernels_at
 from tests.test_architectures import build
+
+
+@pytest.fixture
+def active_kernels() -> Iterator[str]:
+    """The kernels this machine uses by default (skipped only without a compiler)."""
+    with kernels_at(cpu.level()) as level:
+        yield level
+
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time, a dragon"]
 
 
-def stack_or_skip(llm: LLM) -> Any:
+def built_stack(llm: LLM) -> Any:
+    """The engine's stack, which must exist: the tests using this run under a kernel
+    level (the `kernel_level` fixture skips only where the CPU or a compiler lacks it),
+    and every level has the stack, so a regression that stops it being built fails."""
     stack = llm.engine.runner.decode_stack
-    if stack is None:
-        pytest.skip("the decode stack needs our CPU kernels (a C++ compiler, AVX-512 VNNI)")
+    assert stack is not None, "the decode stack was not built"
     return stack
 
 
@@ -54,7 +67,7 @@ def run(llm: LLM, prompts: list[Any], use_stack: bool) -> tuple[list[Any], int]:
 
 
 def assert_stack_equals_model(llm: LLM, prompts: list[Any]) -> None:
-    stack = stack_or_skip(llm)
+    stack = built_stack(llm)
     assert stack.max_rows == 3
     eager, none = run(llm, prompts, use_stack=False)
     fused, calls = run(llm, prompts, use_stack=True)
@@ -62,14 +75,27 @@ def assert_stack_equals_model(llm: LLM, prompts: list[Any]) -> None:
     assert fused == eager  # token ids and logprob floats, exactly
 
 
-@pytest.mark.parametrize(
-    ("quantization", "dtype"), [("int4", "bfloat16"), ("int4", "float32"), ("int8", "bfloat16")]
-)
-def test_stack_equals_model_on_smollm2(quantization: str, dtype: str) -> None:
+# Every weight format and dtype at the best level this CPU runs; the AVX2 machines'
+# default (int4 weights, fp32 activations) at each lower level too.
+CONFIGS = [("int4", "bfloat16"), ("int4", "float32"), ("int8", "bfloat16")]
+CASES = [
+    (level, quantization, dtype)
+    for level in cpu.available_levels()
+    for quantization, dtype in (CONFIGS if level == cpu.level() else CONFIGS[1:2])
+]
+
+
+@pytest.mark.parametrize(("level", "quantization", "dtype"), CASES)
+def test_stack_equals_model_on_smollm2(level: str, quantization: str, dtype: str) -> None:
     # Three prompts decode as 3-row steps, then one alone; chunks of 3 prompt tokens
     # (max_num_batched_tokens=3) are multi-query rows of one sequence.
+    with kernels_at(level):
+        assert_stack_equals_model_on_smollm2(quantization, dtype)
+
+
+def assert_stack_equals_model_on_smollm2(quantization: str, dtype: str) -> None:
     llm = LLM(quantization=quantization, dtype=dtype, kv_cache_memory=0.05)
-    assert stack_or_skip(llm).bits == int(quantization[-1])
+    assert built_stack(llm).bits == int(quantization[-1])
     assert_stack_equals_model(llm, PROMPTS)
     llm = LLM(
         quantization=quantization, dtype=dtype, kv_cache_memory=0.05, max_num_batched_tokens=3
@@ -81,7 +107,7 @@ def test_stack_equals_model_on_smollm2(quantization: str, dtype: str) -> None:
     ("kind", "quantization"), [("llama", "int4"), ("qwen2", "int4"), ("qwen2", "int8")]
 )
 def test_stack_equals_model_on_random_models(
-    kind: str, quantization: str, tmp_path: Path, smollm2_path: Path
+    kind: str, quantization: str, tmp_path: Path, smollm2_path: Path, kernel_level: str
 ) -> None:
     build(kind, tmp_path, smollm2_path)
     llm = LLM(model=str(tmp_path), quantization=quantization, dtype="float32", kv_cache_memory=0.02)
@@ -90,9 +116,9 @@ def test_stack_equals_model_on_random_models(
     assert_stack_equals_model(llm, prompts)
 
 
-def test_stack_takes_only_small_all_decode_steps() -> None:
+def test_stack_takes_only_small_all_decode_steps(active_kernels: str) -> None:
     llm = LLM(quantization="int4", kv_cache_memory=0.05)
-    stack = stack_or_skip(llm)
+    stack = built_stack(llm)
     small = AttentionMetadata(slot_mapping=torch.zeros(3, dtype=torch.long), num_small_tokens=3)
     assert stack.accepts(3, small)
     assert not stack.accepts(4, AttentionMetadata(torch.zeros(4), num_small_tokens=4))
@@ -100,8 +126,9 @@ def test_stack_takes_only_small_all_decode_steps() -> None:
 
 
 def test_stack_is_built_only_where_every_kernel_is_ours(
-    tmp_path: Path, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, active_kernels: str
 ) -> None:
+    assert LLM(quantization="int4", kv_cache_memory=0.05).engine.runner.decode_stack is not None
     assert LLM(quantization="none", kv_cache_memory=0.05).engine.runner.decode_stack is None
     build("qwen3", tmp_path, smollm2_path)  # QK-norm: not in the stack
     llm = LLM(model=str(tmp_path), quantization="int4", kv_cache_memory=0.02)

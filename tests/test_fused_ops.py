@@ -14,9 +14,11 @@ def torch_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused.kernels, "load", lambda: None)
 
 
-def needs_kernels() -> None:
-    if kernels.load() is None:
-        pytest.skip("no C++ compiler: the fused path is not available")
+@pytest.fixture
+def fused_kernels(kernel_level: str) -> str:
+    """Our fused ops at each instruction-set level this CPU has."""
+    assert kernels.load() is not None and kernels.variant() == kernel_level
+    return kernel_level
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -29,9 +31,8 @@ def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 300])  # 300 x 576 takes the parallel branch
 def test_rms_norm_with_and_without_residual(
-    dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch, fused_kernels: str
 ) -> None:
-    needs_kernels()
     torch.manual_seed(0)
     x, res = (torch.randn(rows, 576, dtype=dtype) for _ in range(2))
     w = torch.randn(576, dtype=dtype)
@@ -47,9 +48,8 @@ def test_rms_norm_with_and_without_residual(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_place_on_a_strided_slice(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, fused_kernels: str
 ) -> None:
-    needs_kernels()
     torch.manual_seed(1)
     t, heads, kv, d = 5, 4, 2, 64
     qkv = torch.randn(t, (heads + 2 * kv) * d, dtype=dtype)
@@ -67,8 +67,9 @@ def test_rotary_in_place_on_a_strided_slice(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_and_mul(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    needs_kernels()
+def test_silu_and_mul(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, fused_kernels: str
+) -> None:
     gate_up = torch.randn(3, 2 * 1536, dtype=dtype) * 4
     out = fused.silu_and_mul(gate_up)
     monkeypatch.setattr(fused.kernels, "load", lambda: None)

@@ -3,11 +3,15 @@ reference on small shapes, and the quantized model still answers sensibly."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 from sluice import LLM, SamplingParams
 from sluice.config import EngineConfig, resolve_quantization
+from sluice.kernels import cpu
 from sluice.layers import quantization
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import (
@@ -17,6 +21,7 @@ from sluice.layers.quantization import (
     quantized_kernels_only,
 )
 from sluice.loader import load_model
+from tests.conftest import LEVELS, kernels_at
 
 PARAGRAPH = (
     "The river rises in the hills north of the town and runs for about forty miles before "
@@ -33,18 +38,20 @@ PARAGRAPH = (
 )
 
 
-def top1_tokens(llm: LLM) -> list[int]:
-    """The model's top-1 prediction at every position of PARAGRAPH (teacher-forced),
-    through the quantized kernels even though this is a prefill."""
+def top1_and_perplexity(llm: LLM) -> tuple[list[int], float]:
+    """The model's top-1 prediction at every position of PARAGRAPH (teacher-forced) and
+    its perplexity there, through the quantized kernels even though this is a prefill
+    (a prefill of 4+ rows would otherwise take the dense weight and see no quantization)."""
     sp = SamplingParams(max_tokens=1, prompt_logprobs=1)
     with quantized_kernels_only(llm.engine.runner.model):
         (out,) = llm.generate(PARAGRAPH, sp, use_tqdm=False)
     assert out.prompt_logprobs is not None
-    return [
-        next(t for t, lp in entry.items() if lp.rank == 1)
-        for entry in out.prompt_logprobs[1:]
-        if entry is not None
-    ]
+    top1, logprobs = [], []
+    for token, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True):
+        assert entry is not None
+        top1.append(next(t for t, lp in entry.items() if lp.rank == 1))
+        logprobs.append(entry[token].logprob)
+    return top1, math.exp(-sum(logprobs) / len(logprobs))
 
 
 def dequantized(layer: Linear, method: Int8WeightOnly | Int4WeightOnly) -> torch.Tensor:
@@ -73,16 +80,25 @@ def without_our_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quantization.kernels, "load", lambda: None)
 
 
-@pytest.fixture(params=["ours", "torch"])
-def int4_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a weight-only test on each kernel: ours (where built) and torch's."""
-    if request.param == "ours":
-        lib = quantization.kernels.load()
-        if lib is None or not lib.sluice_q4_matmul_available():
-            pytest.skip("our int4 kernel needs a C++ compiler and AVX-512 VNNI")
-    else:
+@pytest.fixture(params=[*LEVELS, "torch"])
+def int4_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Run a weight-only test on each kernel: ours at every instruction-set level this
+    CPU has, and torch's."""
+    if request.param == "torch":
         without_our_kernels(monkeypatch)
-    return request.param
+        yield "torch"
+        return
+    with kernels_at(request.param) as level:
+        yield level
+
+
+def assert_kernel_ran(method: Int8WeightOnly | Int4WeightOnly, kernel: str) -> None:
+    """The layer took the kernel the test asked for (a broken selection would otherwise
+    test torch's kernel and pass)."""
+    if kernel == "torch":
+        assert method.lib is None
+    else:
+        assert method.lib is not None and method.lib.sluice_variant().decode() == kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -100,6 +116,7 @@ def test_weight_only_matches_reference(
     layer.method = method
     w = layer.weight.detach().float().clone()  # CPU bf16 layers drop it for a packed copy
     method.process_weight(layer)
+    assert_kernel_ran(method, int4_kernel)
     w_q = dequantized(layer, method)
     # Quantization error is bounded by half a step of the grid.
     step = (w - w_q).abs().max().item()
@@ -130,6 +147,7 @@ def test_int4_reproduces_q4_1_grid_exactly(int4_kernel: str) -> None:
         layer.weight.copy_(w)
     method = Int4WeightOnly()
     method.process_weight(layer)
+    assert_kernel_ran(method, int4_kernel)
     assert torch.allclose(dequantized(layer, method), w, atol=1e-4)
 
 
@@ -147,11 +165,8 @@ def test_int4_keeps_unpackable_shapes_dense(monkeypatch: pytest.MonkeyPatch) -> 
 def our_kernel_on_model_shape(
     method: Int8WeightOnly | Int4WeightOnly, k: int, dtype: torch.dtype, seed: int
 ) -> tuple[Linear, torch.Tensor]:
-    """A k -> 48 layer with normal weights, converted by `method` on our kernel; and
-    its original weight."""
-    lib = quantization.kernels.load()
-    if lib is None or not lib.sluice_q4_matmul_available():
-        pytest.skip("our int4/int8 kernels need a C++ compiler and AVX-512 VNNI")
+    """A k -> 48 layer with normal weights, converted by `method` on our kernel (of the
+    active level); and its original weight."""
     torch.manual_seed(seed)
     layer = Linear(k, 48).to(dtype)
     with torch.no_grad():
@@ -159,6 +174,7 @@ def our_kernel_on_model_shape(
     layer.method = method
     w_orig = layer.weight.detach().float().clone()
     method.process_weight(layer)
+    assert method.lib is not None
     return layer, w_orig
 
 
@@ -175,7 +191,7 @@ def assert_rows_match_int8_activations(
 
 @pytest.mark.parametrize("k", [64, 576])  # 576: 18 blocks, a partial tail of block terms
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_our_int4_kernel_on_model_shapes(k: int, dtype: torch.dtype) -> None:
+def test_our_int4_kernel_on_model_shapes(k: int, dtype: torch.dtype, kernel_level: str) -> None:
     method = Int4WeightOnly()
     layer, w_orig = our_kernel_on_model_shape(method, k, dtype, seed=2)
     # Dequantize from the packed fields: w = d * q + m per block of 32.
@@ -188,7 +204,7 @@ def test_our_int4_kernel_on_model_shapes(k: int, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("k", [64, 576])  # 576: 9 block pairs, an odd count
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_our_int8_kernel_on_model_shapes(k: int, dtype: torch.dtype) -> None:
+def test_our_int8_kernel_on_model_shapes(k: int, dtype: torch.dtype, kernel_level: str) -> None:
     method = Int8WeightOnly()
     layer, w_orig = our_kernel_on_model_shape(method, k, dtype, seed=3)
     assert method.lib is not None and not hasattr(layer, "qweight")  # one int8 copy
@@ -201,7 +217,7 @@ def test_default_weights_answer_a_plain_chat_question() -> None:
     # The defaults (auto: int4 for the bundled Q4_1 file, bf16) on a newcomer's first
     # question. With int8 activations in the output head the first token flipped here.
     llm = LLM(kv_cache_memory=0.05)
-    assert llm.engine.quantization == "int4" or llm.engine.dtype == torch.float32
+    assert llm.engine.quantization == "int4"  # on every CPU, whatever auto's dtype
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     (out,) = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12))
     assert "Paris" in out.outputs[0].text
@@ -217,14 +233,17 @@ def test_int4_keeps_the_output_head_in_int8() -> None:
     assert make_linear_method("none", output_head=True).name == "none"
 
 
-def test_auto_keeps_a_quantized_files_precision_on_cpu_bf16() -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_quantization("auto", cpu, torch.bfloat16, 4) == "int4"
-    assert resolve_quantization("auto", cpu, torch.bfloat16, 8) == "int8"
-    assert resolve_quantization("auto", cpu, torch.bfloat16, None) == "none"
-    assert resolve_quantization("auto", cpu, torch.float32, 4) == "none"  # the exact mode
+def test_auto_keeps_a_quantized_files_precision_on_cpu() -> None:
+    host, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_quantization("auto", host, torch.bfloat16, 4) == "int4"
+    assert resolve_quantization("auto", host, torch.bfloat16, 8) == "int8"
+    assert resolve_quantization("auto", host, torch.bfloat16, None) == "none"
+    # fp32 that auto chose (no native bf16: AVX2) keeps the file's precision too...
+    assert resolve_quantization("auto", host, torch.float32, 4, "auto") == "int4"
+    # ...while an fp32 the user asked for is the exact mode.
+    assert resolve_quantization("auto", host, torch.float32, 4, "float32") == "none"
     assert resolve_quantization("auto", cuda, torch.bfloat16, 4) == "none"
-    assert resolve_quantization("int8", cpu, torch.float32, 4) == "int8"
+    assert resolve_quantization("int8", host, torch.float32, 4) == "int8"
     assert load_model(None).weight_bits == 4  # the bundled GGUF is Q4_1
     assert LLM(dtype="bfloat16", kv_cache_memory=0.05).engine.quantization == "int4"
     assert LLM(dtype="float32", kv_cache_memory=0.05).engine.stats()["quantization"] == "none"
@@ -248,15 +267,48 @@ def test_quantized_model_answers(quantization: str) -> None:
     assert "Paris" in out.outputs[0].text
 
 
-# Measured top-1 agreement with fp32 on PARAGRAPH (181 positions): bf16 96.7%,
-# bf16+int8 91.7% (95.0% with bf16 activations), bf16+int4 95.0% (88.5% with an int4
-# output head).
-# Pinned with a margin for numerical noise.
-@pytest.mark.parametrize(
-    ("quantization", "minimum"), [("none", 0.90), ("int8", 0.88), ("int4", 0.88)]
-)
-def test_agreement_with_fp32_is_pinned(llm_fp32: LLM, quantization: str, minimum: float) -> None:
-    reference = top1_tokens(llm_fp32)
-    fast = top1_tokens(LLM(dtype="bfloat16", quantization=quantization, kv_cache_memory=0.05))
+# Top-1 agreement with fp32 and perplexity on PARAGRAPH (181 positions; fp32 perplexity
+# 28.86), measured 2026-11-23 on an AMD EPYC (Zen 4) at each kernel level:
+#   level    bf16   int8/bf16  int4/bf16  int8/fp32  int4/fp32   perplexity (all)
+#   avx512   96.7%  92.8%      95.0%      92.8%      95.6%       28.53-29.02
+#   avx2       -    92.8%      95.6%      92.3%      95.6%       28.54-29.05
+#   generic    -    92.8%      94.5%      91.2%      95.6%       28.63-28.99
+# The known regression these pins must catch: an int4 output head (87.9-89.5%,
+# perplexity 30.7-31.3, +6-8%). (int8 activations in the output head, the other known
+# one, do not show here: 91.7-93.4%, 28.66-29.09; the Paris tests guard that near-tie.)
+# Pinned a few positions below the lowest measured value, and perplexity at +3%.
+PINS = {("none", "bfloat16"): 0.93, "int8": 0.89, "int4": 0.92}
+AGREEMENT_CASES = [
+    (level, quantization, dtype)
+    for level in cpu.available_levels()
+    for quantization, dtype in (
+        [
+            ("none", "bfloat16"),
+            ("int8", "bfloat16"),
+            ("int4", "bfloat16"),
+            ("int8", "float32"),
+            ("int4", "float32"),
+        ]
+        if level == cpu.level()
+        else [("int8", "float32"), ("int4", "float32")]  # an AVX2 machine's auto dtype
+    )
+]
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(llm_fp32: LLM) -> tuple[list[int], float]:
+    return top1_and_perplexity(llm_fp32)
+
+
+@pytest.mark.parametrize(("level", "quantization", "dtype"), AGREEMENT_CASES)
+def test_agreement_and_perplexity_are_pinned(
+    fp32_reference: tuple[list[int], float], level: str, quantization: str, dtype: str
+) -> None:
+    reference, reference_ppl = fp32_reference
+    with kernels_at(level):
+        llm = LLM(dtype=dtype, quantization=quantization, kv_cache_memory=0.05)
+        assert llm.engine.quantization == quantization
+        fast, ppl = top1_and_perplexity(llm)
     agreement = sum(a == b for a, b in zip(fast, reference, strict=True)) / len(reference)
-    assert agreement >= minimum, agreement
+    assert agreement >= PINS.get((quantization, dtype), PINS.get(quantization, 0)), agreement
+    assert ppl <= 1.03 * reference_ppl, (ppl, reference_ppl)
