@@ -36,9 +36,10 @@ bench: install
 	$(BIN)/sluice bench
 
 # Optional: llama.cpp for the side-by-side single-stream benchmark. It compiles from
-# source (~30 min on 2 cores); a native build dies with an illegal instruction here.
+# source (~30 min on 2 cores) for this CPU's instruction-set level, or the lower one
+# SLUICE_CPU_ISA names (benchmarks/ggml_cpu_flags.sh), never -march=native.
 llamacpp: install
-	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
+	CMAKE_ARGS="$$(bash benchmarks/ggml_cpu_flags.sh)" \
 		$(BIN)/pip install --no-binary llama-cpp-python llama-cpp-python==0.3.36 diskcache
 
 # Optional: llama-server for the serving side-by-side (benchmarks/serve.py). Reuses the

@@ -3,8 +3,8 @@
 # from the llama-cpp-python 0.3.36 sdist: the same llama.cpp as `make llamacpp`.
 # The result is linked as .venv/bin/llama-server, where benchmarks/serve.py finds it.
 #
-# A native build dies with an illegal instruction on this machine class, hence the
-# explicit instruction sets. When `make llamacpp` already installed that version's
+# ggml is built for this CPU's instruction-set level, or the lower one SLUICE_CPU_ISA
+# names (ggml_cpu_flags.sh), never natively. When `make llamacpp` already installed that version's
 # shared libraries, only llama-server's own sources are compiled and linked against
 # them (minutes instead of ~30 min of compiling ggml and libllama again).
 set -euo pipefail
@@ -24,7 +24,7 @@ fi
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-  -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON >/dev/null
+  $(bash "$(dirname "$0")/ggml_cpu_flags.sh") >/dev/null
 
 # The installed llama_cpp package's libraries, if they are this version's.
 LIBS=$("$VENV/bin/python" - "$VERSION" <<'EOF' 2>/dev/null || true
