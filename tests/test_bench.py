@@ -1,5 +1,5 @@
-"""Benchmarks: `sluice bench` summary and plots, the interleaving and provenance helpers
-(no benchmark is run)."""
+"""Benchmarks: `sluice bench` summary and plots, the interleaving and provenance helpers,
+and docs/benchmarks.md against the committed results (no benchmark is run)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ REPO = bench.benchmarks_dir().parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, report  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PROVENANCE = {
@@ -375,3 +375,72 @@ def test_comparison_scripts_take_rounds_and_output() -> None:
     assert [h.split()[0] for h in helps] == [f"benchmarks/{s}.py" for s in scripts]
     for text in helps:
         assert "--rounds" in text and "--output" in text, text[:200]
+
+
+# ---- docs/benchmarks.md is generated from docs/results/*.json ---------------------------------
+
+DOC = """# Title
+
+Prose stays.
+
+<!-- results: throughput -->
+stale text
+<!-- /results -->
+
+More prose.
+
+<!-- results: serve -->
+<!-- /results -->
+"""
+
+
+def test_docs_match_committed_results() -> None:
+    """No figure in docs/benchmarks.md without its committed run: the doc must be exactly
+    what benchmarks/report.py generates from docs/results/*.json."""
+    doc = report.DOC.read_text(encoding="utf-8")
+    expected = report.render(doc, report.load_results(common.DOC_RESULTS_DIR))
+    assert doc == expected, "docs/benchmarks.md is stale: run `python benchmarks/report.py`"
+
+
+def test_report_without_results_says_so(tmp_path: Path) -> None:
+    assert report.load_results(tmp_path / "absent") == []
+    out = report.render(DOC, [])
+    assert out.count(report.EMPTY) == 2
+    assert "stale text" not in out and "Prose stays." in out and "More prose." in out
+    assert report.render(out, []) == out  # regenerating is a fixed point
+
+
+def test_report_rows_name_their_run(tmp_path: Path) -> None:
+    fake = _fake_results()
+    for key, name in (("throughput", "throughput.json"), ("serve", "serve-avx2.json")):
+        (tmp_path / name).write_text(json.dumps(fake[key]))
+    (tmp_path / "summary.json").write_text(json.dumps({"summary": {}}))  # not a result: skipped
+    results = report.load_results(tmp_path)
+    assert [name for name, _ in results] == ["serve-avx2.json", "throughput.json"]
+    out = report.render(DOC, results)
+    rows = [line for line in out.splitlines() if line.startswith("| [")]
+    assert len(rows) == 1 + 3  # one throughput row, one per serving level
+    for row in rows:
+        # machine (CPU model, threads), kernel variant, commit and date on every row
+        assert "test cpu, 2 threads | avx2 | 0123456789 | 2026-11-23 10:00 |" in row
+    assert "| 500.0 (450.0–520.0) | 100.0 (90.0–110.0) | 5.00× | 3 |" in out
+    assert "[serve-avx2.json](results/serve-avx2.json)" in out
+    assert "`.venv/bin/python benchmarks/x.py --rounds 3`" in out
+    # Every kind renders (the doc's own blocks), and the result is stable.
+    doc = report.DOC.read_text(encoding="utf-8")
+    for key, name in (("prefix", "p.json"), ("single", "s.json"), ("quantization", "q.json")):
+        (tmp_path / name).write_text(json.dumps(fake[key]))
+    full = report.render(doc, report.load_results(tmp_path))
+    assert "1.20×" in full and "1/16" in full and "3.20×" in full
+    assert report.render(full, report.load_results(tmp_path)) == full
+
+
+def test_report_refuses_results_it_cannot_place(tmp_path: Path) -> None:
+    fake = _fake_results()
+    with pytest.raises(report.ReportError, match="no results block"):
+        report.render(DOC, [("q.json", fake["quantization"])])
+    with pytest.raises(report.ReportError, match="unknown"):
+        report.render(DOC, [("x.json", {**fake["serve"], "benchmark": "nope"})])
+    (tmp_path / "old.json").write_text(json.dumps({"benchmark": "serve", "levels": []}))
+    with pytest.raises(report.ReportError, match="provenance"):
+        report.load_results(tmp_path)
