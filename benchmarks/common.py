@@ -1,19 +1,58 @@
-"""Shared helpers for the benchmark scripts: percentiles, tables, machine info, JSON results."""
+"""Shared helpers for the benchmark scripts.
+
+- `interleave` runs the sides of a comparison in alternating rounds, and `compare`
+  turns those rounds into medians, spreads and ratios of medians: every script that
+  compares two systems (or two settings) goes through these two, so no comparison
+  depends on which side ran while the machine was fast.
+- `provenance` is the record of where and on what a result was measured (commit, date,
+  CPU and its flags, torch, threads, kernel variant); `write_result` stores it with
+  every result JSON.
+- percentiles, plain-text tables and the engine options shared by the scripts.
+"""
 
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
+import statistics
+import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Scratch output (gitignored). Results that docs/benchmarks.md cites live in docs/results/.
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+DOC_RESULTS_DIR = REPO_ROOT / "docs" / "results"
+
+# When this process started: a result's date is when its measurement began.
+STARTED = datetime.datetime.now(datetime.UTC)
+
+# CPU flags that decide which of our kernels (and which dtype) can run fast.
+KERNEL_CPU_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx_vnni",
+)
+# Environment variables that change which kernels or how many threads run.
+_ENV_KEYS = ("SLUICE_CPU_ISA", "SLUICE_CPU_KERNELS", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY")
+
+T = TypeVar("T")
+
+
+# ---- statistics ------------------------------------------------------------------------------
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -27,6 +66,122 @@ def percentile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def ratio(a: float, b: float) -> float:
+    """a / b, or NaN when b is zero (so a missing baseline never crashes the report)."""
+    return a / b if b else float("nan")
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and quartiles of one metric over rounds (NaN values dropped)."""
+    xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    if not xs:
+        nan = float("nan")
+        return {"median": nan, "min": nan, "max": nan, "q1": nan, "q3": nan, "n": 0}
+    return {
+        "median": statistics.median(xs),
+        "min": min(xs),
+        "max": max(xs),
+        "q1": percentile(xs, 25),
+        "q3": percentile(xs, 75),
+        "n": len(xs),
+    }
+
+
+# ---- interleaved comparisons -----------------------------------------------------------------
+
+
+def round_order(sides: Sequence[str], k: int) -> list[str]:
+    """Order of the sides in round k: as given in even rounds, reversed in odd ones.
+
+    A B, B A, A B, ...: with a fixed order, a machine that speeds up or slows down
+    steadily would favour whichever side runs second; alternating cancels that.
+    """
+    return list(sides) if k % 2 == 0 else list(reversed(sides))
+
+
+def interleave(
+    sides: Sequence[str], rounds: int, measure: Callable[[str], T], label: str = ""
+) -> dict[str, list[T]]:
+    """Run `measure(side)` for every side in each of `rounds` rounds, interleaved.
+
+    Round k measures every side once (in `round_order`) before round k + 1 starts, so
+    the machine's drift (shared cores: up to 2x over minutes) lands on all sides alike.
+    Returns each side's measurements in round order.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if len(set(sides)) != len(sides) or not sides:
+        raise ValueError(f"sides must be distinct and non-empty: {list(sides)}")
+    runs: dict[str, list[T]] = {side: [] for side in sides}
+    prefix = f"{label}: " if label else ""
+    for k in range(rounds):
+        for side in round_order(sides, k):
+            print(f"{prefix}round {k + 1}/{rounds}, {side} ...", flush=True)
+            runs[side].append(measure(side))
+    return runs
+
+
+def compare(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]],
+    metrics: Sequence[str],
+    baseline: str | None = None,
+) -> dict[str, Any]:
+    """Medians and spreads per side and metric, and each side's ratio of medians to baseline.
+
+    `runs` is what `interleave` returned, each measurement a dict holding every metric.
+    The result (stored as is in the JSON) keeps the per-round values, so a reader can
+    recompute anything from it.
+    """
+    sides = list(runs)
+    if baseline is not None and baseline not in runs:
+        raise ValueError(f"baseline {baseline!r} is not one of {sides}")
+    rounds = max((len(rs) for rs in runs.values()), default=0)
+    values = {
+        side: {m: [float(r[m]) if r.get(m) is not None else math.nan for r in rs] for m in metrics}
+        for side, rs in runs.items()
+    }
+    summary = {side: {m: spread(vs) for m, vs in per.items()} for side, per in values.items()}
+    ratios: dict[str, dict[str, float]] = {}
+    if baseline is not None:
+        base = summary[baseline]
+        ratios = {
+            side: {m: ratio(summary[side][m]["median"], base[m]["median"]) for m in metrics}
+            for side in sides
+            if side != baseline
+        }
+    return {
+        "sides": sides,
+        "baseline": baseline,
+        "rounds": rounds,
+        "order": [round_order(sides, k) for k in range(rounds)],
+        "runs": values,
+        "summary": summary,
+        "ratio_of_medians": ratios,
+    }
+
+
+def fmt_spread(s: Mapping[str, float], scale: float = 1.0, digits: int = 1) -> str:
+    """'median (min–max)', values times scale; just the median for a single round."""
+    if not s or s.get("n", 0) == 0:
+        return "-"
+    med = f"{s['median'] * scale:,.{digits}f}"
+    if s["n"] < 2:
+        return med
+    return f"{med} ({s['min'] * scale:,.{digits}f}–{s['max'] * scale:,.{digits}f})"
+
+
+def add_rounds_arg(ap: argparse.ArgumentParser, default: int = 3) -> None:
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=default,
+        help="interleaved rounds (each runs every side once; medians and spreads reported)",
+    )
+
+
+# ---- provenance ------------------------------------------------------------------------------
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -34,68 +189,144 @@ def _cpu_model() -> str:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()
     except OSError:
-        pass  # no /proc/cpuinfo: report the model as unknown
+        pass  # no /proc/cpuinfo: fall back to what platform knows
     return platform.processor() or platform.machine()
 
 
 def _cpu_flags() -> list[str]:
-    # Only the flags that change which kernels (and dtype) are fast on this CPU.
-    interesting = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma"}
+    """The CPU flags our kernels care about (KERNEL_CPU_FLAGS and every amx_*), sorted."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return sorted(interesting & set(line.split(":", 1)[1].split()))
+                    flags = set(line.split(":", 1)[1].split())
+                    wanted = set(KERNEL_CPU_FLAGS) | {x for x in flags if x.startswith("amx")}
+                    return sorted(flags & wanted)
     except OSError:
         pass  # no /proc/cpuinfo: report no flags
     return []
 
 
-def machine_info() -> dict[str, Any]:
-    """What a reader needs to compare two result files: CPU, cores, load, versions, date."""
+def _git_state() -> dict[str, Any]:
+    """The commit the benchmark code and sluice came from, and whether tracked files differ."""
+
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(
+                ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=30
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def _command_line() -> list[str]:
+    """sys.argv with the script as a repo-relative path, so the command can be re-run."""
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(".py"):
+        script = Path(argv[0]).resolve()
+        if script.is_relative_to(REPO_ROOT):
+            argv[0] = script.relative_to(REPO_ROOT).as_posix()
+    return argv
+
+
+def kernel_variant() -> str:
+    """The CPU kernel variant sluice runs with here ('avx512', 'avx2', 'generic', 'off', ...)."""
+    import sluice.kernels
+
+    # `variant` is new (issue 10); before it lands, say so instead of guessing.
+    return str(getattr(sluice.kernels, "variant", lambda: "unknown")())
+
+
+def provenance(
+    threads: int | None = None, started: datetime.datetime | None = None
+) -> dict[str, Any]:
+    """Where and on what a result was measured: the one record every result JSON carries.
+
+    threads: the threads the measured engine used, when that is not this process's torch
+    setting (serve.py measures a server in another process). started: when the
+    measurement began (default: when this process started).
+    """
     import torch
 
     try:
-        load = list(os.getloadavg())
+        load = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         load = []
     try:
-        affinity = len(os.sched_getaffinity(0))
+        available = len(os.sched_getaffinity(0))
     except AttributeError:
-        affinity = os.cpu_count() or 0
-    info: dict[str, Any] = {
-        "cpu_model": _cpu_model(),
-        "cpu_flags": _cpu_flags(),
-        "cpu_count": os.cpu_count(),
-        "cpus_available": affinity,
-        "torch_threads": torch.get_num_threads(),
-        # A busy machine makes every number here pessimistic; record how busy it was.
-        "load_average": load,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "argv": sys.argv,
-    }
+        available = os.cpu_count() or 0
     try:
         import transformers
 
-        info["transformers"] = transformers.__version__
+        transformers_version: str | None = transformers.__version__
     except ImportError:
-        info["transformers"] = None
-    return info
+        transformers_version = None
+    when = started or STARTED
+    return {
+        **_git_state(),
+        "date": when.astimezone(datetime.UTC).isoformat(timespec="seconds"),
+        "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cpu_model": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
+        "cpu_count": os.cpu_count(),
+        "cpus_available": available,
+        "threads": threads if threads is not None else torch.get_num_threads(),
+        "kernel_variant": kernel_variant(),
+        "torch": torch.__version__,
+        "transformers": transformers_version,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "env": {k: os.environ[k] for k in _ENV_KEYS if k in os.environ},
+        # A busy machine makes every number pessimistic; record how busy it was at the end.
+        "load_average": load,
+        "argv": _command_line(),
+    }
 
 
-def write_result(name: str, payload: dict[str, Any]) -> Path:
-    """Write `benchmarks/results/<name>.json` (machine info added) and return the path."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
-    data = {"benchmark": name, "machine": machine_info(), **payload}
-    tmp = path.with_suffix(".json.tmp")
+# ---- result files ----------------------------------------------------------------------------
+
+
+def add_output_arg(ap: argparse.ArgumentParser, kind: str) -> None:
+    ap.add_argument(
+        "--output",
+        type=Path,
+        default=RESULTS_DIR / f"{kind}.json",
+        help=f"result JSON (default: benchmarks/results/{kind}.json, gitignored; results that "
+        "docs/benchmarks.md cites go to docs/results/)",
+    )
+
+
+def write_result(
+    kind: str, payload: dict[str, Any], output: Path | None = None, threads: int | None = None
+) -> Path:
+    """Write the result JSON (provenance added) to `output` and return its path.
+
+    kind names the benchmark ("throughput", "serve", ...): docs/benchmarks.md's
+    generator picks the table by it, whatever the file is called.
+    """
+    path = output or RESULTS_DIR / f"{kind}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"benchmark": kind, "provenance": provenance(threads), **payload}
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
     tmp.replace(path)  # atomic: a reader never sees half a file
     return path
+
+
+def shown_path(path: Path) -> str:
+    """path relative to the repo root when it is inside it (for messages)."""
+    path = path.resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+# ---- tables and engine options ---------------------------------------------------------------
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], left: int = 1) -> str:
@@ -118,11 +349,6 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], left: in
 
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([line(headers), sep, *(line(r) for r in cells)])
-
-
-def ratio(a: float, b: float) -> float:
-    """a / b, or NaN when b is zero (so a missing baseline never crashes the report)."""
-    return a / b if b else float("nan")
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:

@@ -69,14 +69,35 @@ def hf_generate_throughput(
     dtype: torch.dtype = torch.bfloat16,
     chat_template: bool = True,
     warmup: bool = True,
+    threads: int | None = None,
 ) -> dict:
     """Greedy `generate` over static batches of `batch_size` prompts (in the given order).
 
     Every row yields exactly `max_new_tokens` tokens (min_new_tokens suppresses EOS,
     the equivalent of ignore_eos), so tokens/s compares directly with a server run
-    that ignores EOS. Model loading and the warmup are not timed.
+    that ignores EOS. Model loading and the warmup are not timed. Runs on `threads`
+    torch threads (default: every CPU) and restores the process's setting afterwards,
+    so a sluice engine in the same process keeps its own.
     """
-    torch.set_num_threads(os.cpu_count() or 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        return _generate_throughput(
+            model_path, prompts, max_new_tokens, batch_size, dtype, chat_template, warmup
+        )
+    finally:
+        torch.set_num_threads(before)
+
+
+def _generate_throughput(
+    model_path: str,
+    prompts: list[str],
+    max_new_tokens: int,
+    batch_size: int,
+    dtype: torch.dtype,
+    chat_template: bool,
+    warmup: bool,
+) -> dict:
     model, tok, load_s = load_hf(model_path, dtype)
     tok.padding_side = "left"  # decoder-only: new tokens must follow the prompt directly
     if tok.pad_token is None:

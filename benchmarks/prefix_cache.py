@@ -1,7 +1,9 @@
-"""Prefix caching: TTFT and total time with the cache on and off, in the same run.
+"""Prefix caching: TTFT and total time with the cache on and off, interleaved in one run.
 
-Two workloads, each run on an engine with `enable_prefix_caching=False` and then on one
-with it True (identical prompts, identical submission order):
+Two engines are loaded once, one with `enable_prefix_caching=False` and one with True.
+Each workload runs --rounds interleaved rounds (off, on; on, off; ...), identical prompts
+in identical submission order; the report gives each mode's median and min-max and
+the ratio of the medians (off / on: the speed-up). The workloads:
 
 1. shared system prompt: ~1,500 tokens of Shakespeare as the system message, followed by
    64 distinct short ShareGPT questions. One request with another question goes first, as
@@ -15,7 +17,7 @@ with it True (identical prompts, identical submission order):
    the previous one finishes, like users waiting for a reply.
 
 TTFT is per request, from its arrival in the engine (add_request) to its first token.
-Writes benchmarks/results/prefix_cache.json.
+Writes benchmarks/results/prefix_cache.json (--output).
 
 Run from the repo root:
     .venv/bin/python benchmarks/prefix_cache.py
@@ -33,19 +35,23 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import argparse  # noqa: E402
-import gc  # noqa: E402
 import itertools  # noqa: E402
 import time  # noqa: E402
 from collections import deque  # noqa: E402
 from typing import Any  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
-    REPO_ROOT,
     add_engine_args,
+    add_output_arg,
+    add_rounds_arg,
+    compare,
     engine_options,
+    fmt_spread,
     format_table,
+    interleave,
     percentile,
     ratio,
+    shown_path,
     write_result,
 )
 from benchmarks.datasets import long_text, sharegpt_conversations, sharegpt_prompts  # noqa: E402
@@ -56,6 +62,16 @@ from sluice.outputs import RequestOutput  # noqa: E402
 from sluice.sampling_params import SamplingParams  # noqa: E402
 
 TARGET_TTFT_RATIO = 5.0
+# Summarized per mode over rounds; the ratio of medians is off / on.
+METRICS = (
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "ttft_mean_s",
+    "total_s",
+    "hit_rate",
+    "cached_token_fraction",
+    "num_preemptions",
+)
 Message = dict[str, str]
 
 
@@ -82,8 +98,9 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--skip-shared", action="store_true")
     ap.add_argument("--skip-chat", action="store_true")
+    add_rounds_arg(ap)
     add_engine_args(ap)
-    ap.add_argument("--name", default="prefix_cache", help="results/<name>.json")
+    add_output_arg(ap, "prefix_cache")
     return ap.parse_args()
 
 
@@ -222,7 +239,7 @@ def measure(llm: LLM, workload: dict[str, Any]) -> dict[str, Any]:
         "hit_rate": ratio(hits, queried) if queried else 0.0,
         # ... and the same from the outputs: the share of prompt tokens not recomputed.
         "cached_token_fraction": ratio(cached, prompt_tokens),
-        "num_preemptions_total": after["num_preemptions"],
+        "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
     }
 
 
@@ -230,81 +247,91 @@ def main() -> None:
     args = parse_args()
     opts = engine_options(args)
     result: dict[str, Any] = {"config": vars(args), "engine_options": opts}
-    workloads: dict[str, dict[str, Any]] = {}
-    runs: dict[str, dict[str, dict[str, Any]]] = {}
-
-    # Cache off first, then on: the same order every time, so any drift is comparable.
-    for caching in (False, True):
-        mode = "on" if caching else "off"
+    # Both engines stay loaded (one KV pool each), so rounds can alternate between them.
+    llms: dict[str, LLM] = {}
+    for mode in ("off", "on"):
         print(f"loading sluice (prefix caching {mode}) ...", flush=True)
-        llm = LLM(args.model, enable_prefix_caching=caching, **opts)
-        if not workloads:
-            tok = llm.tokenizer
-            if not args.skip_shared:
-                workloads["shared_prompt"] = shared_prompt_workload(tok, args)
-            if not args.skip_chat:
-                workloads["chat_replay"] = chat_replay_workload(tok, args)
-            if "shared_prompt" not in workloads:
-                # No warm-up request would run: warm the model up with the first chat turn.
-                first = workloads["chat_replay"]["streams"][0][0]
-                llm.generate([first], SamplingParams(max_tokens=4), use_tqdm=False)
-        for name, workload in workloads.items():
-            n = sum(len(s) for s in workload["streams"])
-            print(f"  {name}: {n} requests, cache {mode} ...", flush=True)
-            runs.setdefault(name, {})[mode] = measure(llm, workload)
-        result["dtype"] = llm.engine.stats().get("dtype")
-        del llm
-        gc.collect()  # one engine's KV pool at a time
+        llms[mode] = LLM(args.model, enable_prefix_caching=mode == "on", **opts)
+    tok = llms["off"].tokenizer
+    workloads: dict[str, dict[str, Any]] = {}
+    if not args.skip_shared:
+        workloads["shared_prompt"] = shared_prompt_workload(tok, args)
+    if not args.skip_chat:
+        workloads["chat_replay"] = chat_replay_workload(tok, args)
+    for llm in llms.values():  # warm-up: first calls pay for allocation
+        first = workloads[next(iter(workloads))]["streams"][0][0]
+        llm.generate([first], SamplingParams(max_tokens=4), use_tqdm=False)
 
-    result["workloads"] = {
-        name: {
-            "num_requests": sum(len(s) for s in w["streams"]),
-            "num_streams": len(w["streams"]),
-            "concurrency": w["concurrency"],
-            "max_tokens": w["max_tokens"],
-            **({"system_tokens": w["system_tokens"]} if "system_tokens" in w else {}),
-            "off": runs[name]["off"],
-            "on": runs[name]["on"],
-            "ttft_p50_ratio": ratio(
-                runs[name]["off"]["ttft_p50_s"], runs[name]["on"]["ttft_p50_s"]
-            ),
-            "ttft_p99_ratio": ratio(
-                runs[name]["off"]["ttft_p99_s"], runs[name]["on"]["ttft_p99_s"]
-            ),
-            "total_ratio": ratio(runs[name]["off"]["total_s"], runs[name]["on"]["total_s"]),
+    result["dtype"] = llms["off"].engine.stats().get("dtype")
+    result["workloads"] = {}
+    for name, workload in workloads.items():
+        n = sum(len(s) for s in workload["streams"])
+        runs = interleave(
+            ["off", "on"],
+            args.rounds,
+            lambda mode, workload=workload: measure(llms[mode], workload),
+            label=f"{name} ({n} requests)",
+        )
+        result["workloads"][name] = {
+            "num_requests": n,
+            "num_streams": len(workload["streams"]),
+            "concurrency": workload["concurrency"],
+            "max_tokens": workload["max_tokens"],
+            "prompt_tokens": runs["off"][0]["prompt_tokens"],
+            **({"system_tokens": workload["system_tokens"]} if "system_tokens" in workload else {}),
+            "comparison": compare(runs, METRICS, baseline="on"),
         }
-        for name, w in workloads.items()
-    }
     report(result)
-    path = write_result(args.name, result)
-    print(f"\nwrote {path.relative_to(REPO_ROOT)}")
+    path = write_result("prefix_cache", result, args.output)
+    print(f"\nwrote {shown_path(path)}")
 
 
 def report(result: dict[str, Any]) -> None:
     for name, w in result["workloads"].items():
-        off, on = w["off"], w["on"]
+        cmp = w["comparison"]
+        off, on = cmp["summary"]["off"], cmp["summary"]["on"]
+        speedup = cmp["ratio_of_medians"]["off"]
         extra = f", system prompt {w['system_tokens']} tokens" if "system_tokens" in w else ""
         print(
             f"\n== {name}: {w['num_requests']} requests in {w['num_streams']} streams, "
             f"concurrency {w['concurrency']}, max_tokens {w['max_tokens']}{extra} "
-            f"({result['dtype']}) =="
+            f"({result['dtype']}); median (min-max) of {cmp['rounds']} interleaved rounds =="
         )
         rows = [
-            ["TTFT p50 (ms)", off["ttft_p50_s"] * 1e3, on["ttft_p50_s"] * 1e3, w["ttft_p50_ratio"]],
-            ["TTFT p99 (ms)", off["ttft_p99_s"] * 1e3, on["ttft_p99_s"] * 1e3, w["ttft_p99_ratio"]],
-            ["total time (s)", off["total_s"], on["total_s"], w["total_ratio"]],
-            ["prompt tokens", off["prompt_tokens"], on["prompt_tokens"], ""],
-            ["hit rate", f"{off['hit_rate']:.1%}", f"{on['hit_rate']:.1%}", ""],
             [
-                "cached prompt tokens",
-                f"{off['cached_token_fraction']:.1%}",
-                f"{on['cached_token_fraction']:.1%}",
+                "TTFT p50 (ms)",
+                fmt_spread(off["ttft_p50_s"], 1e3, 0),
+                fmt_spread(on["ttft_p50_s"], 1e3, 0),
+                f"{speedup['ttft_p50_s']:.2f}",
+            ],
+            [
+                "TTFT p99 (ms)",
+                fmt_spread(off["ttft_p99_s"], 1e3, 0),
+                fmt_spread(on["ttft_p99_s"], 1e3, 0),
+                f"{speedup['ttft_p99_s']:.2f}",
+            ],
+            [
+                "total time (s)",
+                fmt_spread(off["total_s"]),
+                fmt_spread(on["total_s"]),
+                f"{speedup['total_s']:.2f}",
+            ],
+            [
+                "hit rate (%)",
+                fmt_spread(off["hit_rate"], 100.0),
+                fmt_spread(on["hit_rate"], 100.0),
+                "",
+            ],
+            [
+                "cached prompt tokens (%)",
+                fmt_spread(off["cached_token_fraction"], 100.0),
+                fmt_spread(on["cached_token_fraction"], 100.0),
                 "",
             ],
         ]
         print(format_table(["metric", "cache off", "cache on", "off/on"], rows))
         if name == "shared_prompt":
-            r = w["ttft_p50_ratio"]
+            r = speedup["ttft_p50_s"]
             verdict = "PASS" if r >= TARGET_TTFT_RATIO else "below target"
             print(f"TTFT p50 speed-up {r:.2f}x (target >= {TARGET_TTFT_RATIO:g}x: {verdict})")
 

@@ -4,15 +4,21 @@
     python benchmarks/serve.py --url http://127.0.0.1:8080    # llama-server, vLLM, ...
 
 When it starts sluice itself and a llama-server binary is found (`make llama-server`
-links one as .venv/bin/llama-server; or --llama-server PATH), llama-server is started
-on the same GGUF with as many threads and one slot per stream, and every level runs
-on both servers back to back with the same prompts, with sluice's ratio printed.
+links one as .venv/bin/llama-server; or --llama-server PATH), llama-server runs on the
+same GGUF with as many threads and one slot per stream, and the two are compared.
 
 Each concurrency level sends its prompts through that many concurrent streaming
-requests, each asking for exactly --max-tokens output tokens (`ignore_eos`), and reports
+requests, each asking for exactly --max-tokens output tokens (`ignore_eos`), and measures
 output tokens/s, TTFT p50/p99 and TPOT p50/p99. TTFT is measured at the client, from
 sending the request to the first chunk with text; TPOT is (last - first token time) /
-(output tokens - 1) per request. Results go to benchmarks/results/serve.json.
+(output tokens - 1) per request.
+
+Fairness: one server is up at a time. Every level runs --rounds interleaved rounds
+(sluice, llama-server; llama-server, sluice; ...); each measurement starts its server,
+warms it up with one short request, runs the level and stops the server. The report
+gives each side's median and min-max per level and the ratio of the medians. With
+--url the script measures that server alone (--rounds rounds per level, left running).
+Results go to benchmarks/results/serve.json (--output).
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import shutil
 import signal
@@ -28,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +41,29 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import (
+    add_output_arg,
+    add_rounds_arg,
+    compare,
+    fmt_spread,
+    interleave,
+    percentile,
+    shown_path,
+    write_result,
+)
 from benchmarks.datasets import sharegpt_prompts
 
-RESULTS = Path(__file__).resolve().parent / "results" / "serve.json"
+# Per level and side: the figures summarized over rounds (median, spread, ratio).
+METRICS = (
+    "output_tok_per_s",
+    "requests_per_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "tpot_p50_ms",
+    "tpot_p99_ms",
+    "errors",
+    "duration_s",
+)
 
 
 @dataclass
@@ -65,16 +91,6 @@ class LevelResult:
     tpot_p50_ms: float
     tpot_p99_ms: float
     error_samples: list[str] = field(default_factory=list)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 async def one_request(
@@ -222,31 +238,6 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.kill()
 
 
-def print_table(title: str, results: list[LevelResult]) -> None:
-    header = (
-        f"{'conc':>5} {'prompts':>7} {'ok':>4} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'TPOT p50':>9} {'TPOT p99':>9}"
-    )
-    print(f"\n{title}")
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        print(
-            f"{r.concurrency:>5} {r.num_prompts:>7} {r.completed:>4} {r.output_tok_per_s:>9.1f} "
-            f"{r.ttft_p50_ms:>7.0f}ms {r.ttft_p99_ms:>7.0f}ms "
-            f"{r.tpot_p50_ms:>7.1f}ms {r.tpot_p99_ms:>7.1f}ms"
-        )
-
-
-def report(name: str, res: LevelResult, count: int) -> None:
-    print(
-        f"  {name:<12} concurrency {res.concurrency:>3}: {res.output_tok_per_s:8.1f} tok/s, "
-        f"TTFT p50 {res.ttft_p50_ms:.0f} ms, TPOT p50 {res.tpot_p50_ms:.1f} ms "
-        f"({res.completed}/{count} ok, {res.duration_s:.1f} s)",
-        flush=True,
-    )
-
-
 def find_llama_server(option: str) -> Path | None:
     """The llama-server binary: --llama-server PATH, or on PATH / next to this Python."""
     if option == "none":
@@ -282,6 +273,84 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+@dataclass
+class Server:
+    """One side of the comparison: how to start it (None: already running) and talk to it."""
+
+    name: str
+    start: Callable[[int], tuple[subprocess.Popen[bytes], str]] | None
+    url: str | None = None  # when already running
+    headers: dict[str, str] = field(default_factory=dict)
+    model: str | None = None  # request `model`; None: the server's first
+
+
+def measure(
+    server: Server,
+    prompts: list[str],
+    concurrency: int,
+    max_tokens: int,
+    sampling: dict[str, float],
+) -> dict[str, Any]:
+    """Start the server (if this script runs it), warm it up, run one level, stop it."""
+    proc, url = server.start(concurrency) if server.start else (None, server.url)
+    assert url is not None
+    try:
+        model = server.model
+        if model is None:
+            models = httpx.get(f"{url}/v1/models", headers=server.headers, timeout=30).json()
+            model = models["data"][0]["id"]
+        warm = asyncio.run(run_level(url, model, prompts[:1], 1, 8, server.headers))
+        if warm.errors:
+            raise SystemExit(f"{server.name} warm-up request failed: {warm.error_samples}")
+        res = asyncio.run(
+            run_level(url, model, prompts, concurrency, max_tokens, server.headers, sampling)
+        )
+    finally:
+        if proc is not None:
+            stop(proc)
+    print(
+        f"  {server.name:<12} concurrency {res.concurrency:>3}: {res.output_tok_per_s:8.1f} tok/s, "
+        f"TTFT p50 {res.ttft_p50_ms:.0f} ms, TPOT p50 {res.tpot_p50_ms:.1f} ms "
+        f"({res.completed}/{res.num_prompts} ok, {res.duration_s:.1f} s)",
+        flush=True,
+    )
+    return asdict(res) | {"model": model}
+
+
+def _server_threads(server_args: list[str]) -> int:
+    """The threads `sluice serve server_args` runs on (its --num-threads, else the default)."""
+    from sluice.config import EngineConfig
+
+    for i, arg in enumerate(server_args):
+        if arg == "--num-threads" and i + 1 < len(server_args):
+            return int(server_args[i + 1])
+        if arg.startswith("--num-threads="):
+            return int(arg.split("=", 1)[1])
+    return EngineConfig().threads()
+
+
+def print_report(result: dict[str, Any]) -> None:
+    for lvl in result["levels"]:
+        cmp = lvl["comparison"]
+        print(
+            f"\n== concurrency {lvl['concurrency']}, {lvl['num_prompts']} prompts: "
+            f"median (min-max) of {cmp['rounds']} interleaved rounds =="
+        )
+        for side in cmp["sides"]:
+            s = cmp["summary"][side]
+            print(
+                f"  {side:<12} {fmt_spread(s['output_tok_per_s'])} tok/s, "
+                f"TTFT p50 {fmt_spread(s['ttft_p50_ms'], digits=0)} ms, "
+                f"TPOT p50 {fmt_spread(s['tpot_p50_ms'])} ms, "
+                f"errors {fmt_spread(s['errors'], digits=0)}"
+            )
+        for side, r in cmp["ratio_of_medians"].items():
+            print(
+                f"  {side} / {cmp['baseline']}: {r['output_tok_per_s']:.2f}x output tok/s "
+                f"(ratio of medians)"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--url", default=None, help="server base URL (default: start sluice serve)")
@@ -301,7 +370,8 @@ def main() -> None:
         help="skip ShareGPT prompts longer than this many UTF-8 bytes",
     )
     ap.add_argument("--seed", type=int, default=0, help="prompt shuffle seed")
-    ap.add_argument("--output", type=Path, default=RESULTS)
+    add_rounds_arg(ap)
+    add_output_arg(ap, "serve")
     ap.add_argument(
         "--server-args",
         default="",
@@ -317,7 +387,7 @@ def main() -> None:
         "--threads",
         type=int,
         default=None,
-        help="llama-server threads (default: sluice's, the physical cores)",
+        help="llama-server threads (default: sluice's)",
     )
     ap.add_argument(
         "--temperature", type=float, default=0.0, help="sampling temperature (default greedy)"
@@ -335,102 +405,84 @@ def main() -> None:
     if len(counts) != len(levels):
         raise SystemExit("--num-prompts needs one number or one per --concurrency level")
 
-    procs: list[subprocess.Popen[bytes]] = []
-    url = args.url.rstrip("/") if args.url else None
-    peer_bin = None if url else find_llama_server(args.llama_server)
-    peer_url: str | None = None
-    if url is None:
-        proc, url = start_sluice(args.server_args.split())
-        procs.append(proc)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    results: list[LevelResult] = []
-    peer_results: list[LevelResult] = []
-    try:
-        model = args.model
-        if model is None:
-            models = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()
-            model = models["data"][0]["id"]
+    server_args = args.server_args.split()
+    sluice_threads = _server_threads(server_args)
+    servers: list[Server] = []
+    info: dict[str, Any] = {}
+    if args.url:
+        url = args.url.rstrip("/")
+        servers.append(Server(url, None, url, headers, args.model))
+        info[url] = {"url": url, "note": "external server: provenance describes the client"}
+    else:
+        servers.append(
+            Server("sluice", lambda _conc: start_sluice(server_args), None, headers, args.model)
+        )
+        info["sluice"] = {"command": "sluice serve " + args.server_args, "threads": sluice_threads}
+        peer_bin = find_llama_server(args.llama_server)
         if peer_bin is not None:
-            from sluice.config import EngineConfig
-
-            threads = args.threads or EngineConfig().threads()
+            threads = args.threads or sluice_threads
             # A slot holds a prompt (<= max-prompt-bytes tokens) and the output.
             slot_ctx = args.max_prompt_bytes + args.max_tokens + 64
-            proc, peer_url = start_llama_server(
-                peer_bin, args.model, threads, max(levels), slot_ctx
-            )
-            procs.append(proc)
-            peer_model = httpx.get(f"{peer_url}/v1/models", timeout=30).json()["data"][0]["id"]
-        # Bytes bound tokens from above for byte-level BPE: a cheap, tokenizer-free filter.
-        pool = sharegpt_prompts(
-            sum(counts),
-            seed=args.seed,
-            max_prompt_tokens=args.max_prompt_bytes,
-            tokenizer_encode=lambda s: list(s.encode("utf-8")),
-        )
-        print(f"model {model} at {url}; {args.max_tokens} output tokens per request", flush=True)
-        servers = [("sluice", url, model, headers)]
-        if peer_url is not None:
-            servers.append(("llama-server", peer_url, peer_model, {}))
-        for name, target, target_model, target_headers in servers:
-            warm = asyncio.run(run_level(target, target_model, pool[:1], 1, 8, target_headers))
-            if warm.errors:
-                raise SystemExit(f"{name} warm-up request failed: {warm.error_samples}")
-        start = 0
-        for conc, count in zip(levels, counts, strict=True):
-            prompts = pool[start : start + count]
-            start += count
-            # Back to back on the same prompts: the machine's speed drifts over minutes.
-            res = asyncio.run(
-                run_level(url, model, prompts, conc, args.max_tokens, headers, sampling)
-            )
-            results.append(res)
-            report("sluice", res, count)
-            if peer_url is not None:
-                res = asyncio.run(
-                    run_level(peer_url, peer_model, prompts, conc, args.max_tokens, {}, sampling)
-                )
-                peer_results.append(res)
-                report("llama-server", res, count)
-    finally:
-        for proc in procs:
-            stop(proc)
 
-    print_table("sluice" if args.url is None else url, results)
-    if peer_results:
-        print_table(f"llama-server ({peer_bin})", peer_results)
-        print("\nsluice / llama-server:")
-        for ours, theirs in zip(results, peer_results, strict=True):
-            ratio = ours.output_tok_per_s / theirs.output_tok_per_s
-            print(
-                f"  concurrency {ours.concurrency:>3}: {ratio:.2f}x output tok/s, "
-                f"TTFT p50 {ours.ttft_p50_ms:.0f} vs {theirs.ttft_p50_ms:.0f} ms, "
-                f"TPOT p50 {ours.tpot_p50_ms:.1f} vs {theirs.tpot_p50_ms:.1f} ms"
-            )
-    payload: dict[str, Any] = {
-        "url": url if args.url else "sluice serve (started by the script)",
-        "server_args": args.server_args if not args.url else None,
-        "model": model,
+            def start_peer(conc: int, binary: Path = peer_bin) -> tuple[Any, str]:
+                # One slot per stream of this level.
+                return start_llama_server(binary, args.model, threads, conc, slot_ctx)
+
+            servers.append(Server("llama-server", start_peer))
+            info["llama-server"] = {
+                "binary": str(peer_bin),
+                "threads": threads,
+                "slots": "one per stream (the level's concurrency)",
+                "slot_ctx": slot_ctx,
+            }
+
+    # Bytes bound tokens from above for byte-level BPE: a cheap, tokenizer-free filter.
+    pool = sharegpt_prompts(
+        sum(counts),
+        seed=args.seed,
+        max_prompt_tokens=args.max_prompt_bytes,
+        tokenizer_encode=lambda s: list(s.encode("utf-8")),
+    )
+    by_name = {s.name: s for s in servers}
+    baseline = "llama-server" if "llama-server" in by_name else None
+    result: dict[str, Any] = {
+        "config": vars(args),
+        "servers": info,
         "max_tokens": args.max_tokens,
         "sampling": sampling,
-        "max_prompt_bytes": args.max_prompt_bytes,
-        "seed": args.seed,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "cpu_count": os.cpu_count(),
-        "levels": [asdict(r) for r in results],
+        "levels": [],
     }
-    if peer_results:
-        payload["llama_server"] = {
-            "binary": str(peer_bin),
-            "levels": [asdict(r) for r in peer_results],
-            "ratio_output_tok_per_s": [
-                round(o.output_tok_per_s / t.output_tok_per_s, 3)
-                for o, t in zip(results, peer_results, strict=True)
-            ],
+    start = 0
+    for conc, count in zip(levels, counts, strict=True):
+        prompts = pool[start : start + count]
+        start += count
+        runs = interleave(
+            list(by_name),
+            args.rounds,
+            lambda name, prompts=prompts, conc=conc: measure(
+                by_name[name], prompts, conc, args.max_tokens, sampling
+            ),
+            label=f"concurrency {conc}",
+        )
+        level: dict[str, Any] = {
+            "concurrency": conc,
+            "num_prompts": count,
+            "comparison": compare(runs, METRICS, baseline),
         }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"\nwrote {args.output}")
+        samples = {n: [e for r in rs for e in r["error_samples"]][:3] for n, rs in runs.items()}
+        if any(samples.values()):
+            level["error_samples"] = samples
+        result["levels"].append(level)
+        models = {n: rs[0]["model"] for n, rs in runs.items()}
+        result["models"] = models
+
+    print_report(result)
+    # The client's torch threads say nothing; record the measured sluice server's.
+    # An external server (--url) may run anywhere: provenance then describes the client.
+    threads = None if args.url else sluice_threads
+    path = write_result("serve", result, args.output, threads=threads)
+    print(f"\nwrote {shown_path(path)}")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 
 One ShareGPT first turn through the chat template, then 128 greedy tokens with EOS
 suppressed. Decode tokens/s counts the tokens after the first (the first comes from the
-prefill), the median of --repeats rounds; each round runs every system once, so drifts
-in the machine's speed hit all of them alike. llama.cpp runs through `llama-cpp-python` when it
-is installed (build it with the CMAKE_ARGS in docs/benchmarks.md), with as many threads
-as sluice uses; its row is skipped otherwise. Writes benchmarks/results/single_stream.json.
+prefill): median and min-max of --rounds interleaved rounds; every system is loaded
+once and each round runs every system once, so drifts in the machine's speed hit all
+of them alike. llama.cpp runs through `llama-cpp-python` when it is installed
+(`make llamacpp`), with as many threads as sluice uses; its row is skipped otherwise.
+Writes benchmarks/results/single_stream.json (--output).
 
 Run from the repo root:
     .venv/bin/python benchmarks/single_stream.py
@@ -22,13 +23,21 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import argparse  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.common import REPO_ROOT, format_table, ratio, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_output_arg,
+    add_rounds_arg,
+    compare,
+    fmt_spread,
+    format_table,
+    interleave,
+    shown_path,
+    write_result,
+)
 from benchmarks.datasets import sharegpt_prompts  # noqa: E402
 from sluice import LLM  # noqa: E402
 from sluice.sampling_params import SamplingParams  # noqa: E402
@@ -42,10 +51,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--methods", default="none,int8,int4", help="sluice quantization methods")
     ap.add_argument("--compile", action="store_true", help="also run each method compiled")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    add_rounds_arg(ap)
+    ap.add_argument(
+        "--repeats", dest="rounds", type=int, default=argparse.SUPPRESS, help="old name of --rounds"
+    )
     ap.add_argument("--seed", type=int, default=0, help="which ShareGPT prompt")
     ap.add_argument("--skip-llamacpp", action="store_true")
-    ap.add_argument("--name", default="single_stream", help="results file stem")
+    add_output_arg(ap, "single_stream")
     return ap.parse_args()
 
 
@@ -55,13 +67,16 @@ class SluiceSystem:
         self.sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         llm.generate([prompt], self.sp.clone(max_tokens=8), use_tqdm=False)  # warm-up
 
-    def run(self) -> tuple[float, float, list[int]]:
+    def run(self) -> dict[str, Any]:
         self.llm.engine.reset_prefix_cache()
         (out,) = self.llm.generate([self.prompt], self.sp, use_tqdm=False)
         m = out.metrics
         assert m is not None and m.first_token_time is not None and m.finished_time is not None
-        rate = (self.n - 1) / (m.finished_time - m.first_token_time)
-        return rate, m.first_token_time - m.arrival_time, out.outputs[0].token_ids
+        return {
+            "decode_tokens_per_s": (self.n - 1) / (m.finished_time - m.first_token_time),
+            "ttft_s": m.first_token_time - m.arrival_time,
+            "token_ids": out.outputs[0].token_ids,
+        }
 
 
 class LlamaCppSystem:
@@ -85,7 +100,7 @@ class LlamaCppSystem:
         self.processors = [no_eos]
         self.run(8)  # warm-up
 
-    def run(self, count: int | None = None) -> tuple[float, float, list[int]]:
+    def run(self, count: int | None = None) -> dict[str, Any]:
         count = count or self.n
         self.lm.reset()
         t0 = time.perf_counter()
@@ -98,15 +113,18 @@ class LlamaCppSystem:
             ids.append(int(tok))
             if len(ids) == count:
                 break
-        return (count - 1) / (times[-1] - times[0]), times[0] - t0, ids
+        return {
+            "decode_tokens_per_s": (count - 1) / (times[-1] - times[0]),
+            "ttft_s": times[0] - t0,
+            "token_ids": ids,
+        }
 
 
 def main() -> None:
     args = parse_args()
     threads = torch.get_num_threads()
-    result: dict[str, Any] = {"config": vars(args), "threads": threads, "sluice": {}}
+    result: dict[str, Any] = {"config": vars(args), "threads": threads, "systems": {}}
     systems: dict[str, Any] = {}
-    dtypes: dict[str, str] = {}
     prompt: list[int] | None = None
     gguf: Path | None = None
     for method in args.methods.split(","):
@@ -114,6 +132,7 @@ def main() -> None:
             label = method + (" +compile" if compiled else "")
             print(f"loading sluice {label} ...", flush=True)
             llm = LLM(args.model, quantization=method, compile=compiled)
+            threads = torch.get_num_threads()  # what the engine set
             if prompt is None:
                 tok = llm.tokenizer
                 (raw,) = sharegpt_prompts(
@@ -128,36 +147,37 @@ def main() -> None:
                 prompt = tok.encode(text, add_special_tokens=False)
                 gguf = Path(llm.engine.model_path)
             systems[label] = SluiceSystem(llm, prompt, args.max_tokens)
-            dtypes[label] = str(llm.engine.dtype).removeprefix("torch.")
+            result["systems"][label] = {
+                "kind": "sluice",
+                "quantization": method,
+                "compile": compiled,
+                "dtype": str(llm.engine.dtype).removeprefix("torch."),
+            }
     assert prompt is not None and gguf is not None
     result["prompt_tokens"] = len(prompt)
+    result["threads"] = threads
     if not args.skip_llamacpp and gguf.suffix == ".gguf":
         try:
             systems["llama.cpp"] = LlamaCppSystem(gguf, prompt, args.max_tokens, threads)
+            result["systems"]["llama.cpp"] = {
+                "kind": "llama.cpp",
+                "version": __import__("llama_cpp").__version__,
+                "model": gguf.name,
+                "threads": threads,
+            }
         except ImportError:
             print("llama-cpp-python is not installed: no llama.cpp row", flush=True)
-    # Interleaved: round k runs every system once before round k + 1 starts, so drifts
-    # in the machine's speed (shared cores) land on all systems alike.
-    runs: dict[str, list[tuple[float, float, list[int]]]] = {name: [] for name in systems}
-    for k in range(args.repeats):
-        print(f"round {k + 1}/{args.repeats} ...", flush=True)
-        for name, system in systems.items():
-            runs[name].append(system.run())
-    for name, rs in runs.items():
-        entry = {
-            "decode_tokens_per_s": statistics.median(r[0] for r in rs),
-            "ttft_s": statistics.median(r[1] for r in rs),
-            "runs": [r[0] for r in rs],
-            "token_ids": rs[-1][2],
-        }
-        if name == "llama.cpp":
-            entry |= {"threads": threads, "version": __import__("llama_cpp").__version__}
-            result["llamacpp"] = entry
-        else:
-            result["sluice"][name] = entry | {"dtype": dtypes[name]}
+    runs = interleave(list(systems), args.rounds, lambda name: systems[name].run())
+    result["comparison"] = compare(
+        runs,
+        ["decode_tokens_per_s", "ttft_s"],
+        baseline="llama.cpp" if "llama.cpp" in systems else None,
+    )
+    # Greedy tokens of the last round: how long each system agrees with llama.cpp.
+    result["token_ids"] = {name: rs[-1]["token_ids"] for name, rs in runs.items()}
     report(result)
-    path = write_result(args.name, result)
-    print(f"\nwrote {path.relative_to(REPO_ROOT)}")
+    path = write_result("single_stream", result, args.output, threads=threads)
+    print(f"\nwrote {shown_path(path)}")
 
 
 def _agreement(a: list[int], b: list[int]) -> int:
@@ -171,38 +191,43 @@ def _agreement(a: list[int], b: list[int]) -> int:
 
 
 def report(result: dict[str, Any]) -> None:
-    lc = result.get("llamacpp")
+    cmp = result["comparison"]
+    summary, ratios = cmp["summary"], cmp["ratio_of_medians"]
     rows = []
-    for label, r in result["sluice"].items():
-        vs = f"{ratio(r['decode_tokens_per_s'], lc['decode_tokens_per_s']):.2f}x" if lc else "-"
+    for name, info in result["systems"].items():
+        if info["kind"] == "sluice":
+            label = f"sluice {name} ({info['dtype']})"
+        else:
+            label = f"llama.cpp {info['version']} ({info['model']})"
+        vs = "1.00x" if name == cmp["baseline"] else "-"
+        if name in ratios:
+            vs = f"{ratios[name]['decode_tokens_per_s']:.2f}x"
+        s = summary[name]
         rows.append(
-            [f"sluice {label} ({r['dtype']})", r["decode_tokens_per_s"], r["ttft_s"] * 1e3, vs]
-        )
-    if lc:
-        rows.append(
-            [
-                f"llama.cpp {lc['version']} (Q4_1 GGUF)",
-                lc["decode_tokens_per_s"],
-                lc["ttft_s"] * 1e3,
-                "1.00x",
-            ]
+            [label, fmt_spread(s["decode_tokens_per_s"]), fmt_spread(s["ttft_s"], 1e3, 0), vs]
         )
     n = result["config"]["max_tokens"]
     print(
         f"\n== Single-stream decode: {n} tokens, prompt {result['prompt_tokens']} tokens, "
-        f"{result['threads']} threads =="
+        f"{result['threads']} threads; median (min-max) of {cmp['rounds']} interleaved rounds =="
     )
     print(format_table(["system", "decode tok/s", "TTFT ms", "vs llama.cpp"], rows))
-    best = max(r["decode_tokens_per_s"] for r in result["sluice"].values())
+    best = max(
+        summary[name]["decode_tokens_per_s"]["median"]
+        for name, info in result["systems"].items()
+        if info["kind"] == "sluice"
+    )
     verdict = "PASS" if best >= TARGET_TOK_S else "below target"
     print(f"\nbest sluice: {best:.1f} tok/s (target >= {TARGET_TOK_S:g}: {verdict})")
-    if lc:
-        for label, r in result["sluice"].items():
-            same = _agreement(r["token_ids"], lc["token_ids"])
-            print(
-                f"greedy tokens equal to llama.cpp's before the first difference, "
-                f"{label}: {same}/{n}"
-            )
+    ids = result["token_ids"]
+    if "llama.cpp" in ids:
+        for name in ids:
+            if name != "llama.cpp":
+                same = _agreement(ids[name], ids["llama.cpp"])
+                print(
+                    f"greedy tokens equal to llama.cpp's before the first difference, "
+                    f"{name}: {same}/{n}"
+                )
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
-"""Offline throughput: sluice vs plain transformers `generate`, in the same run.
+"""Offline throughput: sluice vs plain transformers `generate`, interleaved in one run.
 
 256 ShareGPT first turns (rendered with the model's chat template), 128 output tokens each
-with ignore_eos; prints output tokens/s for sluice and for transformers (static batches of
-16, same dtype) and their ratio (target >= 5x), plus single-stream decode tokens/s,
-time-to-ready of a fresh process, KV waste and preemptions. Writes
-benchmarks/results/throughput.json.
+with ignore_eos; output tokens/s for sluice and for transformers (static batches of 16,
+same dtype, same threads), in --rounds interleaved rounds (sluice, transformers;
+transformers, sluice; ...), both loaded once. Prints the median and the min-max of each
+side and the ratio of the medians (target >= 8x), plus time-to-ready of a fresh process,
+KV waste and preemptions. Writes benchmarks/results/throughput.json (--output).
 
 Run from the repo root:
     .venv/bin/python benchmarks/throughput.py
-    .venv/bin/python benchmarks/throughput.py --num-prompts 16 --max-tokens 16  # smoke test
+    .venv/bin/python benchmarks/throughput.py --num-prompts 4 --max-tokens 4 --rounds 1  # smoke
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import argparse  # noqa: E402
-import gc  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -30,9 +30,16 @@ from typing import Any  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     REPO_ROOT,
     add_engine_args,
+    add_output_arg,
+    add_rounds_arg,
+    compare,
     engine_options,
+    fmt_spread,
     format_table,
+    interleave,
     ratio,
+    shown_path,
+    spread,
     write_result,
 )
 from benchmarks.datasets import sharegpt_prompts  # noqa: E402
@@ -61,8 +68,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-ready", action="store_true", help="skip the time-to-ready subprocess")
     ap.add_argument("--seed", type=int, default=0, help="ShareGPT shuffle seed")
+    add_rounds_arg(ap)
     add_engine_args(ap)
-    ap.add_argument("--name", default="throughput", help="results/<name>.json")
+    add_output_arg(ap, "throughput")
     return ap.parse_args()
 
 
@@ -130,12 +138,9 @@ def engine_counters(llm: LLM) -> dict[str, float]:
 
 
 def run_sluice(llm: LLM, ids: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """One timed pass over all prompts (the caller warmed the engine up)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    # Warm-up (untimed), like the transformers side: first calls pay for allocation.
-    llm.generate(
-        ids[: min(2, len(ids))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
-    )
-    llm.engine.reset_prefix_cache()  # the timed run must not reuse the warm-up's prompts
+    llm.engine.reset_prefix_cache()  # no run may reuse an earlier run's prompts
     before = engine_counters(llm)
     t0 = time.perf_counter()
     outs = llm.generate(ids, params, use_tqdm=False)
@@ -148,20 +153,15 @@ def run_sluice(llm: LLM, ids: list[list[int]], max_tokens: int) -> dict[str, Any
     if out_tokens != expected:
         raise RuntimeError(f"sluice generated {out_tokens} tokens, expected {expected}")
     ttfts = [_ttft(o) for o in outs]
-    stats = llm.engine.stats()
     return {
         "output_tokens": out_tokens,
         "prompt_tokens": sum(len(x) for x in ids),
         "seconds": seconds,
         "tokens_per_s": out_tokens / seconds,
-        "num_prompts": len(ids),
-        "max_tokens": max_tokens,
-        "dtype": stats.get("dtype"),
-        # Over the timed run only: allocated-but-unused KV slots, averaged over steps.
+        # Over this run only: allocated-but-unused KV slots, averaged over steps.
         "kv_waste": 1.0 - ratio(d["used_slots"], d["allocated_slots"])
         if d["allocated_slots"]
-        else stats.get("kv_waste"),
-        "kv_waste_engine_cumulative": stats.get("kv_waste"),
+        else None,
         "num_preemptions": int(d["preemptions"]),
         "prefix_cache_hit_rate": ratio(d["hit_tokens"], d["queried_tokens"]),
         "mean_ttft_s": sum(ttfts) / len(ttfts),
@@ -174,42 +174,36 @@ def _ttft(out: RequestOutput) -> float:
     return m.first_token_time - m.arrival_time
 
 
-def single_stream(llm: LLM, prompt_ids: list[int], max_tokens: int) -> dict[str, float]:
-    """One request alone: decode tokens/s from its first token to its last (prefill excluded)."""
-    llm.engine.reset_prefix_cache()
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    (out,) = llm.generate([prompt_ids], params, use_tqdm=False)
-    m = out.metrics
-    assert m is not None and m.first_token_time is not None and m.finished_time is not None
-    n = len(out.outputs[0].token_ids)
-    decode_s = m.finished_time - m.first_token_time
-    # The first token comes from the prefill; the remaining n-1 are the decode steps.
-    return {
-        "prompt_tokens": len(prompt_ids),
-        "output_tokens": n,
-        "ttft_s": m.first_token_time - m.arrival_time,
-        "decode_seconds": decode_s,
-        "decode_tokens_per_s": (n - 1) / decode_s if decode_s > 0 else float("nan"),
-    }
+class HFSide:
+    """transformers `generate` on the same rendered prompts, loaded once for every round."""
 
+    def __init__(
+        self, model_path: Path, texts: list[str], args: argparse.Namespace, dtype: str, threads: int
+    ) -> None:
+        import torch
 
-def run_hf(model_path: Path, texts: list[str], args: argparse.Namespace, dtype: str) -> dict:
-    import torch
+        from benchmarks.hf_baseline import load_hf
 
-    from benchmarks.hf_baseline import hf_generate_throughput
+        if model_path.suffix != ".gguf" and not any(model_path.glob("*.gguf")):
+            raise RuntimeError(f"hf_baseline loads GGUF files only; {model_path} is not one")
+        self.model_path, self.dtype, self.threads = str(model_path), getattr(torch, dtype), threads
+        self.texts = texts[: args.hf_num_prompts or args.num_prompts]
+        self.max_tokens, self.batch_size = args.max_tokens, args.hf_batch_size
+        load_hf(self.model_path, self.dtype)  # memoized: the rounds reuse the loaded model
 
-    if model_path.suffix != ".gguf" and not any(model_path.glob("*.gguf")):
-        raise RuntimeError(f"hf_baseline loads GGUF files only; {model_path} is not one")
-    n = args.hf_num_prompts or args.num_prompts
-    # chat_template=False: the texts are already rendered, exactly as sluice received them.
-    return hf_generate_throughput(
-        str(model_path),
-        texts[:n],
-        args.max_tokens,
-        batch_size=args.hf_batch_size,
-        dtype=getattr(torch, dtype),
-        chat_template=False,
-    )
+    def run(self) -> dict[str, Any]:
+        from benchmarks.hf_baseline import hf_generate_throughput
+
+        # chat_template=False: the texts are already rendered, exactly as sluice got them.
+        return hf_generate_throughput(
+            self.model_path,
+            self.texts,
+            self.max_tokens,
+            batch_size=self.batch_size,
+            dtype=self.dtype,
+            chat_template=False,
+            threads=self.threads,  # the same number sluice runs on
+        )
 
 
 def main() -> None:
@@ -221,82 +215,90 @@ def main() -> None:
         print("time-to-ready: 2 fresh processes ...", flush=True)
         result["time_to_ready"] = time_to_ready(args.model, args.dtype)
 
+    import torch
+
     print("loading sluice ...", flush=True)
     llm = LLM(args.model, **engine_options(args))
+    threads = torch.get_num_threads()  # what the engine set
     dtype = str(llm.engine.dtype).removeprefix("torch.")
-    model_path = Path(llm.engine.model_path)
     result["sluice_startup_s"] = llm.engine.startup_seconds
     texts, ids = render_prompts(llm, args)
-
-    print(f"sluice: {len(ids)} prompts x {args.max_tokens} tokens ({dtype}) ...", flush=True)
-    result["sluice"] = run_sluice(llm, ids, args.max_tokens)
-    print("sluice: single-stream decode ...", flush=True)
-    result["single_stream"] = single_stream(llm, ids[0], args.max_tokens)
-    result["engine_stats"] = llm.engine.stats()
-    del llm
-    gc.collect()  # free the engine's KV pool before transformers loads its copy
-
+    # Warm-up (untimed) on both sides: first calls pay for allocation.
+    llm.generate(ids[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    sides: dict[str, Any] = {"sluice": lambda: run_sluice(llm, ids, args.max_tokens)}
     if not args.skip_hf:
-        n = args.hf_num_prompts or args.num_prompts
-        print(f"transformers: {n} prompts x {args.max_tokens} tokens ({dtype}) ...", flush=True)
-        result["transformers"] = run_hf(model_path, texts, args, dtype)
+        print("loading transformers ...", flush=True)
+        sides["transformers"] = HFSide(Path(llm.engine.model_path), texts, args, dtype, threads).run
 
-    report(result, args, dtype)
-    path = write_result(args.name, result)
-    print(f"\nwrote {path.relative_to(REPO_ROOT)}")
+    n_hf = len(texts[: args.hf_num_prompts or args.num_prompts])
+    print(
+        f"{len(ids)} prompts (transformers {n_hf}) x {args.max_tokens} tokens, {dtype}, "
+        f"{threads} threads, {args.rounds} rounds",
+        flush=True,
+    )
+    runs = interleave(list(sides), args.rounds, lambda side: sides[side]())
+    result["comparison"] = compare(
+        runs, ["tokens_per_s", "seconds"], baseline=None if args.skip_hf else "transformers"
+    )
+    # sluice-only figures: median and spread over its rounds.
+    result["sluice_details"] = {
+        m: spread([r[m] for r in runs["sluice"]])
+        for m in ("kv_waste", "num_preemptions", "mean_ttft_s")
+    }
+    first = runs["sluice"][0]
+    result["workload"] = {
+        "num_prompts": len(ids),
+        "hf_num_prompts": None if args.skip_hf else n_hf,
+        "prompt_tokens": first["prompt_tokens"],
+        "output_tokens": first["output_tokens"],
+        "max_tokens": args.max_tokens,
+        "dtype": dtype,
+        "hf_batch_size": None if args.skip_hf else args.hf_batch_size,
+        "threads": threads,
+    }
+    result["engine_stats"] = llm.engine.stats()
+
+    report(result)
+    path = write_result("throughput", result, args.output, threads=threads)
+    print(f"\nwrote {shown_path(path)}")
 
 
-def report(result: dict[str, Any], args: argparse.Namespace, dtype: str) -> None:
-    s = result["sluice"]
+def report(result: dict[str, Any]) -> None:
+    cmp, w = result["comparison"], result["workload"]
+    summary = cmp["summary"]
     rows: list[list[Any]] = [
         [
             "sluice",
-            s["num_prompts"],
-            s["prompt_tokens"],
-            s["output_tokens"],
-            s["seconds"],
-            s["tokens_per_s"],
-        ],
+            w["num_prompts"],
+            fmt_spread(summary["sluice"]["seconds"]),
+            fmt_spread(summary["sluice"]["tokens_per_s"]),
+        ]
     ]
-    hf = result.get("transformers")
-    if hf:
+    if "transformers" in summary:
         rows.append(
             [
-                f"transformers (bs={hf['batch_size']})",
-                hf["num_prompts"],
-                hf["prompt_tokens"],
-                hf["output_tokens"],
-                hf["seconds"],
-                hf["tokens_per_s"],
+                f"transformers (bs={w['hf_batch_size']})",
+                w["hf_num_prompts"],
+                fmt_spread(summary["transformers"]["seconds"]),
+                fmt_spread(summary["transformers"]["tokens_per_s"]),
             ]
         )
-    print(f"\n== Throughput: ShareGPT, {args.max_tokens} output tokens, ignore_eos, {dtype} ==")
     print(
-        format_table(
-            ["system", "prompts", "prompt tok", "output tok", "seconds", "out tok/s"], rows
-        )
+        f"\n== Throughput: ShareGPT, {w['max_tokens']} output tokens, ignore_eos, {w['dtype']}, "
+        f"{w['threads']} threads; median (min-max) of {cmp['rounds']} interleaved rounds =="
     )
+    print(format_table(["system", "prompts", "seconds", "out tok/s"], rows))
 
-    ss = result["single_stream"]
-    summary: list[list[Any]] = []
-    if hf:
-        r = ratio(s["tokens_per_s"], hf["tokens_per_s"])
-        result["ratio_vs_transformers"] = r
+    lines: list[list[Any]] = []
+    if "transformers" in summary:
+        r = cmp["ratio_of_medians"]["sluice"]["tokens_per_s"]
         verdict = "PASS" if r >= TARGET_RATIO else "below target"
-        summary.append(
+        lines.append(
             ["sluice / transformers", f"{r:.2f}x  (target >= {TARGET_RATIO:g}x: {verdict})"]
         )
-    summary += [
-        [
-            "single-stream decode",
-            f"{ss['decode_tokens_per_s']:.1f} tok/s "
-            f"({ss['output_tokens']} tokens, prompt {ss['prompt_tokens']}, "
-            f"TTFT {ss['ttft_s'] * 1000:.0f} ms)",
-        ],
-    ]
     ready = result.get("time_to_ready")
     if ready:
-        summary.append(
+        lines.append(
             [
                 "time-to-ready (warm)",
                 f"{ready['warm_in_process_s']:.2f} s in process, "
@@ -304,15 +306,15 @@ def report(result: dict[str, Any], args: argparse.Namespace, dtype: str) -> None
                 f"(cold: {ready['cold_total_s']:.2f} s)",
             ]
         )
-    summary += [
+    d = result["sluice_details"]
+    lines += [
         ["sluice startup (this run)", f"{result['sluice_startup_s']:.2f} s"],
-        ["KV waste (timed run)", f"{s['kv_waste'] * 100:.1f}%"],
-        ["preemptions (timed run)", str(s["num_preemptions"])],
-        ["prefix-cache hit rate", f"{s['prefix_cache_hit_rate'] * 100:.1f}%"],
-        ["mean TTFT (batch run)", f"{s['mean_ttft_s']:.2f} s"],
+        ["KV waste (median)", fmt_spread(d["kv_waste"], 100.0) + " %"],
+        ["preemptions (median)", fmt_spread(d["num_preemptions"], digits=0)],
+        ["mean TTFT (batch run)", fmt_spread(d["mean_ttft_s"], digits=2) + " s"],
     ]
     print()
-    print(format_table(["metric", "value"], summary, left=2))
+    print(format_table(["metric", "value"], lines, left=2))
 
 
 if __name__ == "__main__":

@@ -3,12 +3,17 @@
 The scripts live in `benchmarks/` next to the package (they are not installed), so this
 module finds them relative to the checkout. The summary and plot functions take the
 loaded JSON dicts, so they work on saved results without re-running anything.
+
+Every comparison in those files is interleaved (`benchmarks/common.py`): each side has
+per-round values summarized as median, min-max and quartiles, and the ratio of the
+medians; every file carries a `provenance` record (commit, date, CPU, kernel variant).
+The summary reports medians with their range, and the plots draw medians with min-max
+error bars.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,13 +24,15 @@ import sluice
 
 BENCHMARKS = ("throughput", "single", "serve", "prefix", "quantization")
 
-# Small sizes for a smoke run: minutes on a laptop CPU instead of an hour.
+# Small sizes for a smoke run: minutes on a laptop CPU instead of an hour. Two rounds,
+# so the comparisons still interleave and show a spread.
 QUICK_ARGS: dict[str, list[str]] = {
-    "throughput": "--num-prompts 16 --max-tokens 16 --hf-num-prompts 16 --skip-ready".split(),
-    "serve": ["--concurrency", "1,4", "--num-prompts", "2,8", "--max-tokens", "16"],
-    "prefix": ["--num-questions", "8", "--num-conversations", "2", "--turns", "4"],
+    "throughput": "--num-prompts 16 --max-tokens 16 --hf-num-prompts 16 --skip-ready "
+    "--rounds 2".split(),
+    "serve": "--concurrency 1,4 --num-prompts 2,8 --max-tokens 16 --rounds 2".split(),
+    "prefix": "--num-questions 8 --num-conversations 2 --turns 4 --rounds 2".split(),
     "quantization": ["--windows", "2", "--prompts", "2", "--gen-tokens", "16"],
-    "single": ["--methods", "int4", "--max-tokens", "16", "--repeats", "1"],
+    "single": ["--methods", "int4", "--max-tokens", "16", "--rounds", "2"],
 }
 
 _SCRIPTS = {
@@ -64,29 +71,18 @@ def benchmarks_dir() -> Path:
 def plan(
     name: str, bench_dir: Path, out_dir: Path, quick: bool = False, extra: list[str] | None = None
 ) -> BenchRun:
-    """The command line for one benchmark and where its JSON will be.
+    """The command line for one benchmark and where its JSON will be (`out_dir/<stem>.json`).
 
-    Quick runs write `<name>_quick.json` so a smoke run never overwrites full results.
+    Quick runs write `<stem>_quick.json` so a smoke run never overwrites full results.
     """
     if name not in BENCHMARKS:
         raise BenchError(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
     argv = [sys.executable, str(bench_dir / _SCRIPTS[name])]
     if quick:
         argv += QUICK_ARGS[name]
-    results = bench_dir / "results"
-    stem = {"prefix": "prefix_cache", "single": "single_stream"}.get(name, name) + (
-        "_quick" if quick else ""
-    )
-    if name == "serve":
-        # serve.py is the only script that takes an output path.
-        result = out_dir / f"{stem}.json"
-        argv += ["--output", str(result)]
-    elif name == "quantization":
-        # quantization.py always writes results/quantization.json.
-        result = results / "quantization.json"
-    else:
-        result = results / f"{stem}.json"
-        argv += ["--name", stem]
+    stem = Path(_SCRIPTS[name]).stem + ("_quick" if quick else "")
+    result = out_dir / f"{stem}.json"
+    argv += ["--output", str(result)]
     return BenchRun(name, argv + list(extra or []), result)
 
 
@@ -108,87 +104,121 @@ def load_result(path: Path) -> dict[str, Any]:
         raise BenchError(f"cannot read benchmark results {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise BenchError(f"{path}: expected a JSON object")
+    if "provenance" not in data:
+        raise BenchError(
+            f"{path}: no provenance record (written before results were interleaved and "
+            "recorded their commit and machine); run the benchmark again"
+        )
     return data
 
 
+def _median(cmp: dict[str, Any], side: str, metric: str) -> float | None:
+    s = cmp["summary"].get(side, {}).get(metric)
+    return None if s is None or not s.get("n") else s["median"]
+
+
+def _range(cmp: dict[str, Any], side: str, metric: str) -> list[float] | None:
+    s = cmp["summary"].get(side, {}).get(metric)
+    return None if s is None or not s.get("n") else [s["min"], s["max"]]
+
+
+def _ratio(cmp: dict[str, Any], side: str, metric: str) -> float | None:
+    return cmp.get("ratio_of_medians", {}).get(side, {}).get(metric)
+
+
+_SERVE_METRICS = (
+    "errors",
+    "output_tok_per_s",
+    "requests_per_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "tpot_p50_ms",
+    "tpot_p99_ms",
+)
+
+
 def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The headline numbers of each benchmark result present, keyed like BENCHMARKS."""
+    """The headline numbers (medians over rounds, with min-max ranges) of each result present,
+    keyed like BENCHMARKS."""
     summary: dict[str, Any] = {}
     if "throughput" in results:
         t = results["throughput"]
-        single = t.get("single_stream", {})
+        cmp = t["comparison"]
         summary["throughput"] = {
-            "sluice_tok_s": t["sluice"]["tokens_per_s"],
-            "transformers_tok_s": t.get("transformers", {}).get("tokens_per_s"),
-            "ratio_vs_transformers": t.get("ratio_vs_transformers"),
-            "single_stream_tok_s": single.get("decode_tokens_per_s"),
-            "single_stream_ttft_s": single.get("ttft_s"),
+            "rounds": cmp["rounds"],
+            "sluice_tok_s": _median(cmp, "sluice", "tokens_per_s"),
+            "sluice_tok_s_range": _range(cmp, "sluice", "tokens_per_s"),
+            "transformers_tok_s": _median(cmp, "transformers", "tokens_per_s"),
+            "transformers_tok_s_range": _range(cmp, "transformers", "tokens_per_s"),
+            "ratio_vs_transformers": _ratio(cmp, "sluice", "tokens_per_s"),
             "cold_start_s": t.get("time_to_ready", {}).get("cold_total_s"),
         }
     if "serve" in results:
-        keys = (
-            "concurrency",
-            "num_prompts",
-            "errors",
-            "output_tok_per_s",
-            "requests_per_s",
-            "ttft_p50_ms",
-            "ttft_p99_ms",
-            "tpot_p50_ms",
-            "tpot_p99_ms",
-        )
-        serve = results["serve"]
-        summary["serve"] = [{k: lvl.get(k) for k in keys} for lvl in serve["levels"]]
-        # llama-server, when serve.py ran it side by side: its rate and our ratio per level.
-        peer = {lvl["concurrency"]: lvl for lvl in serve.get("llama_server", {}).get("levels", [])}
-        for row in summary["serve"]:
-            theirs = peer.get(row["concurrency"])
-            if theirs is not None:
-                row["llama_server_tok_per_s"] = theirs["output_tok_per_s"]
-                row["llama_server_ttft_p50_ms"] = theirs["ttft_p50_ms"]
-                row["llama_server_tpot_p50_ms"] = theirs["tpot_p50_ms"]
-                row["vs_llama_server"] = row["output_tok_per_s"] / theirs["output_tok_per_s"]
+        rows = []
+        for lvl in results["serve"]["levels"]:
+            cmp = lvl["comparison"]
+            ours, peer = cmp["sides"][0], cmp["baseline"]
+            row: dict[str, Any] = {
+                "concurrency": lvl["concurrency"],
+                "num_prompts": lvl["num_prompts"],
+                "rounds": cmp["rounds"],
+                "output_tok_per_s_range": _range(cmp, ours, "output_tok_per_s"),
+            }
+            for metric in _SERVE_METRICS:
+                row[metric] = _median(cmp, ours, metric)
+            if peer is not None:  # llama-server ran side by side: its rate and our ratio
+                row["llama_server_tok_per_s"] = _median(cmp, peer, "output_tok_per_s")
+                row["llama_server_ttft_p50_ms"] = _median(cmp, peer, "ttft_p50_ms")
+                row["llama_server_tpot_p50_ms"] = _median(cmp, peer, "tpot_p50_ms")
+                row["vs_llama_server"] = _ratio(cmp, ours, "output_tok_per_s")
+            rows.append(row)
+        summary["serve"] = rows
     if "prefix" in results:
-        summary["prefix"] = {
-            name: {
-                "ttft_p50_off_s": w["off"]["ttft_p50_s"],
-                "ttft_p50_on_s": w["on"]["ttft_p50_s"],
-                "ttft_p99_off_s": w["off"]["ttft_p99_s"],
-                "ttft_p99_on_s": w["on"]["ttft_p99_s"],
-                "hit_rate": w["on"]["hit_rate"],
-                "total_speedup": w.get("total_ratio"),
+        summary["prefix"] = {}
+        for name, w in results["prefix"]["workloads"].items():
+            cmp = w["comparison"]
+            summary["prefix"][name] = {
+                "rounds": cmp["rounds"],
+                "ttft_p50_off_s": _median(cmp, "off", "ttft_p50_s"),
+                "ttft_p50_on_s": _median(cmp, "on", "ttft_p50_s"),
+                "ttft_p99_off_s": _median(cmp, "off", "ttft_p99_s"),
+                "ttft_p99_on_s": _median(cmp, "on", "ttft_p99_s"),
+                "hit_rate": _median(cmp, "on", "hit_rate"),
+                "ttft_p50_speedup": _ratio(cmp, "off", "ttft_p50_s"),
+                "total_speedup": _ratio(cmp, "off", "total_s"),
             }
-            for name, w in results["prefix"]["workloads"].items()
-        }
     if "single" in results:
-        single = results["single"]
-        lc = single.get("llamacpp")
+        cmp = results["single"]["comparison"]
         summary["single"] = {
-            label: {
-                "decode_tok_s": r["decode_tokens_per_s"],
-                "ttft_s": r["ttft_s"],
-                "vs_llamacpp": (r["decode_tokens_per_s"] / lc["decode_tokens_per_s"])
-                if lc
-                else None,
+            side: {
+                "rounds": cmp["rounds"],
+                "decode_tok_s": _median(cmp, side, "decode_tokens_per_s"),
+                "decode_tok_s_range": _range(cmp, side, "decode_tokens_per_s"),
+                "ttft_s": _median(cmp, side, "ttft_s"),
+                "vs_llamacpp": 1.0
+                if side == cmp["baseline"]
+                else _ratio(cmp, side, "decode_tokens_per_s"),
             }
-            for label, r in single["sluice"].items()
+            for side in cmp["sides"]
         }
-        if lc:
-            summary["single"]["llama.cpp"] = {
-                "decode_tok_s": lc["decode_tokens_per_s"],
-                "ttft_s": lc["ttft_s"],
-                "vs_llamacpp": 1.0,
-            }
     if "quantization" in results:
         summary["quantization"] = {
             mode: {
                 "perplexity": row.get("perplexity"),
                 "top1_agreement_vs_fp32": row.get("top1_agreement_vs_fp32"),
-                "single_stream_tok_s": row.get("single_stream_tok_s"),
+                "greedy_identical_vs_none": row.get("greedy_identical_vs_none"),
             }
             for mode, row in results["quantization"]["results"].items()
         }
     return summary
+
+
+def run_info(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per benchmark: the commit, date, CPU and kernel variant its result came from."""
+    keys = ("commit", "dirty", "date", "cpu_model", "threads", "kernel_variant", "torch")
+    return {
+        name: {k: data.get("provenance", {}).get(k) for k in keys} for name, data in results.items()
+    }
 
 
 def _fmt(value: Any) -> str:
@@ -196,12 +226,17 @@ def _fmt(value: Any) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(v, float) for v in value):
+        return f"{value[0]:.4g}-{value[1]:.4g}"
     return str(value)
 
 
-def format_summary(summary: dict[str, Any]) -> str:
-    """One plain-text table: benchmark | case | metric | value."""
+def format_summary(summary: dict[str, Any], runs: dict[str, dict[str, Any]] | None = None) -> str:
+    """One plain-text table: benchmark | case | metric | value (medians over rounds)."""
     rows: list[tuple[str, str, str, str]] = []
+    for name, info in (runs or {}).items():
+        for key, value in info.items():
+            rows.append((name, "run", key, _fmt(value)))
     for metric, value in summary.get("throughput", {}).items():
         rows.append(("throughput", "offline", metric, _fmt(value)))
     for lvl in summary.get("serve", []):
@@ -233,21 +268,32 @@ def _figure(width: float = 6.4, height: float = 4.2) -> Any:
     return Figure(figsize=(width, height), dpi=110, layout="constrained")
 
 
+def _bar_data(cmp: dict[str, Any], sides: list[str], metric: str) -> tuple[list[float], Any]:
+    """Medians and matplotlib's asymmetric yerr (median - min, max - median) per side."""
+    meds, lo, hi = [], [], []
+    for side in sides:
+        s = cmp["summary"][side][metric]
+        meds.append(float(s["median"]))
+        lo.append(float(s["median"] - s["min"]))
+        hi.append(float(s["max"] - s["median"]))
+    return meds, [lo, hi]
+
+
 def plot_throughput(throughput: dict[str, Any], path: Path) -> Path:
-    """Bar chart: offline output tokens/s, sluice vs the transformers baseline."""
+    """Bar chart: offline output tokens/s (median, min-max bars), sluice vs transformers."""
+    cmp = throughput["comparison"]
     fig = _figure(5.0, 4.0)
     ax = fig.add_subplot()
-    labels = ["sluice"]
-    values = [float(throughput["sluice"]["tokens_per_s"])]
-    if "transformers" in throughput:
-        labels.append("transformers")
-        values.append(float(throughput["transformers"]["tokens_per_s"]))
-    bars = ax.bar(labels, values, color=["tab:blue", "tab:gray"][: len(values)])
-    ax.bar_label(bars, fmt="%.1f")
+    sides = list(cmp["sides"])
+    values, err = _bar_data(cmp, sides, "tokens_per_s")
+    colors = ["tab:blue", "tab:gray"][: len(values)]
+    bars = ax.bar(sides, values, yerr=err, capsize=6, color=colors)
+    ax.bar_label(bars, fmt="%.1f", label_type="center")
     ax.set_ylabel("output tokens/s")
-    title = "Offline throughput"
-    if throughput.get("ratio_vs_transformers"):
-        title += f" ({throughput['ratio_vs_transformers']:.1f}x transformers)"
+    title = f"Offline throughput, median of {cmp['rounds']} rounds"
+    r = _ratio(cmp, "sluice", "tokens_per_s")
+    if r:
+        title += f" ({r:.1f}x)"
     ax.set_title(title)
     ax.margins(y=0.15)
     fig.savefig(path)
@@ -263,25 +309,37 @@ def _concurrency_axis(ax: Any, levels: list[int]) -> None:
     ax.grid(True, alpha=0.3)
 
 
+def _serve_series(serve: dict[str, Any], side: str, metric: str) -> tuple[list[int], list, list]:
+    """x, medians and yerr of one side's metric over the levels (sorted by concurrency)."""
+    levels = sorted(serve["levels"], key=lambda lvl: lvl["concurrency"])
+    xs, ys, lo, hi = [], [], [], []
+    for lvl in levels:
+        s = lvl["comparison"]["summary"].get(side, {}).get(metric)
+        if s is None or not s.get("n"):
+            continue
+        xs.append(int(lvl["concurrency"]))
+        ys.append(s["median"])
+        lo.append(s["median"] - s["min"])
+        hi.append(s["max"] - s["median"])
+    return xs, ys, [lo, hi]
+
+
 def plot_serve(serve: dict[str, Any], out_dir: Path) -> list[Path]:
     """`serve_throughput.png` (output tok/s vs concurrency) and `serve_latency.png`
-    (TTFT and TPOT p50/p99 vs concurrency)."""
-    systems = [("sluice", serve["levels"])]
-    if serve.get("llama_server", {}).get("levels"):
-        systems.append(("llama-server", serve["llama_server"]["levels"]))
-    series = [(name, sorted(lv, key=lambda lvl: lvl["concurrency"])) for name, lv in systems]
-    conc = [int(lvl["concurrency"]) for lvl in series[0][1]]
+    (TTFT and TPOT p50/p99 vs concurrency): medians over rounds, min-max error bars."""
+    sides = list(serve["levels"][0]["comparison"]["sides"])
+    conc = sorted(int(lvl["concurrency"]) for lvl in serve["levels"])
 
     fig = _figure()
     ax = fig.add_subplot()
-    for name, levels in series:
-        xs = [int(lvl["concurrency"]) for lvl in levels]
-        ax.plot(xs, [lvl["output_tok_per_s"] for lvl in levels], marker="o", label=name)
+    for side in sides:
+        xs, ys, err = _serve_series(serve, side, "output_tok_per_s")
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=4, label=side)
     _concurrency_axis(ax, conc)
     ax.set_ylabel("output tokens/s")
-    ax.set_title(f"Serving throughput ({serve.get('model', 'model')})")
+    ax.set_title(f"Serving throughput ({', '.join(sorted(set(serve.get('models', {}).values())))})")
     ax.set_ylim(bottom=0)
-    if len(series) > 1:
+    if len(sides) > 1:
         ax.legend()
     tput = out_dir / "serve_throughput.png"
     fig.savefig(tput)
@@ -289,25 +347,25 @@ def plot_serve(serve: dict[str, Any], out_dir: Path) -> list[Path]:
     fig = _figure(9.0, 4.0)
     for i, metric in enumerate(("ttft", "tpot")):
         ax = fig.add_subplot(1, 2, i + 1)
-        for name, levels in series:
-            xs = [int(lvl["concurrency"]) for lvl in levels]
-            prefix = f"{name} " if len(series) > 1 else ""
+        for side in sides:
+            prefix = f"{side} " if len(sides) > 1 else ""
             for pct, style in (("p50", "-o"), ("p99", "--s")):
-                ys = [lvl[f"{metric}_{pct}_ms"] for lvl in levels]
-                ax.plot(xs, ys, style, label=prefix + pct)
+                xs, ys, err = _serve_series(serve, side, f"{metric}_{pct}_ms")
+                ax.errorbar(xs, ys, yerr=err, fmt=style, capsize=3, label=prefix + pct)
         _concurrency_axis(ax, conc)
         ax.set_ylabel("ms")
         ax.set_title(metric.upper())
         ax.set_ylim(bottom=0)
         ax.legend()
-    fig.suptitle("Serving latency")
+    fig.suptitle("Serving latency (medians over rounds)")
     lat = out_dir / "serve_latency.png"
     fig.savefig(lat)
     return [tput, lat]
 
 
 def plot_prefix(prefix: dict[str, Any], path: Path) -> Path:
-    """Grouped bars per workload: TTFT p50/p99 with the prefix cache off vs on."""
+    """Grouped bars per workload: TTFT p50/p99 with the prefix cache off vs on
+    (medians over rounds, min-max error bars)."""
     workloads = list(prefix["workloads"].items())
     fig = _figure(max(5.0, 3.2 * len(workloads)), 4.2)
     ax = fig.add_subplot()
@@ -320,8 +378,14 @@ def plot_prefix(prefix: dict[str, Any], path: Path) -> Path:
     width = 0.8 / len(series)
     for i, (label, mode, key, color) in enumerate(series):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(workloads))]
-        bars = ax.bar(xs, [w[mode][key] for _, w in workloads], width, label=label, color=color)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        meds, lo, hi = [], [], []
+        for _, w in workloads:
+            (m,), ((a,), (b,)) = _bar_data(w["comparison"], [mode], key)
+            meds.append(m)
+            lo.append(a)
+            hi.append(b)
+        bars = ax.bar(xs, meds, width, yerr=[lo, hi], capsize=3, label=label, color=color)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, label_type="center")
     ax.set_xticks(range(len(workloads)), [name for name, _ in workloads])
     ax.set_ylabel("time to first token (s)")
     ax.set_title("Prefix cache: TTFT off vs on")
@@ -345,11 +409,13 @@ def plot_all(results: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
 
 
 def write_summary(results: dict[str, dict[str, Any]], out_dir: Path) -> Path:
-    """`summary.json`: the headline numbers plus which machine they came from."""
+    """`summary.json`: the headline numbers plus the run each one came from."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    machine = next((r["machine"] for r in results.values() if "machine" in r), None)
     path = out_dir / "summary.json"
-    payload = {"machine": machine, "summary": summarize(results)}
+    payload = {
+        "provenance": {name: r.get("provenance") for name, r in results.items()},
+        "summary": summarize(results),
+    }
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
     return path
 
@@ -376,29 +442,21 @@ def run(
         step = plan(name, bench_dir, out, quick=quick, extra=extra)
         try:
             if no_run:
-                # serve.json lands in the out dir; the other scripts write to results/.
-                saved = [step.result, bench_dir / "results" / step.result.name]
-                found = next((p for p in saved if p.is_file()), None)
-                if found is None:
+                if not step.result.is_file():
                     print(f"sluice bench: no saved {name} results ({step.result})", file=sys.stderr)
                     continue
-                step = BenchRun(step.name, step.argv, found)
-                results[name] = load_result(found)
+                results[name] = load_result(step.result)
             else:
                 results[name] = run_benchmark(step, bench_dir.parent)
         except BenchError as exc:
             # Keep going: one broken benchmark should not throw away the others' numbers.
             print(f"sluice bench: {exc}", file=sys.stderr)
             failed.append(name)
-            continue
-        copy = out / step.result.name
-        if step.result.resolve() != copy:
-            shutil.copyfile(step.result, copy)  # out dir holds the raw JSON next to the plots
     if not results:
         print("sluice bench: no results to summarize", file=sys.stderr)
         return 1
     print()
-    print(format_summary(summarize(results)))
+    print(format_summary(summarize(results), run_info(results)))
     written = [write_summary(results, out), *plot_all(results, out)]
     print()
     for path in written:

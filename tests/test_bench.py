@@ -1,8 +1,11 @@
-"""`sluice bench`: summary and plots from synthetic results (no benchmark is run)."""
+"""Benchmarks: `sluice bench` summary and plots, the interleaving and provenance helpers,
+and docs/benchmarks.md against the committed results (no benchmark is run)."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,114 +15,244 @@ import pytest
 
 from sluice import bench
 
+# benchmarks/ is not an installed package: import it from this checkout.
+REPO = bench.benchmarks_dir().parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import common, report  # noqa: E402
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PROVENANCE = {
+    "commit": "0123456789abcdef0123456789abcdef01234567",
+    "dirty": False,
+    "date": "2026-11-23T10:00:00+00:00",
+    "cpu_model": "test cpu",
+    "cpu_flags": ["avx2", "fma"],
+    "threads": 2,
+    "kernel_variant": "avx2",
+    "torch": "2.13.0",
+    "argv": ["benchmarks/x.py", "--rounds", "3"],
+}
 
 
 def _fake_results() -> dict[str, dict[str, Any]]:
-    """Small dicts with the same layout as benchmarks/results/*.json."""
-    machine = {"cpu_model": "test cpu", "cpu_count": 2}
+    """Small dicts with the same layout as the scripts' result JSON, built by the same
+    helper (common.compare) the scripts use."""
 
-    def side(ttft_p50: float, ttft_p99: float, hit: float) -> dict[str, float]:
-        return {"ttft_p50_s": ttft_p50, "ttft_p99_s": ttft_p99, "hit_rate": hit, "total_s": 1.0}
+    def level(c: int) -> dict[str, Any]:
+        def run(scale: float, tok: float) -> dict[str, float]:
+            return {
+                "output_tok_per_s": tok,
+                "requests_per_s": 0.2 * c,
+                "ttft_p50_ms": scale * 80.0 * c,
+                "ttft_p99_ms": scale * 100.0 * c,
+                "tpot_p50_ms": scale * (30.0 + c),
+                "tpot_p99_ms": scale * (35.0 + c),
+                "errors": 0,
+                "duration_s": 1.0,
+            }
 
+        runs = {
+            "sluice": [run(1.0, 30.0 * c), run(1.2, 28.0 * c), run(0.9, 32.0 * c)],
+            "llama-server": [run(2.5, 10.0 * c), run(2.4, 9.0 * c), run(2.6, 11.0 * c)],
+        }
+        return {
+            "concurrency": c,
+            "num_prompts": 4 * c,
+            "comparison": common.compare(runs, list(runs["sluice"][0]), "llama-server"),
+        }
+
+    def prefix_side(ttft_p50: float, ttft_p99: float, hit: float) -> list[dict[str, float]]:
+        one = {"ttft_p50_s": ttft_p50, "ttft_p99_s": ttft_p99, "hit_rate": hit, "total_s": 1.0}
+        return [one, {**one, "ttft_p50_s": ttft_p50 * 1.1}, {**one, "ttft_p50_s": ttft_p50 * 0.9}]
+
+    def workload(off: list[dict[str, float]], on: list[dict[str, float]]) -> dict[str, Any]:
+        cmp = common.compare({"off": off, "on": on}, list(off[0]), baseline="on")
+        return {
+            "num_requests": 64,
+            "num_streams": 64,
+            "concurrency": 8,
+            "max_tokens": 32,
+            "comparison": cmp,
+        }
+
+    tput = {
+        "sluice": [{"tokens_per_s": v, "seconds": 1000 / v} for v in (500.0, 450.0, 520.0)],
+        "transformers": [{"tokens_per_s": v, "seconds": 1000 / v} for v in (100.0, 90.0, 110.0)],
+    }
+    single = {
+        "int4": [{"decode_tokens_per_s": v, "ttft_s": 0.04} for v in (120.0, 110.0, 125.0)],
+        "llama.cpp": [{"decode_tokens_per_s": v, "ttft_s": 0.1} for v in (100.0, 95.0, 105.0)],
+    }
     return {
         "throughput": {
             "benchmark": "throughput",
-            "machine": machine,
+            "provenance": PROVENANCE,
             "time_to_ready": {"cold_total_s": 4.5},
-            "sluice": {"tokens_per_s": 500.0, "output_tokens": 1000},
-            "single_stream": {"ttft_s": 0.05, "decode_tokens_per_s": 50.0},
-            "transformers": {"tokens_per_s": 100.0},
-            "ratio_vs_transformers": 5.0,
+            "workload": {
+                "num_prompts": 256,
+                "hf_num_prompts": 64,
+                "hf_batch_size": 16,
+                "max_tokens": 128,
+            },
+            "comparison": common.compare(tput, ["tokens_per_s", "seconds"], "transformers"),
         },
         "serve": {
-            "model": "smollm2-135m",
-            "levels": [
-                {
-                    "concurrency": c,
-                    "num_prompts": 4 * c,
-                    "errors": 0,
-                    "output_tok_per_s": 30.0 * c,
-                    "requests_per_s": 0.2 * c,
-                    "ttft_p50_ms": 80.0 * c,
-                    "ttft_p99_ms": 100.0 * c,
-                    "tpot_p50_ms": 30.0 + c,
-                    "tpot_p99_ms": 35.0 + c,
-                    "error_samples": [],
-                }
-                for c in (16, 1, 4)  # unsorted on purpose
-            ],
-            "llama_server": {  # serve.py ran llama-server side by side
-                "levels": [
-                    {
-                        "concurrency": c,
-                        "output_tok_per_s": 10.0 * c,
-                        "ttft_p50_ms": 200.0 * c,
-                        "ttft_p99_ms": 300.0 * c,
-                        "tpot_p50_ms": 50.0 + c,
-                        "tpot_p99_ms": 60.0 + c,
-                    }
-                    for c in (1, 4, 16)
-                ]
-            },
+            "benchmark": "serve",
+            "provenance": PROVENANCE,
+            "models": {"sluice": "smollm2-135m", "llama-server": "smollm2.gguf"},
+            "levels": [level(c) for c in (16, 1, 4)],  # unsorted on purpose
         },
         "prefix": {
             "benchmark": "prefix_cache",
-            "machine": machine,
+            "provenance": PROVENANCE,
             "workloads": {
-                "shared_prompt": {
-                    "off": side(1.6, 13.9, 0.0),
-                    "on": side(0.5, 0.9, 0.97),
-                    "total_ratio": 6.5,
-                },
-                "chat_replay": {
-                    "off": side(1.7, 3.9, 0.0),
-                    "on": side(1.3, 2.0, 0.79),
-                    "total_ratio": 3.0,
-                },
+                "shared_prompt": workload(prefix_side(1.6, 13.9, 0.0), prefix_side(0.5, 0.9, 0.97)),
+                "chat_replay": workload(prefix_side(1.7, 3.9, 0.0), prefix_side(1.3, 2.0, 0.79)),
             },
         },
         "single": {
             "benchmark": "single_stream",
-            "machine": machine,
-            "sluice": {"int4": {"decode_tokens_per_s": 120.0, "ttft_s": 0.04}},
-            "llamacpp": {"decode_tokens_per_s": 100.0, "ttft_s": 0.1},
+            "provenance": PROVENANCE,
+            "systems": {
+                "int4": {"kind": "sluice", "dtype": "bfloat16"},
+                "llama.cpp": {"kind": "llama.cpp", "version": "0.3.36", "model": "m.gguf"},
+            },
+            "comparison": common.compare(single, ["decode_tokens_per_s", "ttft_s"], "llama.cpp"),
         },
         "quantization": {
             "benchmark": "quantization",
-            "machine": machine,
+            "provenance": PROVENANCE,
+            "config": {"prompts": 16},
             "results": {
                 "fp32 reference": {"perplexity": 20.5},
-                "int8": {"perplexity": 20.6, "single_stream_tok_s": 78.0},
+                "none": {"perplexity": 20.5, "top1_agreement_vs_fp32": 0.976},
+                "int8": {
+                    "perplexity": 20.6,
+                    "top1_agreement_vs_fp32": 0.946,
+                    "greedy_identical_vs_none": 0.0625,
+                    "greedy_mean_common_prefix": 17.9,
+                },
             },
         },
     }
 
 
+# ---- common: interleaving, summaries, provenance ---------------------------------------------
+
+
+def test_interleave_alternates_order_every_round() -> None:
+    seen: list[str] = []
+
+    def measure(side: str) -> int:
+        seen.append(side)
+        return len(seen)
+
+    runs = common.interleave(["a", "b"], 4, measure)
+    # Every round runs every side once; the order flips each round, so a steady drift
+    # favours neither side.
+    assert seen == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert runs == {"a": [1, 4, 5, 8], "b": [2, 3, 6, 7]}
+    assert common.interleave(["only"], 2, measure) == {"only": [9, 10]}
+    with pytest.raises(ValueError):
+        common.interleave(["a", "b"], 0, measure)
+    with pytest.raises(ValueError):
+        common.interleave(["a", "a"], 1, measure)
+
+
+def test_spread_and_compare() -> None:
+    s = common.spread([3.0, 1.0, 2.0, 10.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.5, 1.0, 10.0, 4)
+    assert s["q1"] == pytest.approx(1.75) and s["q3"] == pytest.approx(4.75)
+    assert common.spread([float("nan"), 4.0])["n"] == 1  # a missing figure is not a zero
+    assert math.isnan(common.spread([])["median"])
+
+    runs = {
+        "sluice": [{"tps": 10.0, "ms": 5.0}, {"tps": 30.0, "ms": 4.0}, {"tps": 20.0, "ms": 6.0}],
+        "peer": [{"tps": 5.0, "ms": 10.0}, {"tps": 4.0, "ms": 8.0}, {"tps": 6.0, "ms": None}],
+    }
+    cmp = common.compare(runs, ["tps", "ms"], baseline="peer")
+    assert cmp["rounds"] == 3 and cmp["sides"] == ["sluice", "peer"]
+    assert cmp["order"] == [["sluice", "peer"], ["peer", "sluice"], ["sluice", "peer"]]
+    assert cmp["runs"]["sluice"]["tps"] == [10.0, 30.0, 20.0]
+    assert cmp["summary"]["sluice"]["tps"]["median"] == 20.0
+    assert cmp["summary"]["peer"]["ms"]["median"] == 9.0
+    # The ratio is of the medians (20 / 5), not a median of per-round ratios.
+    assert cmp["ratio_of_medians"] == {"sluice": {"tps": 4.0, "ms": 5.0 / 9.0}}
+    assert common.compare(runs, ["tps"])["ratio_of_medians"] == {}
+    with pytest.raises(ValueError):
+        common.compare(runs, ["tps"], baseline="nobody")
+    assert common.fmt_spread(cmp["summary"]["sluice"]["tps"]) == "20.0 (10.0–30.0)"
+    assert common.fmt_spread(common.spread([0.5]), 1e3, 0) == "500"
+
+
+@pytest.mark.parametrize("has_variant", [True, False])
+def test_provenance_records_the_run(monkeypatch: pytest.MonkeyPatch, has_variant: bool) -> None:
+    import sluice.kernels
+
+    if has_variant:
+        monkeypatch.setattr(sluice.kernels, "variant", lambda: "avx2", raising=False)
+    else:
+        monkeypatch.delattr(sluice.kernels, "variant", raising=False)
+    started = datetime.datetime(2026, 11, 23, 10, 0, tzinfo=datetime.UTC)
+    p = common.provenance(threads=7, started=started)
+    assert p["kernel_variant"] == ("avx2" if has_variant else "unknown")
+    assert p["date"] == "2026-11-23T10:00:00+00:00"
+    assert p["threads"] == 7
+    if (REPO / ".git").exists():
+        assert len(p["commit"]) == 40 and isinstance(p["dirty"], bool)
+    for key in ("cpu_model", "cpu_flags", "torch", "finished", "argv", "load_average"):
+        assert key in p
+    assert set(p["cpu_flags"]) <= set(common.KERNEL_CPU_FLAGS) | {
+        f for f in p["cpu_flags"] if f.startswith("amx")
+    }
+
+
+def test_write_result_adds_provenance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sluice.kernels
+
+    # The real variant() may build the kernels first; this test is about the file.
+    monkeypatch.setattr(sluice.kernels, "variant", lambda: "generic", raising=False)
+    path = common.write_result("serve", {"levels": []}, tmp_path / "sub" / "x.json", threads=3)
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "serve" and data["levels"] == []
+    assert data["provenance"]["threads"] == 3
+    assert data["provenance"]["kernel_variant"] == "generic"
+
+
+# ---- sluice bench ----------------------------------------------------------------------------
+
+
 def test_summary_numbers() -> None:
     summary = bench.summarize(_fake_results())
-    assert summary["throughput"]["sluice_tok_s"] == 500.0
-    assert summary["throughput"]["transformers_tok_s"] == 100.0
-    assert summary["throughput"]["ratio_vs_transformers"] == 5.0
+    t = summary["throughput"]
+    assert (t["sluice_tok_s"], t["transformers_tok_s"], t["ratio_vs_transformers"]) == (
+        500.0,
+        100.0,
+        5.0,
+    )
+    assert t["sluice_tok_s_range"] == [450.0, 520.0] and t["rounds"] == 3
     assert [lvl["concurrency"] for lvl in summary["serve"]] == [16, 1, 4]
     assert summary["serve"][1]["ttft_p99_ms"] == 100.0
     assert summary["serve"][0]["llama_server_tok_per_s"] == 160.0
     assert summary["serve"][0]["vs_llama_server"] == 3.0
     assert summary["prefix"]["shared_prompt"]["ttft_p50_on_s"] == 0.5
+    assert summary["prefix"]["shared_prompt"]["ttft_p50_speedup"] == pytest.approx(3.2)
     assert summary["prefix"]["chat_replay"]["hit_rate"] == 0.79
-    assert summary["quantization"]["int8"]["single_stream_tok_s"] == 78.0
     assert summary["single"]["int4"]["vs_llamacpp"] == 1.2
     assert summary["single"]["llama.cpp"]["decode_tok_s"] == 100.0
     assert summary["quantization"]["fp32 reference"]["top1_agreement_vs_fp32"] is None
-    table = bench.format_summary(summary)
+    table = bench.format_summary(summary, bench.run_info(_fake_results()))
     assert "sluice_tok_s" in table and "concurrency=16" in table and "chat_replay" in table
+    assert "kernel_variant" in table and "avx2" in table
 
 
 def test_summary_json_and_plots(tmp_path: Path) -> None:
     results = _fake_results()
     summary_path = bench.write_summary(results, tmp_path)
     data = json.loads(summary_path.read_text())
-    assert data["machine"]["cpu_model"] == "test cpu"
+    assert data["provenance"]["throughput"]["cpu_model"] == "test cpu"
     assert data["summary"]["prefix"]["shared_prompt"]["ttft_p99_off_s"] == 13.9
 
     paths = bench.plot_all(results, tmp_path)
@@ -135,13 +268,21 @@ def test_summary_json_and_plots(tmp_path: Path) -> None:
 
 
 def test_partial_results_plot_only_what_exists(tmp_path: Path) -> None:
-    # A throughput run with --skip-hf has no transformers baseline.
+    # A throughput run with --skip-hf has no transformers side and no ratio.
     throughput = dict(_fake_results()["throughput"])
-    del throughput["transformers"]
-    del throughput["ratio_vs_transformers"]
+    only = {"sluice": [{"tokens_per_s": 500.0, "seconds": 2.0}]}
+    throughput["comparison"] = common.compare(only, ["tokens_per_s", "seconds"])
     paths = bench.plot_all({"throughput": throughput}, tmp_path)
     assert [p.name for p in paths] == ["throughput.png"]
-    assert bench.summarize({"throughput": throughput})["throughput"]["transformers_tok_s"] is None
+    summary = bench.summarize({"throughput": throughput})["throughput"]
+    assert summary["transformers_tok_s"] is None and summary["ratio_vs_transformers"] is None
+
+
+def test_old_results_without_provenance_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "throughput.json"
+    path.write_text(json.dumps({"benchmark": "throughput", "sluice": {"tokens_per_s": 1.0}}))
+    with pytest.raises(bench.BenchError, match="provenance"):
+        bench.load_result(path)
 
 
 def test_plan_quick_args_and_extra(tmp_path: Path) -> None:
@@ -155,6 +296,12 @@ def test_plan_quick_args_and_extra(tmp_path: Path) -> None:
     assert bench.plan("prefix", bench_dir, tmp_path, quick=True).result.name == (
         "prefix_cache_quick.json"
     )
+    for name in bench.BENCHMARKS:  # every script writes where it is told
+        step = bench.plan(name, bench_dir, tmp_path, quick=True)
+        i = step.argv.index("--output")
+        assert Path(step.argv[i + 1]) == step.result and step.result.parent == tmp_path
+        if name != "quantization":  # the comparisons still interleave in a smoke run
+            assert "--rounds" in step.argv
     with pytest.raises(bench.BenchError):
         bench.plan("nope", bench_dir, tmp_path)
 
@@ -205,3 +352,100 @@ def test_double_dash_keeps_its_meaning_elsewhere(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(cli, "_generate", fake_generate)
     assert cli.main(["--log-level", "error", "generate", "--", "-a prompt"]) == 0
     assert seen["prompt"] == "-a prompt"
+
+
+def test_comparison_scripts_take_rounds_and_output() -> None:
+    scripts = ["throughput", "single_stream", "serve", "prefix_cache"]
+    # One interpreter for all four: torch is imported once.
+    code = (
+        "import runpy, sys\n"
+        "for script in sys.argv[1:]:\n"
+        "    sys.argv = [script, '--help']\n"
+        "    print('=== ' + script, flush=True)\n"
+        "    try:\n"
+        "        runpy.run_path(script, run_name='__main__')\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *(f"benchmarks/{s}.py" for s in scripts)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr
+    helps = proc.stdout.split("=== ")[1:]
+    assert [h.split()[0] for h in helps] == [f"benchmarks/{s}.py" for s in scripts]
+    for text in helps:
+        assert "--rounds" in text and "--output" in text, text[:200]
+
+
+# ---- docs/benchmarks.md is generated from docs/results/*.json ---------------------------------
+
+DOC = """# Title
+
+Prose stays.
+
+<!-- results: throughput -->
+stale text
+<!-- /results -->
+
+More prose.
+
+<!-- results: serve -->
+<!-- /results -->
+"""
+
+
+def test_docs_match_committed_results() -> None:
+    """No figure in docs/benchmarks.md without its committed run: the doc must be exactly
+    what benchmarks/report.py generates from docs/results/*.json."""
+    doc = report.DOC.read_text(encoding="utf-8")
+    expected = report.render(doc, report.load_results(common.DOC_RESULTS_DIR))
+    assert doc == expected, "docs/benchmarks.md is stale: run `python benchmarks/report.py`"
+
+
+def test_report_without_results_says_so(tmp_path: Path) -> None:
+    assert report.load_results(tmp_path / "absent") == []
+    out = report.render(DOC, [])
+    assert out.count(report.EMPTY) == 2
+    assert "stale text" not in out and "Prose stays." in out and "More prose." in out
+    assert report.render(out, []) == out  # regenerating is a fixed point
+
+
+def test_report_rows_name_their_run(tmp_path: Path) -> None:
+    fake = _fake_results()
+    for key, name in (("throughput", "throughput.json"), ("serve", "serve-avx2.json")):
+        (tmp_path / name).write_text(json.dumps(fake[key]))
+    (tmp_path / "summary.json").write_text(json.dumps({"summary": {}}))  # not a result: skipped
+    results = report.load_results(tmp_path)
+    assert [name for name, _ in results] == ["serve-avx2.json", "throughput.json"]
+    out = report.render(DOC, results)
+    rows = [line for line in out.splitlines() if line.startswith("| [")]
+    assert len(rows) == 1 + 3  # one throughput row, one per serving level
+    for row in rows:
+        # machine (CPU model, threads), kernel variant, commit and date on every row
+        assert "test cpu, 2 threads | avx2 | 0123456789 | 2026-11-23 10:00 |" in row
+    assert "| 500.0 (450.0–520.0) | 100.0 (90.0–110.0) | 5.00× | 3 |" in out
+    assert "[serve-avx2.json](results/serve-avx2.json)" in out
+    assert "`.venv/bin/python benchmarks/x.py --rounds 3`" in out
+    # Every kind renders (the doc's own blocks), and the result is stable.
+    doc = report.DOC.read_text(encoding="utf-8")
+    for key, name in (("prefix", "p.json"), ("single", "s.json"), ("quantization", "q.json")):
+        (tmp_path / name).write_text(json.dumps(fake[key]))
+    full = report.render(doc, report.load_results(tmp_path))
+    assert "1.20×" in full and "1/16" in full and "3.20×" in full
+    assert report.render(full, report.load_results(tmp_path)) == full
+
+
+def test_report_refuses_results_it_cannot_place(tmp_path: Path) -> None:
+    fake = _fake_results()
+    with pytest.raises(report.ReportError, match="no results block"):
+        report.render(DOC, [("q.json", fake["quantization"])])
+    with pytest.raises(report.ReportError, match="unknown"):
+        report.render(DOC, [("x.json", {**fake["serve"], "benchmark": "nope"})])
+    (tmp_path / "old.json").write_text(json.dumps({"benchmark": "serve", "levels": []}))
+    with pytest.raises(report.ReportError, match="provenance"):
+        report.load_results(tmp_path)

@@ -1,0 +1,329 @@
+"""Regenerate the result tables in docs/benchmarks.md from the JSON in docs/results/.
+
+docs/benchmarks.md is hand-written prose around generated blocks:
+
+    <!-- results: throughput -->
+    (generated: one table row per case of every docs/results/*.json of that benchmark)
+    <!-- /results -->
+
+The name after `results:` is a benchmark kind (the `benchmark` field that
+`common.write_result` stores): throughput, single_stream, serve, prefix_cache,
+quantization. Every row names its result file, machine (CPU model, threads), kernel
+variant, commit and date, so no figure in the doc stands without the run behind it;
+tests/test_bench.py checks that the committed doc equals what this script generates.
+
+Run from the repo root:
+    .venv/bin/python benchmarks/report.py            # rewrite docs/benchmarks.md
+    .venv/bin/python benchmarks/report.py --check    # exit 1 if it is out of date
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import argparse  # noqa: E402
+import difflib  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+from benchmarks.common import DOC_RESULTS_DIR, REPO_ROOT, fmt_spread  # noqa: E402
+
+DOC = REPO_ROOT / "docs" / "benchmarks.md"
+BLOCK = re.compile(r"(<!-- results: (\w+) -->\n)(.*?)(<!-- /results -->)", re.DOTALL)
+EMPTY = "_No committed results yet._\n"
+
+Result = tuple[str, dict[str, Any]]  # (file name, loaded JSON)
+Row = list[str]
+
+
+class ReportError(ValueError):
+    """A result file or a marker in the doc that the generator cannot use."""
+
+
+def load_results(directory: Path = DOC_RESULTS_DIR) -> list[Result]:
+    """Every benchmark result JSON in `directory`, sorted by file name (none if it is absent).
+
+    JSON files without a `benchmark` field (a `sluice bench` summary.json) are skipped;
+    a result without provenance is an error: it cannot say where its figures came from.
+    """
+    if not directory.is_dir():
+        return []
+    results: list[Result] = []
+    for path in sorted(directory.glob("*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or "benchmark" not in data:
+            continue
+        if "provenance" not in data:
+            raise ReportError(f"{path}: no provenance record; re-run the benchmark")
+        results.append((path.name, data))
+    return results
+
+
+# ---- cells -----------------------------------------------------------------------------------
+
+
+def _run_cells(name: str, data: dict[str, Any]) -> Row:
+    """The columns every row starts with: result file, machine, kernel variant, commit, date."""
+    p = data["provenance"]
+    commit = (p.get("commit") or "unknown")[:10] + ("+dirty" if p.get("dirty") else "")
+    date = (p.get("date") or "?")[:16].replace("T", " ")
+    machine = f"{p.get('cpu_model', '?')}, {p.get('threads', '?')} threads"
+    return [f"[{name}](results/{name})", machine, p.get("kernel_variant", "?"), commit, date]
+
+
+RUN_HEADERS = ["result", "machine", "kernels", "commit", "date (UTC)"]
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}×"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Row]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _runs_list(results: Sequence[Result]) -> str:
+    """Under each table: how each result was produced, and on which CPU flags and torch."""
+    lines = []
+    for name, data in results:
+        p = data["provenance"]
+        argv = p.get("argv") or []
+        command = ".venv/bin/python " + shlex.join(argv) if argv else "unknown command"
+        flags = " ".join(p.get("cpu_flags") or []) or "none recorded"
+        lines.append(
+            f"- `{name}`: `{command}`; torch {p.get('torch', '?')}; CPU flags: {flags}"
+            + (f"; env {p['env']}" if p.get("env") else "")
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _spread(
+    cmp: dict[str, Any], side: str, metric: str, scale: float = 1.0, digits: int = 1
+) -> str:
+    return fmt_spread(cmp["summary"].get(side, {}).get(metric, {}), scale, digits)
+
+
+def _rmed(cmp: dict[str, Any], side: str, metric: str) -> float | None:
+    return cmp.get("ratio_of_medians", {}).get(side, {}).get(metric)
+
+
+def _pair(cmp: dict[str, Any], ours: str, peer: str | None, metric: str, digits: int) -> str:
+    """'ours / peer' for one metric (just ours when nothing ran beside it)."""
+    mine = _spread(cmp, ours, metric, digits=digits)
+    return mine if peer is None else f"{mine} / {_spread(cmp, peer, metric, digits=digits)}"
+
+
+def _arrow(cmp: dict[str, Any], metric: str, scale: float, digits: int) -> str:
+    """'off → on' for one metric of a prefix-cache comparison."""
+    off = _spread(cmp, "off", metric, scale, digits)
+    return f"{off} → {_spread(cmp, 'on', metric, scale, digits)}"
+
+
+def _cell(r: dict[str, Any], key: str, fmt: Callable[[float], str]) -> str:
+    return fmt(r[key]) if r.get(key) is not None else "–"
+
+
+# ---- one table per benchmark kind ------------------------------------------------------------
+
+
+def _throughput(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        cmp, w = d["comparison"], d["workload"]
+        prompts = str(w["num_prompts"])
+        if w.get("hf_num_prompts") is not None:
+            prompts += f" (transformers {w['hf_num_prompts']}, bs {w['hf_batch_size']})"
+        rows.append(
+            [
+                *_run_cells(name, d),
+                f"{prompts} × {w['max_tokens']}",
+                _spread(cmp, "sluice", "tokens_per_s"),
+                _spread(cmp, "transformers", "tokens_per_s"),
+                _ratio(_rmed(cmp, "sluice", "tokens_per_s")),
+                str(cmp["rounds"]),
+            ]
+        )
+    headers = ["prompts × output tokens", "sluice tok/s", "transformers tok/s", "ratio", "rounds"]
+    return _table(RUN_HEADERS + headers, rows)
+
+
+def _single_stream(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        cmp = d["comparison"]
+        for side in cmp["sides"]:
+            info = d["systems"][side]
+            if info["kind"] == "sluice":
+                label = f"sluice {side} ({info['dtype']})"
+            else:
+                label = f"llama.cpp {info['version']} ({info['model']})"
+            vs = _ratio(_rmed(cmp, side, "decode_tokens_per_s"))
+            rows.append(
+                [
+                    *_run_cells(name, d),
+                    label,
+                    _spread(cmp, side, "decode_tokens_per_s"),
+                    _spread(cmp, side, "ttft_s", 1e3, 0),
+                    "1.00×" if side == cmp["baseline"] else vs,
+                    str(cmp["rounds"]),
+                ]
+            )
+    headers = ["system", "decode tok/s", "TTFT ms", "vs llama.cpp", "rounds"]
+    return _table(RUN_HEADERS + headers, rows)
+
+
+def _serve(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        for lvl in d["levels"]:
+            cmp = lvl["comparison"]
+            ours, peer = cmp["sides"][0], cmp["baseline"]
+            label = "" if ours == "sluice" else f"{ours}: "  # --url: some other server
+            rows.append(
+                [
+                    *_run_cells(name, d),
+                    f"{lvl['concurrency']} ({lvl['num_prompts']} prompts)",
+                    label + _spread(cmp, ours, "output_tok_per_s"),
+                    "-" if peer is None else _spread(cmp, peer, "output_tok_per_s"),
+                    _ratio(_rmed(cmp, ours, "output_tok_per_s")),
+                    _pair(cmp, ours, peer, "ttft_p50_ms", 0),
+                    _pair(cmp, ours, peer, "tpot_p50_ms", 1),
+                    str(cmp["rounds"]),
+                ]
+            )
+    headers = [
+        "streams",
+        "sluice tok/s",
+        "llama-server tok/s",
+        "ratio",
+        "TTFT p50 ms (sluice / llama-server)",
+        "TPOT p50 ms (sluice / llama-server)",
+        "rounds",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
+def _prefix_cache(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        for workload, w in d["workloads"].items():
+            cmp = w["comparison"]
+            rows.append(
+                [
+                    *_run_cells(name, d),
+                    f"{workload}: {w['num_requests']} requests, {w['num_streams']} streams, "
+                    f"concurrency {w['concurrency']}",
+                    _arrow(cmp, "ttft_p50_s", 1e3, 0),
+                    _ratio(_rmed(cmp, "off", "ttft_p50_s")),
+                    _arrow(cmp, "ttft_p99_s", 1e3, 0),
+                    _arrow(cmp, "total_s", 1.0, 1),
+                    _spread(cmp, "on", "hit_rate", 100.0) + " %",
+                    str(cmp["rounds"]),
+                ]
+            )
+    headers = [
+        "workload",
+        "TTFT p50 ms off → on",
+        "p50 off/on",
+        "TTFT p99 ms off → on",
+        "total s off → on",
+        "hit rate",
+        "rounds",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
+def _quantization(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        n = d.get("config", {}).get("prompts")
+
+        def identical(x: float, n: int | None = n) -> str:
+            return f"{round(x * n)}/{n}" if n else f"{x:.1%}"
+
+        for method, r in d["results"].items():
+            rows.append(
+                [
+                    *_run_cells(name, d),
+                    method,
+                    _cell(r, "perplexity", lambda x: f"{x:.2f}"),
+                    _cell(r, "top1_agreement_vs_fp32", lambda x: f"{x:.1%}"),
+                    _cell(r, "greedy_identical_vs_none", identical),
+                    _cell(r, "greedy_mean_common_prefix", lambda x: f"{x:.1f}"),
+                ]
+            )
+    headers = ["method", "perplexity", "top-1 vs fp32", "greedy identical", "mean common prefix"]
+    return _table(RUN_HEADERS + headers, rows)
+
+
+RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
+    "throughput": _throughput,
+    "single_stream": _single_stream,
+    "serve": _serve,
+    "prefix_cache": _prefix_cache,
+    "quantization": _quantization,
+}
+
+
+def render_block(kind: str, results: Sequence[Result]) -> str:
+    """The generated text for one block: a table and how each row's result was produced."""
+    if kind not in RENDERERS:
+        raise ReportError(f"unknown results block {kind!r}; known: {', '.join(RENDERERS)}")
+    mine = [(name, data) for name, data in results if data["benchmark"] == kind]
+    if not mine:
+        return EMPTY
+    return RENDERERS[kind](mine) + "\n" + _runs_list(mine)
+
+
+def render(doc: str, results: Sequence[Result]) -> str:
+    """`doc` with every results block regenerated from `results`; the prose is untouched."""
+    kinds = {data["benchmark"] for _, data in results}
+    unknown = kinds - set(RENDERERS)
+    if unknown:
+        raise ReportError(f"results of unknown benchmark kind(s): {', '.join(sorted(unknown))}")
+    blocks = {m.group(2) for m in BLOCK.finditer(doc)}
+    missing = kinds - blocks
+    if missing:
+        # A committed result no table shows would be a figure without a place in the doc.
+        raise ReportError(f"docs/benchmarks.md has no results block for {sorted(missing)}")
+    return BLOCK.sub(lambda m: m.group(1) + render_block(m.group(2), results) + m.group(4), doc)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="exit 1 if the doc is out of date")
+    ap.add_argument("--results", type=Path, default=DOC_RESULTS_DIR)
+    ap.add_argument("--doc", type=Path, default=DOC)
+    args = ap.parse_args()
+    doc = args.doc.read_text(encoding="utf-8")
+    new = render(doc, load_results(args.results))
+    if args.check:
+        if new != doc:
+            sys.stdout.writelines(
+                difflib.unified_diff(
+                    doc.splitlines(True), new.splitlines(True), str(args.doc), "generated"
+                )
+            )
+            print(f"\n{args.doc} is out of date: run benchmarks/report.py", file=sys.stderr)
+            return 1
+        return 0
+    if new != doc:
+        args.doc.write_text(new, encoding="utf-8")
+        print(f"rewrote {args.doc}")
+    else:
+        print(f"{args.doc} is up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
