@@ -312,3 +312,11 @@ def test_agreement_and_perplexity_are_pinned(
     agreement = sum(a == b for a, b in zip(fast, reference, strict=True)) / len(reference)
     assert agreement >= PINS.get((quantization, dtype), PINS.get(quantization, 0)), agreement
     assert ppl <= 1.03 * reference_ppl, (ppl, reference_ppl)
+
+
+def test_engine_reports_its_kernel_level(llm_fp32: LLM) -> None:
+    # The level this CPU (or SLUICE_CPU_ISA) selects is what the engine runs and reports
+    # (/stats, /metrics and benchmark results read it from there).
+    from sluice import kernels
+
+    assert llm_fp32.engine.stats()["cpu_kernels"] == kernels.variant() == cpu.level()

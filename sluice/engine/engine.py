@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from sluice import kernels
 from sluice.config import EngineConfig, resolve_dtype, resolve_quantization
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.output import SequenceOutputState
@@ -106,13 +107,16 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
         self.startup_seconds = time.perf_counter() - t0
+        # The instruction-set level of our CPU kernels ("off" on CUDA or without them).
+        self.cpu_kernels = kernels.variant() if device.type == "cpu" else "off"
         logger.info(
-            "sluice ready in %.1fs: %s, %s, weights %s, %d KV blocks of %d tokens, "
-            "max_model_len %d",
+            "sluice ready in %.1fs: %s, %s, weights %s, CPU kernels %s, %d KV blocks of %d "
+            "tokens, max_model_len %d",
             self.startup_seconds,
             mc.name,
             self.dtype,
             self.quantization,
+            self.cpu_kernels,
             num_blocks,
             config.block_size,
             self.max_model_len,
@@ -397,6 +401,7 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "dtype": str(self.dtype).removeprefix("torch."),
             "quantization": self.quantization,
+            "cpu_kernels": self.cpu_kernels,
         }
 
     def reset_prefix_cache(self) -> int:
