@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "decode_stack_fields.h"
 #include "dtype.h"
 #include "isa.h"
 #include "fused_ops.h"
@@ -22,19 +23,23 @@
 
 namespace {
 
-// Per layer, kLayerFields pointers (sluice/models/llama_decode_stack.py builds them).
-// A linear is (packed, scale, min): int4 blocks with fp16 scales and minimums, or
-// int8 offset bytes with fp32 channel scales (min unused).
-enum Field {
-  kInputNorm,
-  kQkvPacked, kQkvScale, kQkvMin, kQkvBias,  // bias may be null
-  kOPacked, kOScale, kOMin,
-  kPostNorm,
-  kGateUpPacked, kGateUpScale, kGateUpMin,
-  kDownPacked, kDownScale, kDownMin,
-  kKCache, kVCache,
-  kLayerFields
-};
+// Per layer, kLayerFields pointers (decode_stack_fields.h lists them; the Python side
+// fills them by name, sluice/kernels/decode_stack.py).
+#define SLUICE_FIELD_ENUM(suffix, name) k##suffix,
+enum Field { SLUICE_DECODE_STACK_FIELDS(SLUICE_FIELD_ENUM) kLayerFields };
+#undef SLUICE_FIELD_ENUM
+
+// linear() finds a linear's scale and min right after its packed weight.
+static_assert(kQkvScale == kQkvPacked + 1 && kQkvMin == kQkvPacked + 2, "qkv fields");
+static_assert(kOScale == kOPacked + 1 && kOMin == kOPacked + 2, "o fields");
+static_assert(kGateUpScale == kGateUpPacked + 1 && kGateUpMin == kGateUpPacked + 2,
+              "gate_up fields");
+static_assert(kDownScale == kDownPacked + 1 && kDownMin == kDownPacked + 2, "down fields");
+
+#define SLUICE_FIELD_NAME(suffix, name) #name,
+constexpr const char* kFieldNames[] = {SLUICE_DECODE_STACK_FIELDS(SLUICE_FIELD_NAME)};
+#undef SLUICE_FIELD_NAME
+static_assert(sizeof(kFieldNames) / sizeof(kFieldNames[0]) == kLayerFields, "field names");
 
 struct Shape {
   int bits;  // of every linear's weights: 4 or 8
@@ -139,6 +144,11 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
 extern "C" {
 
 int sluice_decode_stack_fields() { return kLayerFields; }
+
+// The name of field i of a layer's row (decode_stack_fields.h); null past the end.
+const char* sluice_decode_stack_field(int i) {
+  return i >= 0 && i < kLayerFields ? kFieldNames[i] : nullptr;
+}
 
 // h [rows, hidden]: the embeddings in, the stack's output (before the final norm) out.
 // cos/sin [rows, head_dim / 2]; slots, tables, q_start, ctx_end as for the paged kernel.
