@@ -17,12 +17,16 @@ paged_attention (decode attention over the block pool), q4_matmul and q8_matmul
 whole Llama decoder stack on them in one call, for decode steps. isa.h says which
 level a build is; every kernel has a path for each.
 SLUICE_CPU_KERNELS=0 turns them all off (torch's ops are used instead).
+
+Bindings: one Python module per kernel (matmul, attention, fused, decode_stack)
+declares its C functions' signatures next to wrappers that take and return tensors;
+`load()` applies them all (_ffi.py). ctypes and raw pointers stay inside this package:
+callers hold a `Library` and pass tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import logging
 import os
@@ -35,8 +39,24 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads libgomp first, so the kernels bind to torch's copy)
 
-from sluice.kernels import cpu
+# The binding modules, one per kernel: importing them declares their C functions, which
+# `_build` applies to every library it loads.
+from sluice.kernels import attention, cpu, decode_stack, fused, matmul
+from sluice.kernels._ffi import STRING, Library, apply_declarations, c_function
 from sluice.settings import cache_dir
+
+__all__ = [
+    "Library",
+    "attention",
+    "built_level",
+    "cpu",
+    "decode_stack",
+    "fused",
+    "load",
+    "matmul",
+    "use_variant",
+    "variant",
+]
 
 logger = logging.getLogger("sluice")
 
@@ -51,45 +71,24 @@ _X86_FLAGS = {
     "avx512": ["-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"],
 }
 _lock = threading.Lock()
-_libs: dict[str, ctypes.CDLL | None] = {}
+_libs: dict[str, Library | None] = {}
 _override: str | None = None  # use_variant()
 
+# The level a library was compiled for (isa.h's SLUICE_ISA_NAME), defined in q4_matmul.cpp.
+_VARIANT = c_function("sluice_variant", STRING)
 
-def _declare(lib: ctypes.CDLL) -> None:
-    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    for name in ("sluice_paged_attention_f32", "sluice_paged_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, i64]
-        fn.restype = None
-    lib.sluice_attention_vectorized.argtypes = [i32]
-    lib.sluice_attention_vectorized.restype = i32
-    lib.sluice_write_kv.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32]
-    lib.sluice_write_kv.restype = None
-    lib.sluice_q4_matmul.argtypes = [ptr, i32, i32, i32, ptr, ptr, ptr, i32, ptr]
-    lib.sluice_q4_matmul.restype = None
-    lib.sluice_q8_matmul.argtypes = [ptr, i32, i32, i32, ptr, ptr, i32, ptr]
-    lib.sluice_q8_matmul.restype = None
-    lib.sluice_variant.argtypes = []
-    lib.sluice_variant.restype = ctypes.c_char_p
-    lib.sluice_add_rms_norm.argtypes = [i32, ptr, ptr, ptr, ptr, i64, i32, f32]
-    lib.sluice_rotary.argtypes = [i32, ptr, i64, i64, i32, i32, ptr, ptr]
-    lib.sluice_silu_and_mul.argtypes = [i32, ptr, ptr, i64, i32]
-    for name in ("sluice_add_rms_norm", "sluice_rotary", "sluice_silu_and_mul"):
-        getattr(lib, name).restype = None
-    lib.sluice_fused_max_dim.argtypes = []
-    lib.sluice_fused_max_dim.restype = i32
-    lib.sluice_decode_stack_fields.argtypes = []
-    lib.sluice_decode_stack_fields.restype = i32
-    lib.sluice_decode_stack.argtypes = [i32, i32, ptr, *[i32] * 7, f32, f32, ptr, ptr, ptr, i32]
-    lib.sluice_decode_stack.argtypes += [ptr, ptr, i64, ptr, ptr, i32]
-    lib.sluice_decode_stack.restype = None
+
+def built_level(lib: Library) -> str:
+    """The instruction-set level `lib` was compiled for, as it reports it."""
+    name: bytes = _VARIANT(lib)
+    return name.decode()
 
 
 def _flags(level: str) -> list[str]:
     return [*_COMMON_FLAGS, *(_X86_FLAGS[level] if cpu.is_x86() else [])]
 
 
-def _build(level: str) -> ctypes.CDLL | None:
+def _build(level: str) -> Library | None:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         logger.warning("no C++ compiler found: sluice's CPU kernels are off (torch ops instead)")
@@ -114,16 +113,16 @@ def _build(level: str) -> ctypes.CDLL | None:
                                proc.stderr)
                 return None
             os.replace(tmp_so, out)
-    lib = ctypes.CDLL(str(out))
-    _declare(lib)
-    built = lib.sluice_variant().decode()
+    lib = Library(str(out))
+    apply_declarations(lib)
+    built = built_level(lib)
     if built != level:  # the compiler ignored a flag: never run what we did not ask for
         logger.warning("CPU kernels built for %s report %s; using torch ops", level, built)
         return None
     return lib
 
 
-def load(level: str | None = None) -> ctypes.CDLL | None:
+def load(level: str | None = None) -> Library | None:
     """The kernel library for `level` (default: the active one, see `variant()`),
     building it on first use; None if kernels are off or cannot be built."""
     if os.environ.get("SLUICE_CPU_KERNELS", "1") == "0":
@@ -148,11 +147,11 @@ def load(level: str | None = None) -> ctypes.CDLL | None:
 def variant() -> str:
     """The instruction-set level of the kernels in use, or "off" when none load."""
     lib = load()
-    return "off" if lib is None else lib.sluice_variant().decode()
+    return "off" if lib is None else built_level(lib)
 
 
 @contextlib.contextmanager
-def use_variant(level: str) -> Iterator[ctypes.CDLL | None]:
+def use_variant(level: str) -> Iterator[Library | None]:
     """Make `load()` return the `level` kernels while in the block (for tests that run
     every level this CPU supports in one process). Layers pick their kernels when the
     model is built, so build the model inside the block."""

@@ -1,0 +1,85 @@
+"""The one place sluice speaks ctypes: declared C functions and tensor pointers.
+
+The binding rule: each kernel's binding module (`matmul`, `attention`, `fused`,
+`decode_stack`) declares the C functions it calls with `c_function`, next to the wrapper
+that takes tensors. `sluice.kernels.load()` applies every declaration to each library
+it loads (one per instruction-set level), and tests/test_kernel_bindings.py checks them
+against the `extern "C"` prototypes in csrc/*.cpp. Nothing outside sluice/kernels
+touches ctypes or raw pointers: it annotates with `Library` and passes tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, TypeAlias
+
+import torch
+
+# A loaded kernel library, one per level (tests hold several at once).
+Library: TypeAlias = ctypes.CDLL
+
+# The C types of our entry points, as ctypes names them (the signature test maps the
+# C++ prototypes onto these).
+POINTER = ctypes.c_void_p  # any T*, const or not; a tensor's data or null
+INT = ctypes.c_int
+INT64 = ctypes.c_int64
+FLOAT = ctypes.c_float
+STRING = ctypes.c_char_p  # const char*, returned as bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CFunction:
+    """One C entry point's name and signature. `fn(lib, *args)` calls `lib`'s copy,
+    so a binding names the function once and works with every level's library."""
+
+    name: str
+    restype: type[Any] | None  # None: void
+    argtypes: tuple[type[Any], ...]
+
+    def __call__(self, lib: Library, *args: Any) -> Any:
+        return getattr(lib, self.name)(*args)
+
+
+_DECLARED: dict[str, CFunction] = {}
+
+
+def c_function(name: str, restype: type[Any] | None, *argtypes: type[Any]) -> CFunction:
+    """Declare the C function `name` (registered for `apply_declarations`)."""
+    fn = CFunction(name, restype, argtypes)
+    if _DECLARED.setdefault(name, fn) != fn:
+        raise RuntimeError(f"{name} is declared twice, with different signatures")
+    return fn
+
+
+def declared() -> Mapping[str, CFunction]:
+    """Every declared C function by name (those of the binding modules imported so
+    far; importing `sluice.kernels` imports them all)."""
+    return MappingProxyType(_DECLARED)
+
+
+def apply_declarations(lib: Library) -> None:
+    """Set restype and argtypes of every declared function on `lib`: without them
+    ctypes would pass Python floats as doubles and truncate 64-bit integers and
+    pointers to int. A declared function the library lacks raises AttributeError."""
+    for fn in _DECLARED.values():
+        c_fn = getattr(lib, fn.name)
+        c_fn.restype = fn.restype
+        c_fn.argtypes = list(fn.argtypes)
+
+
+def ptr(t: torch.Tensor) -> int:
+    """The address of `t`'s first element (the caller keeps `t` alive and checks its
+    layout)."""
+    return t.data_ptr()
+
+
+def ptr_or_null(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def is_bf16(t: torch.Tensor) -> int:
+    """The kernels' dtype flag: 1 for bf16, 0 for fp32 (the only two they take)."""
+    return int(t.dtype == torch.bfloat16)

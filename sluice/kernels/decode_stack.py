@@ -1,0 +1,136 @@
+"""Bindings of the one-call decoder stack (csrc/decode_stack.cpp), and its per-layer
+pointer table.
+
+The table's fields are defined once, in csrc/decode_stack_fields.h; the library reports
+their names in order (`field_names`). A caller fills each layer as a mapping from those
+names to tensors, and `LayerTable` orders it by the library's names, so a field that is
+added, removed or moved on the C++ side cannot shift the table silently: a name the
+caller does not fill, or one the library does not know, is an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sluice.kernels._ffi import (
+    FLOAT,
+    INT,
+    INT64,
+    POINTER,
+    STRING,
+    Library,
+    c_function,
+    is_bf16,
+    ptr,
+    ptr_or_null,
+)
+
+_FIELDS = c_function("sluice_decode_stack_fields", INT)
+_FIELD = c_function("sluice_decode_stack_field", STRING, INT)
+_DECODE_STACK = c_function(
+    "sluice_decode_stack",
+    None,
+    # bf16, bits, the layer table
+    *(INT, INT, POINTER),
+    # layers, hidden, heads, kv_heads, head_dim, inter, block_size, eps, scale
+    *(INT, INT, INT, INT, INT, INT, INT, FLOAT, FLOAT),
+    # h, cos, sin, rows
+    *(POINTER, POINTER, POINTER, INT),
+    # slots, block tables, max_blocks, query_start, ctx_end, seqs
+    *(POINTER, POINTER, INT64, POINTER, POINTER, INT),
+)
+
+
+def field_names(lib: Library) -> tuple[str, ...]:
+    """The names of a layer's fields, in the order the library reads them."""
+    names = []
+    for i in range(int(_FIELDS(lib))):
+        name: bytes | None = _FIELD(lib, i)
+        assert name is not None, f"the library names no field {i}"
+        names.append(name.decode())
+    return tuple(names)
+
+
+class LayerTable:
+    """Every layer's fields as int64 pointers, [layers, fields], in the library's order.
+
+    It holds the tensors it points to, so none of them is freed while the table lives.
+    """
+
+    def __init__(
+        self, lib: Library, layers: Sequence[Mapping[str, torch.Tensor | None]]
+    ) -> None:
+        self.names = field_names(lib)
+        known = set(self.names)
+        self.tensors: list[list[torch.Tensor | None]] = []
+        for i, layer in enumerate(layers):
+            unknown, missing = set(layer) - known, known - set(layer)
+            if unknown or missing:
+                raise ValueError(
+                    f"decode stack layer {i}: fields the library does not know "
+                    f"{sorted(unknown)}, fields it needs that are not filled {sorted(missing)}"
+                )
+            self.tensors.append([layer[name] for name in self.names])
+        rows = [[ptr_or_null(t) for t in row] for row in self.tensors]
+        self.pointers = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), len(self.names))
+
+
+@dataclass(frozen=True)
+class StackShape:
+    """The model's sizes, as the stack takes them."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    block_size: int
+    eps: float
+    scale: float  # of the attention scores
+
+
+def decode_stack(
+    lib: Library,
+    table: LayerTable,
+    bits: int,  # of every linear's weights: 4 or 8
+    shape: StackShape,
+    h: torch.Tensor,  # [rows, hidden] contiguous: the embeddings in, the output out
+    cos: torch.Tensor,  # [rows, head_dim / 2] contiguous, h's dtype
+    sin: torch.Tensor,
+    slots: torch.Tensor,  # [rows] int64: each new token's cache slot
+    block_tables: torch.Tensor,  # [S, max_blocks] int64, contiguous
+    query_start: torch.Tensor,  # [S + 1] int64
+    ctx_end: torch.Tensor,  # [S] int64
+) -> torch.Tensor:
+    """Run every layer on h, in place: h becomes the stack's output (before the final
+    norm), which is returned."""
+    _DECODE_STACK(
+        lib,
+        is_bf16(h),
+        bits,
+        ptr(table.pointers),
+        shape.layers,
+        shape.hidden,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+        shape.inter,
+        shape.block_size,
+        shape.eps,
+        shape.scale,
+        ptr(h),
+        ptr(cos),
+        ptr(sin),
+        h.shape[0],
+        ptr(slots),
+        ptr(block_tables),
+        block_tables.shape[1],
+        ptr(query_start),
+        ptr(ctx_end),
+        block_tables.shape[0],
+    )
+    return h
