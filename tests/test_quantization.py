@@ -11,7 +11,7 @@ import torch
 
 from sluice import LLM, SamplingParams
 from sluice.config import EngineConfig, resolve_quantization
-from sluice.kernels import cpu
+from sluice.kernels import built_level, cpu
 from sluice.layers import quantization
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import (
@@ -98,7 +98,7 @@ def assert_kernel_ran(method: Int8WeightOnly | Int4WeightOnly, kernel: str) -> N
     if kernel == "torch":
         assert method.lib is None
     else:
-        assert method.lib is not None and method.lib.sluice_variant().decode() == kernel
+        assert method.lib is not None and built_level(method.lib) == kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

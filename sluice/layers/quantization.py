@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import ctypes
 from collections.abc import Iterator
 
 import torch
 
 from sluice import kernels
+from sluice.kernels import Library, matmul
 from sluice.layers.linear import Linear, LinearMethod
 
 # Rows at or above which the dense matmul beats the weight-only kernels on this CPU
@@ -67,7 +67,7 @@ class Int8WeightOnly(_WeightOnly):
         blocks flipped the bundled model's first answer token on a plain question)."""
         super().__init__(dense_min_rows)
         self.quantize_activations = quantize_activations
-        self.lib: ctypes.CDLL | None = None
+        self.lib: Library | None = None
 
     def _quantize(self, layer: Linear) -> None:
         w = layer.weight.detach().float()
@@ -95,8 +95,7 @@ class Int8WeightOnly(_WeightOnly):
         if self.lib is not None:
             if torch.compiler.is_compiling():
                 return _q8_matmul_op(x, layer.q8_packed, layer.q8_scale)  # opaque
-            fn = self.lib.sluice_q8_matmul
-            return _int8_activation_matmul(fn, x, layer.q8_packed, layer.q8_scale)
+            return matmul.q8_matmul(self.lib, x, layer.q8_packed, layer.q8_scale)
         return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.qscale)
 
 
@@ -114,7 +113,7 @@ class Int4WeightOnly(_WeightOnly):
     def __init__(self, group_size: int = 32, dense_min_rows: int = DENSE_MIN_ROWS) -> None:
         super().__init__(dense_min_rows)
         self.group_size = group_size
-        self.lib: ctypes.CDLL | None = None
+        self.lib: Library | None = None
 
     def _quantize(self, layer: Linear) -> None:
         w = layer.weight.detach().float()
@@ -152,46 +151,25 @@ class Int4WeightOnly(_WeightOnly):
             args = (x, layer.q4_packed, layer.q4_scale, layer.q4_min)
             if torch.compiler.is_compiling():
                 return _q4_matmul_op(*args)  # opaque to the compiler
-            return _int8_activation_matmul(self.lib.sluice_q4_matmul, *args)
+            return matmul.q4_matmul(self.lib, *args)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, layer.qweight, self.group_size, layer.qscale_zero
         )
 
 
-def _int8_activation_matmul(
-    fn: ctypes._CFuncPtr, x: torch.Tensor, packed: torch.Tensor, *weights: torch.Tensor
-) -> torch.Tensor:
-    """y = x @ W.T through one of our C entry points, which share a signature:
-    (x, bf16, M, K, packed weight, the weight's scale tensors..., N, y)."""
-    x = x.contiguous()
-    m, n = x.shape[0], packed.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    fn(
-        x.data_ptr(),
-        int(x.dtype == torch.bfloat16),
-        m,
-        x.shape[1],
-        packed.data_ptr(),
-        *(w.data_ptr() for w in weights),
-        n,
-        y.data_ptr(),
-    )
-    return y
-
-
-def _q4_matmul(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
-) -> torch.Tensor:
+def _loaded() -> Library:
+    """The active kernels, for the custom ops (whose arguments can only be tensors);
+    they are reached only where a method found the library at load time."""
     lib = kernels.load()
     assert lib is not None
-    return _int8_activation_matmul(lib.sluice_q4_matmul, x, packed, scale, minimum)
+    return lib
 
 
 @torch.library.custom_op("sluice::q4_matmul", mutates_args=())
 def _q4_matmul_op(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
 ) -> torch.Tensor:
-    return _q4_matmul(x, packed, scale, minimum)
+    return matmul.q4_matmul(_loaded(), x, packed, scale, minimum)
 
 
 @_q4_matmul_op.register_fake
@@ -199,15 +177,9 @@ def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
-def _q8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    lib = kernels.load()
-    assert lib is not None
-    return _int8_activation_matmul(lib.sluice_q8_matmul, x, packed, scale)
-
-
 @torch.library.custom_op("sluice::q8_matmul", mutates_args=())
 def _q8_matmul_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return _q8_matmul(x, packed, scale)
+    return matmul.q8_matmul(_loaded(), x, packed, scale)
 
 
 @_q8_matmul_op.register_fake
