@@ -2,22 +2,22 @@
 
 A decode step multiplies one token's activations: torch's per-op overhead (a few
 microseconds each, eight ops for one RMSNorm) then outweighs the arithmetic. Each
-function here is one C++ call on CPU (sluice/kernels/csrc/fused_ops.cpp) and plain torch
-ops elsewhere: on CUDA, without a compiler, and under torch.compile, which fuses the
-torch version itself.
+function here is one C++ call on CPU (sluice/kernels/csrc/fused_ops.cpp, bound in
+sluice/kernels/fused.py) where the layout allows, and plain torch ops elsewhere: on
+CUDA, without a compiler, and under torch.compile, which fuses the torch version itself.
 """
 
 from __future__ import annotations
-
-import ctypes
 
 import torch
 import torch.nn.functional as F
 
 from sluice import kernels
+from sluice.kernels import Library
+from sluice.kernels import fused as fused_kernels
 
 
-def _lib(t: torch.Tensor) -> ctypes.CDLL | None:
+def _lib(t: torch.Tensor) -> Library | None:
     if (
         t.device.type != "cpu"
         or t.dtype not in (torch.float32, torch.bfloat16)
@@ -38,25 +38,15 @@ def rms_norm(
     if (
         lib is None
         or weight.dtype != x.dtype
-        or dim > lib.sluice_fused_max_dim()  # the kernel's row buffer
+        or dim > fused_kernels.max_dim(lib)  # the kernel's row buffer
         or not x.is_contiguous()
         or (residual is not None and not residual.is_contiguous())
     ):
         h = x if residual is None else residual + x
         out = F.rms_norm(h.float(), (dim,), weight.float(), eps).to(x.dtype)
         return out, h
-    out = torch.empty_like(x)
     h, add = (x, None) if residual is None else (residual, x)
-    lib.sluice_add_rms_norm(
-        int(x.dtype == torch.bfloat16),
-        None if add is None else add.data_ptr(),
-        h.data_ptr(),
-        weight.data_ptr(),
-        out.data_ptr(),
-        x.numel() // dim,
-        dim,
-        ctypes.c_float(eps),
-    )
+    out = fused_kernels.add_rms_norm(lib, add, h, weight, eps)
     return out, h
 
 
@@ -64,7 +54,7 @@ def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     """Rotary embedding of qk [T, heads, head_dim] (rows may be strided slices);
     cos/sin [T, 1, head_dim / 2]. In place on the fused path."""
     lib = _lib(qk)
-    t, heads, d = qk.shape
+    d = qk.shape[2]
     if (
         lib is None
         or qk.stride(2) != 1
@@ -74,17 +64,7 @@ def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     ):
         x1, x2 = qk.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    lib.sluice_rotary(
-        int(qk.dtype == torch.bfloat16),
-        qk.data_ptr(),
-        t,
-        qk.stride(0),
-        heads,
-        d,
-        cos.data_ptr(),
-        sin.data_ptr(),
-    )
-    return qk
+    return fused_kernels.rotary(lib, qk, cos, sin)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -94,12 +74,4 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if lib is None or not gate_up.is_contiguous():
         gate, up = gate_up.split(inter, dim=-1)
         return F.silu(gate) * up
-    out = gate_up.new_empty(*gate_up.shape[:-1], inter)
-    lib.sluice_silu_and_mul(
-        int(gate_up.dtype == torch.bfloat16),
-        gate_up.data_ptr(),
-        out.data_ptr(),
-        gate_up.numel() // (2 * inter),
-        inter,
-    )
-    return out
+    return fused_kernels.silu_and_mul(lib, gate_up)
