@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sluice.attention import AttentionMetadata, PrefillSpan, SDPABackend, cpu_kernels
+from sluice import kernels
+from sluice.attention import AttentionMetadata, PrefillSpan, SDPABackend
+from sluice.kernels import Library
+from sluice.kernels import attention as paged
 from tests.conftest import LEVELS, kernels_at
 
 
@@ -28,14 +30,14 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 
 @pytest.fixture(params=[*LEVELS, "torch"])
-def attention_kernel(request: pytest.FixtureRequest) -> Iterator[ctypes.CDLL | None]:
+def attention_kernel(request: pytest.FixtureRequest) -> Iterator[Library | None]:
     """Our paged kernel at each instruction-set level this CPU has, and torch alone."""
     if request.param == "torch":
         yield None
         return
     with kernels_at(request.param):
-        kernel = cpu_kernels.load()
-        assert kernel is not None and kernel.sluice_variant().decode() == request.param
+        kernel = kernels.load()
+        assert kernel is not None and kernels.built_level(kernel) == request.param
         yield kernel
 
 
@@ -44,12 +46,12 @@ def attention_kernel(request: pytest.FixtureRequest) -> Iterator[ctypes.CDLL | N
 # generic loops (the generic level has only those).
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_paged_attention_matches_dense(
-    dtype: torch.dtype, attention_kernel: ctypes.CDLL | None, d: int
+    dtype: torch.dtype, attention_kernel: Library | None, d: int
 ) -> None:
     kernel = attention_kernel
     if kernel is not None:
-        vectorized = kernel.sluice_variant() != b"generic" and d in (64, 128)
-        assert bool(kernel.sluice_attention_vectorized(d)) == vectorized
+        vectorized = kernels.built_level(kernel) != "generic" and d in (64, 128)
+        assert paged.vectorized(kernel, d) == vectorized
     torch.manual_seed(0)
     heads, kv_heads, bs, num_blocks = 6, 2, 4, 64
     backend = SDPABackend(kernel)

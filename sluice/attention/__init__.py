@@ -2,16 +2,17 @@
 
 import torch
 
-from sluice.attention import cpu_kernels
+from sluice import kernels
 from sluice.attention.backend import AttentionBackend, AttentionMetadata, PrefillSpan
 from sluice.attention.sdpa import SDPABackend
+from sluice.kernels import attention as paged
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
     """SDPA everywhere (fused on CPU and CUDA), with our paged decode kernel on CPU."""
     kernel = None
-    if device.type == "cpu" and cpu_kernels.supports(dtype, head_dim):
-        kernel = cpu_kernels.load()
+    if device.type == "cpu" and paged.supports(dtype, head_dim):
+        kernel = kernels.load()
     return SDPABackend(kernel)
 
 

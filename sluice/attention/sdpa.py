@@ -7,13 +7,12 @@ first (several times slower at high concurrency).
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import torch.nn.functional as F
 
-from sluice.attention import cpu_kernels
 from sluice.attention.backend import AttentionBackend, AttentionMetadata
+from sluice.kernels import Library
+from sluice.kernels import attention as paged
 
 
 def cache_rows(slots: torch.Tensor, num_kv_heads: int, block_size: int) -> torch.Tensor:
@@ -27,7 +26,7 @@ def cache_rows(slots: torch.Tensor, num_kv_heads: int, block_size: int) -> torch
 class SDPABackend(AttentionBackend):
     name = "sdpa"
 
-    def __init__(self, cpu_kernel: ctypes.CDLL | None = None) -> None:
+    def __init__(self, cpu_kernel: Library | None = None) -> None:
         self.kernel = cpu_kernel
         self.uses_row_mask = cpu_kernel is None
 
@@ -44,7 +43,7 @@ class SDPABackend(AttentionBackend):
         # Every new token's K/V goes into the cache before anyone reads it, so requests
         # that share blocks within one step see each other's writes.
         if self.kernel is not None:
-            cpu_kernels.write_kv(self.kernel, k, v, k_cache, v_cache, meta.slot_mapping)
+            paged.write_kv(self.kernel, k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             if meta.cache_rows is None:  # once per step, shared by every layer
                 meta.cache_rows = cache_rows(meta.slot_mapping, num_kv_heads, block_size)
@@ -57,7 +56,7 @@ class SDPABackend(AttentionBackend):
         if n and self.kernel is not None:
             assert meta.small_block_tables is not None
             assert meta.small_query_start is not None and meta.small_ctx_end is not None
-            cpu_kernels.paged_attention(
+            paged.paged_attention(
                 self.kernel,
                 q[:n],
                 k_cache,
