@@ -1,39 +1,93 @@
 """The Llama decoder stack in one C++ call, for CPU decode steps of a few tokens.
 
 A 1-token step through the Python model spends about as long in per-op overhead
-(Python, ctypes, OpenMP fork/join for each of ~300 kernel calls) as in arithmetic.
+(Python, the call into C, OpenMP fork/join for each of ~300 kernel calls) as in
+arithmetic.
 `sluice_decode_stack` (sluice/kernels/csrc/decode_stack.cpp) runs all layers inside
 one parallel region with the same kernels, so it returns exactly what the model's
 forward would. It applies where every one of those kernels is ours: CPU, int4 or int8
 weights on our kernels, the paged attention kernel, no QK-norm; and to steps whose every
 token is a short-chunk query with at most as many rows as our int4 kernel takes.
 Anything else goes through the model as usual.
+
+Each layer's pointers are filled by field name (`layer_fields`); the binding orders them
+as the library reports its fields (sluice/kernels/decode_stack.py), so the table's
+layout is defined once, in sluice/kernels/csrc/decode_stack_fields.h.
 """
 
 from __future__ import annotations
-
-import ctypes
 
 import torch
 
 from sluice import kernels
 from sluice.attention.backend import AttentionBackend, AttentionMetadata
+from sluice.kernels import Library, decode_stack
+from sluice.kernels import fused as fused_kernels
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import Int4WeightOnly, Int8WeightOnly
-from sluice.models.llama import LlamaForCausalLM
+from sluice.models.llama import DecoderLayer, LlamaForCausalLM
+
+# A layer's row of the stack's table: field name (csrc/decode_stack_fields.h) -> tensor,
+# None for a null pointer.
+Fields = dict[str, torch.Tensor | None]
 
 
-def _linear_fields(layer: Linear, bias_allowed: bool) -> tuple[int, list[int]] | None:
-    """(weight bits, the kernel's three pointers) where the layer runs on our int4 or
-    int8 kernel; None otherwise."""
+def _tensor(layer: Linear, name: str) -> torch.Tensor:
+    """A weight tensor the layer's method attached (build time only)."""
+    t = getattr(layer, name)
+    assert isinstance(t, torch.Tensor), name
+    return t
+
+
+def _linear_fields(name: str, layer: Linear, bias_allowed: bool) -> tuple[int, Fields] | None:
+    """(weight bits, the fields `name`_packed/_scale/_min of the kernel's weights) where
+    the layer runs on our int4 or int8 kernel; None otherwise."""
     method = layer.method
     if layer.bias is not None and not bias_allowed:
         return None
+    weights: tuple[torch.Tensor | None, ...]
     if isinstance(method, Int4WeightOnly) and method.lib is not None:
-        return 4, [layer.q4_packed.data_ptr(), layer.q4_scale.data_ptr(), layer.q4_min.data_ptr()]
-    if isinstance(method, Int8WeightOnly) and method.lib is not None:
-        return 8, [layer.q8_packed.data_ptr(), layer.q8_scale.data_ptr(), 0]
-    return None
+        bits, weights = 4, tuple(_tensor(layer, w) for w in ("q4_packed", "q4_scale", "q4_min"))
+    elif isinstance(method, Int8WeightOnly) and method.lib is not None:
+        # int8 has no minimum: a null pointer
+        bits, weights = 8, (_tensor(layer, "q8_packed"), _tensor(layer, "q8_scale"), None)
+    else:
+        return None
+    names = (f"{name}_packed", f"{name}_scale", f"{name}_min")
+    return bits, dict(zip(names, weights, strict=True))
+
+
+def layer_fields(
+    layer: DecoderLayer, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype
+) -> tuple[set[int], Fields] | None:
+    """(the weight bits of its linears, the layer's fields by name) where every part of
+    the layer runs on our kernels in `dtype`; None otherwise."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [
+        _linear_fields("qkv", attn.qkv_proj, bias_allowed=True),
+        _linear_fields("o", attn.o_proj, bias_allowed=False),
+        _linear_fields("gate_up", mlp.gate_up_proj, bias_allowed=False),
+        _linear_fields("down", mlp.down_proj, bias_allowed=False),
+    ]
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    found = [f for f in linears if f is not None]
+    if len(found) < len(linears):
+        return None
+    if any(w.dtype != dtype for w in norms) or k_cache.dtype != dtype:
+        return None
+    bias = attn.qkv_proj.bias
+    if bias is not None and bias.dtype != dtype:
+        return None
+    fields: Fields = {
+        "input_norm": norms[0],
+        "qkv_bias": bias,
+        "post_norm": norms[1],
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+    }
+    for _, linear in found:
+        fields.update(linear)
+    return {bits for bits, _ in found}, fields
 
 
 class LlamaDecodeStack:
@@ -41,30 +95,30 @@ class LlamaDecodeStack:
 
     def __init__(
         self,
-        lib: ctypes.CDLL,
+        lib: Library,
         model: LlamaForCausalLM,
         bits: int,
-        fields: torch.Tensor,
+        table: decode_stack.LayerTable,
         max_rows: int,
         block_size: int,
     ) -> None:
         self.lib = lib
         self.bits = bits  # of every linear's weights: 4 or 8
         self.model = model
-        self.fields = fields  # [layers, F] int64 pointers; the tensors they point to live in model
+        self.table = table  # every layer's pointers; it holds the tensors they point to
         self.max_rows = max_rows
-        self.block_size = block_size
         c = model.config
-        self.shape = (
-            c.num_layers,
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            c.intermediate_size,
+        self.shape = decode_stack.StackShape(
+            layers=c.num_layers,
+            hidden=c.hidden_size,
+            heads=c.num_heads,
+            kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            inter=c.intermediate_size,
+            block_size=block_size,
+            eps=c.rms_norm_eps,
+            scale=c.head_dim**-0.5,
         )
-        self.eps = ctypes.c_float(c.rms_norm_eps)
-        self.scale = ctypes.c_float(c.head_dim**-0.5)
 
     @classmethod
     def build(
@@ -77,60 +131,33 @@ class LlamaDecodeStack:
         lib = kernels.load()
         if lib is None or not isinstance(model, LlamaForCausalLM):
             return None
-        num_fields = lib.sluice_decode_stack_fields()
         c = model.config
         dtype = model.embed_tokens.weight.dtype
         if (
-            num_fields == 0
-            or c.qk_norm
+            c.qk_norm
             or getattr(backend, "kernel", None) is None
             or model.embed_tokens.weight.device.type != "cpu"
             or dtype not in (torch.float32, torch.bfloat16)
-            or c.hidden_size > lib.sluice_fused_max_dim()
+            or c.hidden_size > fused_kernels.max_dim(lib)
         ):
             return None
-        rows: list[list[int]] = []
+        rows: list[Fields] = []
         bits: set[int] = set()
         max_rows = 1 << 30
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
+            found = layer_fields(layer, k_cache, v_cache, dtype)
+            if found is None:
+                return None
+            bits |= found[0]
+            rows.append(found[1])
             attn, mlp = layer.self_attn, layer.mlp
-            linears = [
-                _linear_fields(attn.qkv_proj, bias_allowed=True),
-                _linear_fields(attn.o_proj, bias_allowed=False),
-                _linear_fields(mlp.gate_up_proj, bias_allowed=False),
-                _linear_fields(mlp.down_proj, bias_allowed=False),
-            ]
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            found = [f for f in linears if f is not None]
-            if len(found) < len(linears):
-                return None
-            bits |= {b for b, _ in found}
-            qkv, o, gate_up, down = (ptrs for _, ptrs in found)
-            if any(w.dtype != dtype for w in norms) or k_cache.dtype != dtype:
-                return None
-            bias = attn.qkv_proj.bias
-            if bias is not None and bias.dtype != dtype:
-                return None
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 max_rows = min(max_rows, linear.method.dense_min_rows - 1)
-            rows.append(
-                [
-                    norms[0].data_ptr(),
-                    *qkv,
-                    0 if bias is None else bias.data_ptr(),
-                    *o,
-                    norms[1].data_ptr(),
-                    *gate_up,
-                    *down,
-                    k_cache.data_ptr(),
-                    v_cache.data_ptr(),
-                ]
-            )
-        if max_rows < 1 or len(bits) != 1 or any(len(r) != num_fields for r in rows):
+        if max_rows < 1 or len(bits) != 1:
             return None  # one weight format throughout: the stack takes one `bits`
         block_size = kv_caches[0][0].shape[2]  # pools are [blocks, kv_heads, block_size, d]
-        fields = torch.tensor(rows, dtype=torch.int64)
-        return cls(lib, model, bits.pop(), fields, max_rows, block_size)
+        table = decode_stack.LayerTable(lib, rows)  # in the library's field order
+        return cls(lib, model, bits.pop(), table, max_rows, block_size)
 
     def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Steps whose tokens all go to the paged kernel and our weight-only kernels (and
@@ -146,24 +173,16 @@ class LlamaDecodeStack:
         assert meta.small_ctx_end is not None
         cos, sin = (t.contiguous() for t in model.rotary.lookup(positions))
         h = model.embed_tokens(input_ids)  # written in place with the stack's output
-        tables = meta.small_block_tables
-        self.lib.sluice_decode_stack(
-            int(h.dtype == torch.bfloat16),
+        return decode_stack.decode_stack(
+            self.lib,
+            self.table,
             self.bits,
-            self.fields.data_ptr(),
-            *self.shape,
-            self.block_size,
-            self.eps,
-            self.scale,
-            h.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            input_ids.shape[0],
-            meta.slot_mapping.data_ptr(),
-            tables.data_ptr(),
-            tables.shape[1],
-            meta.small_query_start.data_ptr(),
-            meta.small_ctx_end.data_ptr(),
-            tables.shape[0],
+            self.shape,
+            h,
+            cos,
+            sin,
+            meta.slot_mapping,
+            meta.small_block_tables,
+            meta.small_query_start,
+            meta.small_ctx_end,
         )
-        return h
