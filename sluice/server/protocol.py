@@ -1,4 +1,4 @@
-"""OpenAI request bodies (pydantic) and the OpenAI-shaped error they fail with.
+"""OpenAI request bodies (pydantic).
 
 Models are strict (a string is not a number, 5.0 is not an int) and ignore unknown
 fields, as OpenAI does. Responses are plain dicts built in the app: streaming builds
@@ -9,42 +9,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
+# The error type lives in errors.py; importing it from here keeps working.
+from sluice.server.errors import OpenAIError, bad_request, error_body, validation_error
 
-class OpenAIError(Exception):
-    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(
-    message: str, type: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(param: str | None, message: str, code: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, param=param, code=code)
+__all__ = [
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "OpenAIError",
+    "StreamOptions",
+    "TokenizeRequest",
+    "bad_request",
+    "error_body",
+    "validation_error",
+]
 
 
 class _Strict(BaseModel):
@@ -122,22 +102,3 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
-
-
-def validation_error(exc: ValidationError) -> OpenAIError:
-    """The first pydantic error as a 400 naming the field (``messages[2]``, ``stop``...)."""
-    err = exc.errors(include_url=False)[0]
-    loc = err.get("loc", ())
-    param = None
-    if loc:
-        param = str(loc[0])
-        if len(loc) > 1 and isinstance(loc[1], int):
-            param += f"[{loc[1]}]"
-    kind = err.get("type", "")
-    if kind == "missing":
-        message = f"'{param}' is a required field"
-    else:
-        got = err.get("input")
-        shown = repr(got) if len(repr(got)) <= 60 else f"a {type(got).__name__}"
-        message = f"invalid value for '{param}': {err.get('msg', 'invalid')} (got {shown})"
-    return bad_request(param, message)

@@ -1,0 +1,32 @@
+"""What every endpoint needs from the running server, in one object on ``app.state``.
+
+Routes are plain module-level functions; they find the engine, tokenizer and metrics
+here instead of closing over ``build_app``'s locals, which is what let ``build_app``
+shrink to assembling the app.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from sluice.engine.async_engine import AsyncLLM
+from sluice.loader.tokenizer import Tokenizer
+from sluice.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerContext:
+    llm: AsyncLLM
+    tokenizer: Tokenizer
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    metrics: ServerMetrics
+    created: int
+
+
+def server_context(request: Request) -> ServerContext:
+    ctx: ServerContext = request.app.state.ctx
+    return ctx

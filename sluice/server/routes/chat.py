@@ -1,0 +1,92 @@
+"""POST /v1/chat/completions: a reply to a conversation, through the chat template."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from sluice.outputs import RequestOutput
+from sluice.sampling_params import SamplingParams
+from sluice.server.context import ServerContext, server_context
+from sluice.server.errors import bad_request
+from sluice.server.generation import collect, submit, until_disconnected, usage
+from sluice.server.logprobs import chat_logprobs
+from sluice.server.messages import check_chat_unsupported, render_chat
+from sluice.server.protocol import ChatCompletionRequest
+from sluice.server.streaming import streamed_response
+from sluice.server.validation import (
+    check_length,
+    check_model,
+    check_stream_options,
+    parse,
+    sampling_params,
+)
+
+router = APIRouter()
+
+
+def _validate(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[SamplingParams, list[int]]:
+    check_model(ctx, req.model)
+    check_chat_unsupported(req)
+    check_stream_options(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs", "top_logprobs requires logprobs to be true")
+    # max_completion_tokens is the current name; max_tokens the deprecated one.
+    if req.max_completion_tokens is not None:
+        max_tokens, mt_param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, mt_param = req.max_tokens, "max_tokens"
+    params = sampling_params(
+        ctx,
+        req,
+        max_tokens=max_tokens,
+        max_tokens_param=mt_param,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        logprobs_param="top_logprobs",
+    )
+    ids = render_chat(ctx, req.messages, req.add_generation_prompt)
+    check_length(ctx, len(ids), params.max_tokens, "messages", mt_param)
+    return params, ids
+
+
+def _response(
+    ctx: ServerContext, rid: str, ids: list[int], final: RequestOutput, params: SamplingParams
+) -> dict[str, Any]:
+    choices = []
+    for c in final.outputs:
+        lp_obj = None
+        if params.logprobs is not None and c.logprobs is not None:
+            lp_obj = chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, params.logprobs)
+        message = {"role": "assistant", "content": c.text}
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": lp_obj,
+                "finish_reason": c.finish_reason,
+            }
+        )
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": usage([ids], list(final.outputs)),
+    }
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(request: Request) -> Response | dict[str, Any]:
+    ctx = server_context(request)
+    req = await parse(request, ChatCompletionRequest)
+    params, ids = _validate(ctx, req)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    tracked = await submit(ctx, [ids], params, rid, req.priority, "messages")
+    if req.stream:
+        return streamed_response(ctx, req, rid, params, tracked, [ids])
+    (final,) = await until_disconnected(request, collect(tracked))
+    return _response(ctx, rid, ids, final, params)
