@@ -96,7 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests"
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health and the "
+        "playground page",
+    )
+    serve.add_argument(
+        "--metrics-without-auth",
+        action="store_true",
+        help="with --api-key, let /metrics be scraped without the key",
     )
     serve.add_argument(
         "--served-model-name",
@@ -269,6 +277,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        metrics_without_auth=args.metrics_without_auth,
         served_model_name=args.served_model_name,
         max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.engine.async_engine import AsyncLLM, EngineStepError, QueueFullError
@@ -63,7 +65,7 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics, keyed by name and labels (model_name left out)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
         samples: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
@@ -124,7 +126,7 @@ def _wait_idle(server: Server, timeout: float = 30.0) -> dict[str, Any]:
     """Engine stats once nothing runs or waits (the KV pool should then be all free)."""
     deadline = time.monotonic() + timeout
     while True:
-        stats = httpx.get(f"{server.url}/stats", timeout=10).json()
+        stats = httpx.get(f"{server.url}/stats", headers=server.headers, timeout=10).json()
         if stats["num_requests"] == 0 and stats["kv_free_blocks"] == stats["kv_total_blocks"]:
             return stats
         if time.monotonic() > deadline:
@@ -139,7 +141,7 @@ def test_health_models_and_auth(server: Server) -> None:
     assert httpx.get(f"{server.url}/health").status_code == 200
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
-    # /v1 needs the key; health and metrics do not.
+    # Every route needs the key but /health (test_every_route_needs_the_key walks them).
     r = httpx.get(f"{server.url}/v1/models")
     assert r.status_code == 401
     assert r.json()["error"]["code"] == "invalid_api_key"
@@ -148,6 +150,98 @@ def test_health_models_and_auth(server: Server) -> None:
     bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    # These answered without a key once (only /v1 was checked).
+    for path in ("/tokenize", "/detokenize"):
+        r = httpx.post(f"{server.url}{path}", json={"prompt": "hi", "tokens": [1]})
+        assert r.status_code == 401, path
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    for path in ("/stats", "/metrics"):
+        assert httpx.get(f"{server.url}{path}").status_code == 401, path
+        assert httpx.get(f"{server.url}{path}", headers=server.headers).status_code == 200
+
+
+# Routes that answer without the key: probes must not need a secret.
+OPEN_ROUTES = {"/health"}
+
+
+def _flat_routes(routes: list[Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for route in routes:
+        # Recent FastAPI keeps an included router as one entry; older ones copy its routes.
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _flat_routes(inner.routes, prefix + route.include_context.prefix)
+        else:
+            yield prefix, route
+
+
+def _route_calls(app: FastAPI) -> list[tuple[str, str]]:
+    """(method, path) for every route the app registered, path parameters filled in."""
+    calls = []
+    for prefix, route in _flat_routes(app.routes):
+        methods = getattr(route, "methods", None)
+        assert methods, f"{route!r} has no methods: teach this test how to call it"
+        path = prefix + re.sub(r"\{[^}]*\}", "x", route.path)
+        calls.extend((method, path) for method in sorted(methods))
+    return calls
+
+
+async def _check_auth(
+    client: httpx.AsyncClient, calls: list[tuple[str, str]], open_paths: set[str]
+) -> None:
+    bearer = {"Authorization": f"Bearer {API_KEY}"}
+    for method, path in calls:
+        # An empty JSON object: with the key, a POST route answers 400 for it, not 401.
+        body = {} if method == "POST" else None
+        r = await client.request(method, path, json=body)
+        if path in open_paths:
+            assert r.status_code != 401, (method, path)
+            continue
+        assert r.status_code == 401, (method, path, r.status_code)
+        assert r.headers["www-authenticate"] == "Bearer"
+        wrong = {"Authorization": "Bearer x" + API_KEY}
+        r = await client.request(method, path, headers=wrong, json=body)
+        assert r.status_code == 401, (method, path, "wrong key")
+        r = await client.request(method, path, headers=bearer, json=body)
+        assert r.status_code != 401, (method, path, "with the key")
+        assert r.status_code < 500, (method, path, r.text)
+
+
+def _fake_app(**kw: Any) -> tuple[AsyncLLM, FastAPI]:
+    llm = AsyncLLM(FakeEngine(), max_waiting_requests=8)  # type: ignore[arg-type]
+    return llm, build_app(llm, FakeTokenizer(), "fake", api_key=API_KEY, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("metrics_without_auth", [False, True])
+def test_api_key_covers_every_route(metrics_without_auth: bool) -> None:
+    async def main() -> None:
+        llm, app = _fake_app(metrics_without_auth=metrics_without_auth)
+        calls = _route_calls(app)
+        paths = {p for _, p in calls}
+        assert paths >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
+                         "/detokenize", "/stats", "/metrics", "/health"}  # fmt: skip
+        open_paths = OPEN_ROUTES | ({"/metrics"} if metrics_without_auth else set())
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                await _check_auth(client, calls, open_paths)
+                if metrics_without_auth:
+                    assert (await client.get("/metrics")).status_code == 200
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_every_route_needs_the_key(server: Server) -> None:
+    # The same walk against `sluice serve --api-key`: the CLI must wire the key through.
+    llm, app = _fake_app()
+    llm.shutdown()
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            await _check_auth(client, _route_calls(app), OPEN_ROUTES)
+
+    asyncio.run(main())
 
 
 def test_tokenize_detokenize(server: Server) -> None:

@@ -34,10 +34,11 @@ def build_app(
     *,
     vocab_size: int | None = None,
     api_key: str | None = None,
+    metrics_without_auth: bool = False,
 ) -> FastAPI:
-    """The FastAPI app serving `llm` under the name `model_name`. With `api_key`, /v1
-    routes need it. Its lifespan shuts the engine loop down when the server
-    stops."""
+    """The FastAPI app serving `llm` under the name `model_name`. With `api_key`, every
+    route but /health needs it (/metrics too unless `metrics_without_auth`). Its
+    lifespan shuts the engine loop down when the server stops."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -56,7 +57,7 @@ def build_app(
         created=int(time.time()),
     )
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, metrics_public=metrics_without_auth)
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

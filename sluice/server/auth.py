@@ -1,5 +1,8 @@
-"""The API key check: /v1 requests need ``Authorization: Bearer <key>``.
+"""The API key check, in front of every route.
 
+Deny by default: a request needs ``Authorization: Bearer <key>`` unless its path is on
+a short public list (``/health``, and ``/metrics`` only when the operator asks for it).
+A route added later is therefore protected without anyone remembering to protect it.
 Pure ASGI, so it does not get in the way of streaming or disconnect detection.
 """
 
@@ -12,16 +15,28 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.server.errors import error_body
 
+# Probes must work without a secret.
+PUBLIC_PATHS = frozenset({"/health"})
+PUBLIC_PREFIXES: tuple[str, ...] = ()
+METRICS_PATH = "/metrics"
+
+
+def is_public(path: str, *, metrics_public: bool = False) -> bool:
+    if path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
+        return True
+    return metrics_public and path == METRICS_PATH
+
 
 class ApiKeyMiddleware:
-    """401 for /v1 requests without the right bearer key."""
+    """401 for every non-public request without the right bearer key."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, metrics_public: bool = False) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.metrics_public = metrics_public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or is_public(scope["path"], metrics_public=self.metrics_public):
             await self.app(scope, receive, send)
             return
         auth = b""

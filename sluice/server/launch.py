@@ -39,6 +39,7 @@ def run_server(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
+    metrics_without_auth: bool = False,
     served_model_name: str | None = None,
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
     shutdown_timeout: float = 10.0,
@@ -49,7 +50,14 @@ def run_server(
     engine = llm.engine
     name = served_model_name or config.model or DEFAULT_MODEL
     vocab = engine.model_config.vocab_size if hasattr(engine, "model_config") else None
-    app = build_app(llm, engine.tokenizer, name, vocab_size=vocab, api_key=api_key)
+    app = build_app(
+        llm,
+        engine.tokenizer,
+        name,
+        vocab_size=vocab,
+        api_key=api_key,
+        metrics_without_auth=metrics_without_auth,
+    )
     uv_config = uvicorn.Config(
         app,
         host=host,
