@@ -92,7 +92,8 @@ def server() -> Iterator[Server]:
         "--api-key", API_KEY,
         "--max-model-len", str(MAX_MODEL_LEN),
         "--kv-cache-memory", "0.25",
-        "--shutdown-timeout", "30",
+        # Generous: on a loaded 2-core machine the SIGTERM test's stream can take a minute.
+        "--shutdown-timeout", "120",
         # fp32: a seeded request must give the same text when it is re-sent (stream vs
         # not), though the second time its prompt comes from the prefix cache and fewer
         # rows go through the matmuls. bf16 kernels round differently with the row count.
@@ -640,6 +641,7 @@ def test_metrics_parse_and_move(server: Server) -> None:
 
 
 def test_zz_sigterm_finishes_inflight_and_exits_cleanly(server: Server) -> None:
+    max_tokens = 100  # long enough to still be streaming while the drain is checked
     chunks: list[Any] = []
     error: list[BaseException] = []
     started = threading.Event()
@@ -647,8 +649,8 @@ def test_zz_sigterm_finishes_inflight_and_exits_cleanly(server: Server) -> None:
     def consume() -> None:
         try:
             stream = server.client().completions.create(
-                model=MODEL, prompt=PROMPT, max_tokens=24, stream=True,
-                extra_body={"ignore_eos": True},
+                model=MODEL, prompt=PROMPT, max_tokens=max_tokens, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
             )  # fmt: skip
             for chunk in stream:
                 chunks.append(chunk)
@@ -661,9 +663,26 @@ def test_zz_sigterm_finishes_inflight_and_exits_cleanly(server: Server) -> None:
     t.start()
     assert started.wait(60)
     server.proc.send_signal(signal.SIGTERM)
-    t.join(60)
+    # Draining: /health says so, and new requests get a 503 with Retry-After ...
+    deadline = time.monotonic() + 30
+    while (health := httpx.get(f"{server.url}/health", timeout=10)).status_code == 200:
+        assert time.monotonic() < deadline, "the server never started draining"
+        time.sleep(0.05)
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    for path, body in ((C, {"prompt": PROMPT, "max_tokens": 2}),
+                       (CHAT, {"messages": _MSG, "max_tokens": 2, "stream": True})):  # fmt: skip
+        r = server.post(path, body)
+        assert r.status_code == 503, r.text
+        assert r.headers["retry-after"] == "5"
+        assert r.json()["error"]["code"] == "unavailable"
+    # ... while the stream that was running when the signal came goes on.
+    seen_during_drain = len(chunks)
+    t.join(150)
     assert not error, error
-    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == max_tokens
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length"
+    assert 0 < seen_during_drain < len(finishes), (seen_during_drain, len(finishes))
     assert server.proc.wait(timeout=60) == 0, server.log.read_text()
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.url}/health", timeout=2)

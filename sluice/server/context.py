@@ -25,6 +25,8 @@ class ServerContext:
     max_model_len: int
     metrics: ServerMetrics
     created: int
+    # Set on SIGTERM/SIGINT: in-flight requests finish, new ones get a 503.
+    draining: bool = False
 
 
 def server_context(request: Request) -> ServerContext:

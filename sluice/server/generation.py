@@ -19,7 +19,7 @@ from sluice.engine.async_engine import RequestStream
 from sluice.outputs import CompletionOutput, RequestOutput
 from sluice.sampling_params import SamplingParams
 from sluice.server.context import ServerContext
-from sluice.server.errors import OpenAIError, engine_errors
+from sluice.server.errors import OpenAIError, engine_errors, shutting_down
 from sluice.server.metrics import ServerMetrics
 
 T = TypeVar("T")
@@ -105,6 +105,8 @@ async def submit(
     prompt_param: str,
 ) -> list[Tracked]:
     """Queue one request per prompt; all or nothing: a batch with one bad prompt runs none."""
+    if ctx.draining:
+        raise shutting_down()
     arrival = time.monotonic()
     tracked: list[Tracked] = []
     try:

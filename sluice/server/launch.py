@@ -1,10 +1,19 @@
-"""Start the engine and serve it with uvicorn until SIGINT/SIGTERM."""
+"""Start the engine and serve it with uvicorn until SIGINT/SIGTERM, then drain.
+
+On the first signal the server drains: requests in flight run to their end (for up to
+the shutdown timeout) while new ones get a 503 with Retry-After and /health turns 503,
+so a load balancer sees why and goes elsewhere. Only then does uvicorn stop listening;
+stopping at once, as uvicorn does by default, would refuse new connections with no
+answer at all. A second signal stops without waiting for the drain.
+"""
 
 from __future__ import annotations
 
 import logging
 import signal
 import socket
+import threading
+from types import FrameType
 
 import uvicorn
 
@@ -12,16 +21,19 @@ from sluice.config import EngineConfig
 from sluice.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLM
 from sluice.loader.resolve import DEFAULT_MODEL
 from sluice.server.app import build_app
+from sluice.server.context import ServerContext
 
 logger = logging.getLogger("sluice.server")
 
 
 class _Server(uvicorn.Server):
-    """Logs the URL once the socket is bound, which is when clients may connect."""
+    """Logs the URL once the socket is bound, and drains on the first signal."""
 
-    def __init__(self, config: uvicorn.Config, model_name: str) -> None:
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext, shutdown_timeout: float) -> None:
         super().__init__(config)
-        self.model_name = model_name
+        self.ctx = ctx
+        self.shutdown_timeout = shutdown_timeout
+        self._drain: threading.Thread | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -29,8 +41,29 @@ class _Server(uvicorn.Server):
             host = self.config.host
             shown = f"[{host}]" if ":" in host else host
             logger.info(
-                "sluice is serving %s at http://%s:%d/v1", self.model_name, shown, self.config.port
+                "sluice is serving %s at http://%s:%d/v1",
+                self.ctx.model_name,
+                shown,
+                self.config.port,
             )
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain is not None or not self.started:
+            super().handle_exit(sig, frame)  # a second signal, or not serving yet: stop now
+            return
+        # Set here, in the signal handler: a request that comes after the signal is refused.
+        self.ctx.draining = True
+        logger.info("draining: finishing requests in flight, refusing new ones")
+        self._drain = threading.Thread(
+            target=self._drain_then_exit, name="sluice-drain", daemon=True
+        )
+        self._drain.start()
+
+    def _drain_then_exit(self) -> None:
+        # Waits for the engine's requests in flight (aborting them after the timeout) and
+        # stops its loop; their last outputs are already on their way to the clients.
+        self.ctx.llm.shutdown(self.shutdown_timeout)
+        self.should_exit = True
 
 
 def run_server(
@@ -64,12 +97,12 @@ def run_server(
         port=port,
         log_level=log_level,
         access_log=log_level == "debug",
-        # In-flight responses get this long to finish on shutdown; then they are
-        # cancelled, which aborts their requests.
+        # After the drain, responses only have their last events to send; this bounds
+        # it (then they are cancelled, which aborts their requests).
         timeout_graceful_shutdown=shutdown_timeout,
         timeout_keep_alive=30,
     )
-    server = _Server(uv_config, name)
+    server = _Server(uv_config, app.state.ctx, shutdown_timeout)
     # Uvicorn re-raises the signal it handled once it has shut down gracefully; a no-op
     # handler there makes SIGTERM/SIGINT a clean exit with code 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -18,6 +18,9 @@ async def health(request: Request) -> Response:
     ctx = server_context(request)
     if not ctx.llm.is_running:
         return JSONResponse({"status": "engine not running"}, status_code=503)
+    # Draining: a load balancer should stop sending requests here.
+    if ctx.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
