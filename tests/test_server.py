@@ -389,6 +389,31 @@ def test_stop_strings(server: Server) -> None:
     assert streamed == cut.text
 
 
+def test_stop_strings_spanning_tokens(server: Server) -> None:
+    client = server.client()
+    kw: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    base = client.completions.create(**kw, logprobs=1, extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    tokens = base.choices[0].logprobs.tokens  # type: ignore[union-attr]
+    assert tokens is not None and "".join(tokens) == text
+    # A stop string made of the end of one token and the start of the next, first seen there.
+    stop, at = "", 0
+    for k in range(len(tokens) - 1):
+        at += len(tokens[k])
+        candidate = tokens[k][-2:] + tokens[k + 1][:2]
+        if len(tokens[k]) >= 2 and len(tokens[k + 1]) >= 2 and text.find(candidate) == at - 2:
+            stop = candidate
+            break
+    assert stop, tokens
+    expected = text[: text.index(stop)]
+    for extra, want in (({}, expected), ({"include_stop_str_in_output": True}, expected + stop)):
+        cut = client.completions.create(**kw, stop=[stop], extra_body=extra).choices[0]
+        assert (cut.text, cut.finish_reason) == (want, "stop"), (stop, extra)
+        chunks = list(client.completions.create(**kw, stop=stop, stream=True, extra_body=extra))
+        assert "".join(c.choices[0].text for c in chunks) == want, (stop, extra)
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_logprobs_shape(server: Server) -> None:
     client = server.client()
     r = client.completions.create(
@@ -426,7 +451,59 @@ def test_logprobs_shape(server: Server) -> None:
     assert content is not None and len(content) == chat.usage.completion_tokens
     for item in content:
         assert len(item.top_logprobs) == 2
-        assert item.bytes == list(item.token.encode())
+    # The tokens' bytes, put together, are the reply (checked on split characters below).
+    assert _joined_bytes(content).decode("utf-8") == chat.choices[0].message.content
+
+
+def _joined_bytes(content: list[Any]) -> bytes:
+    return b"".join(bytes(item.bytes) for item in content)
+
+
+# Greedy replies of the bundled model (fp32) in which Chinese characters are split across
+# tokens: byte-level BPE spells most CJK characters and emoji with two or three tokens.
+CJK_CHAT = [{"role": "user", "content": "Write 'hello' in Chinese characters."}]
+CJK_PROMPT = "中文：你好，世界。中文："
+
+
+def _has_cjk(text: str) -> bool:
+    return any("\u4e00" <= ch <= "\u9fff" for ch in text)
+
+
+def test_multibyte_text_split_across_tokens(server: Server) -> None:
+    client = server.client()
+    kw: dict[str, Any] = {"model": MODEL, "messages": CJK_CHAT, "max_tokens": 40, "temperature": 0}
+    full = client.chat.completions.create(**kw, logprobs=True)
+    text = full.choices[0].message.content
+    assert text and _has_cjk(text) and "\ufffd" not in text, text
+    content = full.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None
+    # The reply ends with the end-of-turn token: logprobs list it, the text skips it.
+    assert full.choices[0].finish_reason == "stop" and content[-1].token == "<|im_end|>"
+    content = content[:-1]
+    # Some token holds only part of a character (so this test tests what it says) ...
+    partial = []
+    for item in content:
+        try:
+            bytes(item.bytes).decode("utf-8")
+        except UnicodeDecodeError:
+            partial.append(item)
+    assert partial, [item.token for item in content]
+    # ... and the tokens' bytes are the tokenizer's own: together they decode to the reply.
+    assert _joined_bytes(content).decode("utf-8") == text
+    ids = server.post("/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert server.post("/detokenize", {"tokens": ids}).json()["prompt"] == text
+
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+    )
+    assert streamed == text
+
+    ckw: dict[str, Any] = {"model": MODEL, "prompt": CJK_PROMPT, "max_tokens": 30, "temperature": 0}
+    whole = client.completions.create(**ckw).choices[0].text
+    assert _has_cjk(whole) and "\ufffd" not in whole, whole
+    deltas = [c.choices[0].text for c in client.completions.create(**ckw, stream=True)]
+    assert "".join(deltas) == whole
+    assert all("\ufffd" not in d for d in deltas)
 
 
 def test_unknown_fields_are_ignored(server: Server) -> None:

@@ -1,15 +1,72 @@
-"""Logprobs in OpenAI's two shapes (chat's ``content`` list, completions' legacy object)."""
+"""Logprobs in OpenAI's two shapes (chat's ``content`` list, completions' legacy object),
+and each token's true bytes.
+
+A byte-level BPE token can hold part of a UTF-8 character (an emoji or a CJK character
+is often split across two or three tokens). Its decoded text is then U+FFFD, so the
+``bytes`` field is built from the token itself, not from its text: concatenated over a
+reply, the bytes decode to the reply, which is what the field is for.
+"""
 
 from __future__ import annotations
 
 import math
+import re
+import weakref
 from typing import Any
+
+import tokenizers.decoders
 
 from sluice.loader.tokenizer import Tokenizer
 from sluice.outputs import Logprob
 
 # JSON has no -inf; OpenAI clients expect a number, so clamp like vLLM does.
 _MIN_LOGPROB = -9999.0
+_SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SPM_SPACE = "\u2581"
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-to-printable-character table, inverted: token character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+_IS_BYTE_LEVEL: weakref.WeakKeyDictionary[Tokenizer, bool] = weakref.WeakKeyDictionary()
+
+
+def _byte_level(tokenizer: Tokenizer) -> bool:
+    known = _IS_BYTE_LEVEL.get(tokenizer)
+    if known is None:
+        backend = getattr(tokenizer, "backend", None)
+        decoder = getattr(backend, "decoder", None)
+        known = _IS_BYTE_LEVEL[tokenizer] = isinstance(decoder, tokenizers.decoders.ByteLevel)
+    return known
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int, text: str) -> list[int]:
+    """The UTF-8 bytes token `token_id` contributes to a text (`text`: its decoded form)."""
+    if token_id in getattr(tokenizer, "special_token_ids", ()):
+        return list(text.encode("utf-8"))
+    try:
+        piece = tokenizer.id_to_token(token_id)
+    except (AttributeError, IndexError):
+        return list(text.encode("utf-8"))
+    if _byte_level(tokenizer):
+        try:
+            return [_BYTE_DECODER[ch] for ch in piece]
+        except KeyError:  # an added token spelled in plain text
+            return list(piece.encode("utf-8"))
+    if m := _SPM_BYTE.fullmatch(piece):  # SentencePiece's byte fallback
+        return [int(m.group(1), 16)]
+    return list(piece.replace(_SPM_SPACE, " ").encode("utf-8"))
 
 
 def _lp_value(value: float) -> float:
@@ -34,7 +91,7 @@ def _chat_item(tokenizer: Tokenizer, token_id: int, lp: Logprob) -> dict[str, An
     return {
         "token": text,
         "logprob": _lp_value(lp.logprob),
-        "bytes": list(text.encode("utf-8")),
+        "bytes": token_bytes(tokenizer, token_id, text),
     }
 
 
