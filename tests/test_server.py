@@ -8,32 +8,24 @@ model cannot provoke on demand (a full waiting queue, a failing step).
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from fastapi import FastAPI
-from prometheus_client.parser import text_string_to_metric_families
+from serving import API_KEY, Server, serve
 
 from sluice.engine.async_engine import AsyncLLM, EngineStepError, QueueFullError
 from sluice.outputs import CompletionOutput, RequestMetricsOut, RequestOutput
 from sluice.sampling_params import SamplingParams
 from sluice.server.app import build_app
 
-API_KEY = "test-key-123"
 MODEL = "smollm2-135m"
 MAX_MODEL_LEN = 1024
 # Short prompts (under one 16-token KV block) never hit the prefix cache, so a repeated
@@ -41,55 +33,9 @@ MAX_MODEL_LEN = 1024
 PROMPT = "The three primary colors are"
 
 
-@dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {API_KEY}"}
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0)
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0)
-
-    def post(self, path: str, body: Any = None, *, content: bytes | None = None) -> httpx.Response:
-        if content is None:
-            content = json.dumps(body).encode()
-        headers = {**self.headers, "Content-Type": "application/json"}
-        return httpx.post(f"{self.url}{path}", content=content, headers=headers, timeout=60)
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics, keyed by name and labels (model_name left out)."""
-        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
-        samples: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(
-                    f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name"
-                )
-                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return samples
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    port = _free_port()
-    log = Path(tempfile.mkstemp(prefix="sluice-serve-", suffix=".log")[1])
-    cmd = [
-        sys.executable, "-m", "sluice.cli", "serve",
-        "--port", str(port),
-        "--api-key", API_KEY,
+    with serve(
         "--max-model-len", str(MAX_MODEL_LEN),
         "--kv-cache-memory", "0.25",
         # Generous: on a loaded 2-core machine the SIGTERM test's stream can take a minute.
@@ -98,29 +44,8 @@ def server() -> Iterator[Server]:
         # not), though the second time its prompt comes from the prefix cache and fewer
         # rows go through the matmuls. bf16 kernels round differently with the row count.
         "--dtype", "float32",
-    ]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    srv = Server(f"http://127.0.0.1:{port}", proc, log)
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"sluice serve exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{srv.url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass  # not listening yet: poll again
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"sluice serve did not become healthy:\n{log.read_text()}")
-        time.sleep(0.3)
-    yield srv
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=120)
-        assert rc == 0, log.read_text()
-    log.unlink(missing_ok=True)
+    ) as srv:  # fmt: skip
+        yield srv
 
 
 def _wait_idle(server: Server, timeout: float = 30.0) -> dict[str, Any]:
@@ -712,6 +637,38 @@ def test_metrics_parse_and_move(server: Server) -> None:
         "sluice_prefix_cache_hit_rate",
     ):
         assert gauge in after
+
+
+# ---- a full queue ------------------------------------------------------------------------
+
+
+def test_queue_full_is_503_on_streaming_and_chat_requests() -> None:
+    # One seat and one waiting place: with one request running and one waiting, every
+    # new request, streamed or not, completion or chat, finds the queue full.
+    long = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    refused = [
+        (C, {"prompt": PROMPT, "max_tokens": 2, "stream": True}),
+        (CHAT, {"messages": _MSG, "max_tokens": 2, "stream": True}),
+        (CHAT, {"messages": _MSG, "max_tokens": 2}),
+    ]
+    args = ("--max-num-seqs", "1", "--max-waiting-requests", "1", "--max-model-len", "512",
+            "--kv-cache-memory", "0.1")  # fmt: skip
+    with serve(*args) as srv, httpx.Client(headers=srv.headers, timeout=60) as http:
+        with http.stream("POST", f"{srv.url}{C}", json=long) as running:
+            assert running.status_code == 200
+            next(running.iter_lines())  # it has started
+            with http.stream("POST", f"{srv.url}{C}", json=long) as waiting:
+                assert waiting.status_code == 200  # accepted: it waits for the seat
+                for path, body in refused:
+                    r = http.post(f"{srv.url}{path}", json=body)
+                    assert r.status_code == 503, (path, body, r.text)
+                    assert r.headers["retry-after"] == "1"
+                    assert r.json()["error"]["code"] == "queue_full"
+        # Hanging up aborted both; the server takes requests again.
+        stats = _wait_idle(srv)
+        assert stats["num_requests"] == 0, stats
+        r = srv.post(C, {"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200, r.text
 
 
 # ---- shutdown (last: it stops the module's server) -------------------------------------
