@@ -20,6 +20,7 @@ import openai
 import pytest
 from fastapi import FastAPI
 from serving import API_KEY, Server, serve
+from starlette.routing import Mount
 
 from sluice.engine.async_engine import AsyncLLM, EngineStepError, QueueFullError
 from sluice.outputs import CompletionOutput, RequestMetricsOut, RequestOutput
@@ -86,8 +87,9 @@ def test_health_models_and_auth(server: Server) -> None:
         assert httpx.get(f"{server.url}{path}", headers=server.headers).status_code == 200
 
 
-# Routes that answer without the key: probes must not need a secret.
-OPEN_ROUTES = {"/health"}
+# Routes that answer without the key: probes must not need a secret, and the
+# playground's page and assets are static (the calls the page makes send the key).
+OPEN_ROUTES = {"/health", "/", "/static/playground.js"}
 
 
 def _flat_routes(routes: list[Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -104,6 +106,9 @@ def _route_calls(app: FastAPI) -> list[tuple[str, str]]:
     """(method, path) for every route the app registered, path parameters filled in."""
     calls = []
     for prefix, route in _flat_routes(app.routes):
+        if isinstance(route, Mount):  # static files: one of them stands for all
+            calls.append(("GET", f"{prefix}{route.path}/playground.js"))
+            continue
         methods = getattr(route, "methods", None)
         assert methods, f"{route!r} has no methods: teach this test how to call it"
         path = prefix + re.sub(r"\{[^}]*\}", "x", route.path)
@@ -144,7 +149,7 @@ def test_api_key_covers_every_route(metrics_without_auth: bool) -> None:
         calls = _route_calls(app)
         paths = {p for _, p in calls}
         assert paths >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
-                         "/detokenize", "/stats", "/metrics", "/health"}  # fmt: skip
+                         "/detokenize", "/stats", "/metrics", "/health", "/"}  # fmt: skip
         open_paths = OPEN_ROUTES | ({"/metrics"} if metrics_without_auth else set())
         try:
             transport = httpx.ASGITransport(app=app)

@@ -1,12 +1,14 @@
 """The OpenAI-compatible FastAPI app over an AsyncLLM, assembled from its parts.
 
-The endpoints live in ``routes/`` (one module per group), request validation in
-``validation.py`` and ``messages.py``, streaming in ``streaming.py``, errors in
-``errors.py`` and the API key check in ``auth.py``; this module only puts them
-together. Every request is validated before anything reaches the engine, so a bad
-request is a 4xx naming its field, never an exception in the engine loop; requests
-are submitted before a streaming response starts, so even streamed requests get a
-proper status code for bad input.
+The endpoints live in ``routes/`` (one module per group; the chat playground's page
+and assets in ``static/``), request validation in ``validation.py`` and
+``messages.py``, streaming in ``streaming.py``, errors in ``errors.py`` and the API
+key check in ``auth.py``; this module only puts them together.
+
+Every request is validated before anything reaches the engine, so a bad request is a
+4xx naming its field, never an exception in the engine loop; requests are submitted
+before a streaming response starts, so even streamed requests get a proper status
+code for bad input.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sluice.server.context import ServerContext
 from sluice.server.errors import install_error_handlers
 from sluice.server.metrics import ServerMetrics
 from sluice.server.routes import ROUTERS
+from sluice.server.routes.playground import static_files
 
 
 def build_app(
@@ -37,8 +40,9 @@ def build_app(
     metrics_without_auth: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `llm` under the name `model_name`. With `api_key`, every
-    route but /health needs it (/metrics too unless `metrics_without_auth`). Its
-    lifespan shuts the engine loop down when the server stops."""
+    route but /health and the static playground needs it (/metrics too unless
+    `metrics_without_auth`). Its lifespan shuts the engine loop down when the server
+    stops."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -61,4 +65,5 @@ def build_app(
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    app.mount("/static", static_files(), name="static")
     return app

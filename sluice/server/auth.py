@@ -1,9 +1,10 @@
 """The API key check, in front of every route.
 
 Deny by default: a request needs ``Authorization: Bearer <key>`` unless its path is on
-a short public list (``/health``, and ``/metrics`` only when the operator asks for it).
-A route added later is therefore protected without anyone remembering to protect it.
-Pure ASGI, so it does not get in the way of streaming or disconnect detection.
+a short public list (``/health``, the static playground page and its assets, and
+``/metrics`` only when the operator asks for it). A route added later is therefore
+protected without anyone remembering to protect it. Pure ASGI, so it does not get in
+the way of streaming or disconnect detection.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.server.errors import error_body
 
-# Probes must work without a secret.
-PUBLIC_PATHS = frozenset({"/health"})
-PUBLIC_PREFIXES: tuple[str, ...] = ()
+# Probes must work without a secret; the playground page is static and holds no data
+# (every API call it makes sends the key the user typed).
+PUBLIC_PATHS = frozenset({"/health", "/"})
+PUBLIC_PREFIXES = ("/static/",)
 METRICS_PATH = "/metrics"
 
 
