@@ -23,6 +23,7 @@ from serving import API_KEY, Server, serve
 from starlette.routing import Mount
 
 from sluice.engine.async_engine import AsyncLLM, EngineStepError, QueueFullError
+from sluice.kernels import cpu
 from sluice.outputs import CompletionOutput, RequestMetricsOut, RequestOutput
 from sluice.sampling_params import SamplingParams
 from sluice.server.app import build_app
@@ -642,6 +643,14 @@ def test_metrics_parse_and_move(server: Server) -> None:
         "sluice_prefix_cache_hit_rate",
     ):
         assert gauge in after
+    # Which kernel level served: the one this CPU (or SLUICE_CPU_ISA) selects.
+    stats = httpx.get(f"{server.url}/stats", headers=server.headers, timeout=10).json()
+    info = [k for k in after if k.startswith("sluice_engine_info{")]
+    assert info == [
+        f"sluice_engine_info{{cpu_kernels={cpu.level()},dtype={stats['dtype']},"
+        f"quantization={stats['quantization']}}}"
+    ]
+    assert stats["cpu_kernels"] == cpu.level()
 
 
 # ---- a full queue ------------------------------------------------------------------------

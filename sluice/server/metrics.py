@@ -87,6 +87,15 @@ class ServerMetrics:
             )
         }
 
+        # What runs: constant 1, the facts in labels (the Prometheus "info" idiom), so a
+        # dashboard can tell which kernel level (avx512, avx2, generic) served a figure.
+        self._engine_info = Gauge(
+            "sluice_engine_info",
+            "The engine's configuration: dtype, weight quantization, CPU kernel level.",
+            [*labels, "dtype", "quantization", "cpu_kernels"],
+            registry=r,
+        )
+
     def finished(self, reason: str, count: int = 1) -> None:
         self._finished.labels(self._model, reason).inc(count)
 
@@ -110,4 +119,7 @@ class ServerMetrics:
             value = stats.get(key)
             if isinstance(value, int | float):
                 gauge.set(float(value))
+        info = [str(stats.get(k, "unknown")) for k in ("dtype", "quantization", "cpu_kernels")]
+        self._engine_info.clear()
+        self._engine_info.labels(self._model, *info).set(1)
         return generate_latest(self.registry)
