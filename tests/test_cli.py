@@ -7,6 +7,7 @@ import dataclasses
 import subprocess
 import sys
 
+from sluice import LLM, SamplingParams
 from sluice.cli import build_parser, engine_config
 from sluice.config import EngineConfig
 
@@ -52,6 +53,9 @@ def test_bad_engine_option_is_a_clean_error() -> None:
 
 # A small KV pool and context keep each run's start-up short.
 SMALL = ["--kv-cache-memory", "0.1", "--max-model-len", "512"]
+# fp32, the exact mode: the CLI's greedy text equals the in-process llm_fp32's.
+EXACT = [*SMALL, "--dtype", "float32"]
+GREEDY_6 = SamplingParams(temperature=0, max_tokens=6)
 
 
 def test_generate_streams_text() -> None:
@@ -61,18 +65,32 @@ def test_generate_streams_text() -> None:
     assert "Paris" in r.stdout
 
 
-def test_generate_with_chat_template() -> None:
-    r = _run(["generate", "Say hello.", "--chat", "--max-tokens", "6", "--seed", "1", *SMALL])
+def test_generate_with_chat_template(llm_fp32: LLM) -> None:
+    r = _run(["generate", "Say hello.", "--chat", "--max-tokens", "6", "--temperature", "0",
+              *EXACT])  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip()
+    # The templated prompt gives exactly what LLM.chat gives for the same message.
+    (expected,) = llm_fp32.chat(
+        [{"role": "user", "content": "Say hello."}], GREEDY_6, use_tqdm=False
+    )
+    assert r.stdout == expected.outputs[0].text + "\n"
 
 
-def test_chat_reads_piped_stdin() -> None:
+def test_chat_reads_piped_stdin_until_exit(llm_fp32: LLM) -> None:
     r = _run(
-        ["chat", "--max-tokens", "8", "--temperature", "0", "--system", "Be brief.", *SMALL],
+        ["chat", "--max-tokens", "8", "--temperature", "0", "--system", "Be brief.", *EXACT],
         stdin="Hello!\n\nWhat is two plus two?\n/exit\nthis line is never read\n",
     )
     assert r.returncode == 0, r.stderr
-    answers = [line for line in r.stdout.splitlines() if line.strip()]
-    assert len(answers) >= 2  # one answer per message (an answer may span lines)
-    assert "> " not in r.stdout  # no prompts when stdin is not a terminal
+    # Each answer is LLM.chat's for the conversation so far (template, system prompt and
+    # history applied); nothing after /exit is answered, and no prompts are printed
+    # when stdin is not a terminal.
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    (first,) = llm_fp32.chat(conv, sp, use_tqdm=False)
+    conv += [
+        {"role": "assistant", "content": first.outputs[0].text},
+        {"role": "user", "content": "What is two plus two?"},
+    ]
+    (second,) = llm_fp32.chat(conv, sp, use_tqdm=False)
+    assert r.stdout == first.outputs[0].text + "\n" + second.outputs[0].text + "\n"

@@ -97,3 +97,24 @@ def test_fork_shares_blocks_and_copies_partial_block_on_write() -> None:
     kv.free(parent)
     kv.free(child)
     assert kv.num_free_blocks == 8
+
+
+def test_names_are_provisional_until_the_step_commits() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    first = make_request(list(range(10)), "a")
+    assert kv.allocate_slots(first, 10)
+    # Within the step, a request admitted after `first` shares its blocks already.
+    assert kv.find_cached_prefix(make_request(list(range(9)), "b")).num_tokens == 8
+    # The step failed: its blocks leave the cache, though `first` still holds them.
+    kv.forget_uncommitted_names()
+    assert kv.find_cached_prefix(make_request(list(range(9)), "c")).num_tokens == 0
+    assert kv.pool.ref_counts[first.block_ids[0]] == 1 and not kv.pool.cached
+    kv.free(first)
+
+    second = make_request(list(range(10)), "d")
+    assert kv.allocate_slots(second, 10)
+    kv.commit_names()
+    kv.forget_uncommitted_names()  # a later failed step cannot touch committed names
+    kv.free(second)
+    assert kv.find_cached_prefix(make_request(list(range(9)), "e")).num_tokens == 8
+    assert kv.num_free_blocks == 8

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from sluice.engine.output import IncrementalDetokenizer, SequenceOutputState, TokenizerLike
+from sluice.loader import Tokenizer
 from sluice.sampling_params import SamplingParams
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -121,6 +122,26 @@ def test_incremental_matches_full_decode(
     assert "".join(pieces) == detok.text == tok.decode(ids, skip_special_tokens) == text
     assert all("\ufffd" not in p for p in pieces)
     assert "" in pieces  # held back while a character was incomplete
+
+
+@pytest.fixture(scope="module")
+def sluice_tok(smollm2_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(smollm2_path)
+
+
+@pytest.mark.parametrize("text", MULTILINGUAL)
+def test_incremental_matches_full_decode_with_sluice_tokenizer(
+    sluice_tok: Tokenizer, text: str
+) -> None:
+    # The engine detokenizes with sluice's own tokenizer, not transformers'.
+    ids = sluice_tok.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in sluice_tok.decode([i]) for i in ids)
+    prompt = [IM_START, *sluice_tok.encode("assistant\n", add_special_tokens=False)]
+    detok = IncrementalDetokenizer(sluice_tok, prompt)
+    pieces = [detok.add_token(i) for i in ids]
+    assert "".join(pieces) == detok.text == sluice_tok.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert "" in pieces
 
 
 def test_specials_skipped_or_kept(tok: HFTokenizerAdapter, prompt: list[int]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sluice import LLM, SamplingParams
+from sluice.engine.kv_cache import CacheHit
+from sluice.engine.request import Request
 
 SYSTEM = (
     "You are a careful assistant. Answer briefly and precisely. Think about units, "
@@ -107,13 +109,34 @@ def test_prompt_logprobs_bypass_the_cache(llm_fp32: LLM) -> None:
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ps[0])
 
 
-def test_preempted_requests_reuse_their_own_blocks() -> None:
+def test_preempted_requests_reuse_their_own_blocks(
+    llm_fp32: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sp = SamplingParams(temperature=0, max_tokens=40, min_tokens=40)
+    ps = prompts(llm_fp32)[:4]
+    llm_fp32.engine.kv.enable_prefix_caching = False
+    try:  # the same requests with neither the cache nor preemption
+        expected = [o.outputs[0].token_ids for o in llm_fp32.generate(ps, sp, use_tqdm=False)]
+    finally:
+        llm_fp32.engine.kv.enable_prefix_caching = True
+
     per_block = 30 * 2 * 16 * 3 * 64 * 4
     llm = LLM(dtype="float32", kv_cache_memory=10 * per_block / 2**30)
-    ps = prompts(llm)[:4]
-    outs = llm.generate(
-        ps, SamplingParams(temperature=0, max_tokens=40, min_tokens=40), use_tqdm=False
-    )
+    # Record the prefix hits of requests coming back after a preemption.
+    kv = llm.engine.kv
+    lookup = kv.find_cached_prefix
+    rehits: list[int] = []
+
+    def find_cached_prefix(request: Request) -> CacheHit:
+        hit = lookup(request)
+        if request.num_preemptions:
+            rehits.append(hit.num_tokens)
+        return hit
+
+    monkeypatch.setattr(kv, "find_cached_prefix", find_cached_prefix)
+    outs = llm.generate(ps, sp, use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0
-    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    # A preempted request's blocks stay cached after it is freed: it recomputes less.
+    assert rehits and max(rehits) > 0
     assert llm.stats()["kv_free_blocks"] == llm.stats()["kv_total_blocks"]

@@ -343,6 +343,8 @@ class AsyncLLM:
                 outputs = self.engine.step()
             except Exception as exc:
                 # Which request broke the step is unknown: fail all in flight, keep serving.
+                # (The engine has already taken the failed step's blocks out of the
+                # prefix cache: their KV may never have been written.)
                 self._num_step_errors += 1
                 logger.exception("engine step failed; failing %d requests", len(self._streams))
                 self._fail_all(EngineStepError(f"the engine failed while generating: {exc}"))

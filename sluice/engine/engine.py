@@ -15,7 +15,7 @@ from sluice.config import EngineConfig, resolve_dtype, resolve_quantization
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.output import SequenceOutputState
 from sluice.engine.request import Request, RequestStatus
-from sluice.engine.scheduler import Scheduler
+from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.loader import load_model
 from sluice.outputs import CompletionOutput, Logprob, RequestMetricsOut, RequestOutput
 from sluice.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -219,6 +219,24 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched:
             return []
+        try:
+            outputs = self._run_step(sched)
+        except BaseException:
+            self._undo_step(sched)
+            raise
+        # Only now is this step's KV known to be written (on CUDA the kernels run
+        # asynchronously, and a failure surfaces at the first sync, in sampling).
+        self.kv.commit_names()
+        return outputs
+
+    def _undo_step(self, sched: SchedulerOutput) -> None:
+        """A step raised: it may have written all, some or none of its KV. The blocks it
+        named leave the prefix cache, and the requests it scheduled go back to be
+        recomputed, so nothing reads what it left. The caller may abort them or step again."""
+        self.kv.forget_uncommitted_names()
+        self.scheduler.requeue([req for req, _ in sched.scheduled])
+
+    def _run_step(self, sched: SchedulerOutput) -> list[RequestOutput]:
         now = time.monotonic()
         self.runner.copy_blocks(sched.blocks_to_copy)
         result = self.runner.execute(sched.scheduled)

@@ -4,6 +4,12 @@ The tensors live in the model runner; this module only hands out block ids. A bl
 is free when no request references it. A free block that holds a full, hashed block of
 some earlier prompt stays in the prefix cache until it is reused for something else,
 and free blocks are reused least-recently-freed first, which makes eviction LRU.
+
+A block is named (entered in the prefix cache) when the tokens that fill it are
+scheduled, so that requests admitted in the same step can share it, but the name is
+provisional until the step that writes its KV has finished: the engine then calls
+`commit_names`, or `forget_uncommitted_names` if the step failed, so a block whose KV
+was never written is never served.
 """
 
 from __future__ import annotations
@@ -72,11 +78,23 @@ class BlockPool:
     def lookup(self, block_hash: int) -> int | None:
         return self.cached.get(block_hash)
 
-    def cache_block(self, block: int, block_hash: int) -> None:
+    def cache_block(self, block: int, block_hash: int) -> bool:
+        """Name `block`; False if it already had a name or an identical block is cached
+        (the first one is kept)."""
         if self.block_hash[block] is not None or block_hash in self.cached:
-            return  # already named, or an identical block is cached: keep the first
+            return False
         self.block_hash[block] = block_hash
         self.cached[block_hash] = block
+        return True
+
+    def uncache(self, blocks: list[int]) -> None:
+        """Take the names off `blocks` (referenced or free); they stay allocated as they are."""
+        for block in blocks:
+            h = self.block_hash[block]
+            if h is not None:
+                self.block_hash[block] = None
+                if self.cached.get(h) == block:
+                    del self.cached[h]
 
     def reset_cache(self) -> int:
         """Forget every cached block that no request uses. Returns how many."""
@@ -103,6 +121,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         # Copies the runner must do before the next forward pass: (src, dst) block ids.
         self.pending_copies: list[tuple[int, int]] = []
+        # Blocks named since the last commit_names(): the step in flight writes their KV.
+        self._uncommitted: list[int] = []
         # Prefix-cache statistics, in tokens.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -193,15 +213,30 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         # Every token up to `num_tokens` is known (prompt or already sampled), so the
-        # blocks it fills can be named now; their KV is written in this very step, and
-        # each layer writes all slots before any request of the batch reads them.
+        # blocks it fills can be named now, for requests admitted later in this step to
+        # share: their KV is written in this very step, and each layer writes all slots
+        # before any request of the batch reads them. The names stay provisional until
+        # the step has finished (commit_names).
         hashes = extend_block_hashes(
             request.block_hashes, request.all_token_ids, num_tokens, self.block_size
         )
         num_full = num_tokens // self.block_size
         for i in range(request.num_named_blocks, num_full):
-            self.pool.cache_block(request.block_ids[i], hashes[i])
+            block = request.block_ids[i]
+            if self.pool.cache_block(block, hashes[i]):
+                self._uncommitted.append(block)
         request.num_named_blocks = max(request.num_named_blocks, num_full)
+
+    def commit_names(self) -> None:
+        """The step that was to write the newly named blocks' KV has finished."""
+        self._uncommitted.clear()
+
+    def forget_uncommitted_names(self) -> None:
+        """The step that was to write the newly named blocks' KV failed: what they hold
+        is undefined, so they leave the prefix cache. Their requests must be recomputed
+        (the engine requeues them), or freed."""
+        self.pool.uncache(self._uncommitted)
+        self._uncommitted.clear()
 
     def fork(self, parent: Request, child: Request) -> None:
         """Let `child` share all of `parent`'s blocks; writes will copy on demand."""

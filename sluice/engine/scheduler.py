@@ -111,6 +111,20 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted.append(req)
 
+    def requeue(self, requests: list[Request]) -> None:
+        """Send running requests back to the front of the queue, in their order, to be
+        recomputed from prompt + outputs: after a failed step, whose KV writes may not
+        have happened. Like a preemption, but not counted as one."""
+        back = [r for r in requests if r.status == RequestStatus.RUNNING]
+        if not back:
+            return
+        ids = {id(r) for r in back}
+        self.running = [r for r in self.running if id(r) not in ids]
+        for req in reversed(back):
+            self.kv.free(req)
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire a request (finished or aborted) and return its blocks."""
         if req.status == RequestStatus.RUNNING:
