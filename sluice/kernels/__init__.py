@@ -109,8 +109,9 @@ def _build(level: str) -> Library | None:
                 text=True,
             )
             if proc.returncode != 0:
-                logger.warning("building CPU kernels (%s) failed, using torch ops:\n%s", level,
-                               proc.stderr)
+                logger.warning(
+                    "building CPU kernels (%s) failed, using torch ops:\n%s", level, proc.stderr
+                )
                 return None
             os.replace(tmp_so, out)
     lib = Library(str(out))
@@ -139,8 +140,11 @@ def load(level: str | None = None) -> Library | None:
                     logger.warning("loading CPU kernels failed, using torch ops: %s", e)
                     _libs[level] = None
                 if _libs[level] is not None and level == (_override or cpu.level()):
-                    logger.info("CPU kernels: %s (this CPU supports: %s)", level,
-                                ", ".join(cpu.supported_levels()))
+                    logger.info(
+                        "CPU kernels: %s (this CPU supports: %s)",
+                        level,
+                        ", ".join(cpu.supported_levels()),
+                    )
     return _libs[level]
 
 

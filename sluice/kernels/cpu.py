@@ -29,8 +29,17 @@ _REQUIRED = {
     "generic": frozenset(),
     "avx2": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}),
     "avx512": frozenset(
-        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd",
-         "avx512_vnni"}
+        {
+            "avx2",
+            "fma",
+            "f16c",
+            "avx512f",
+            "avx512bw",
+            "avx512vl",
+            "avx512dq",
+            "avx512cd",
+            "avx512_vnni",
+        }
     ),
 }
 _ALIASES = {"amx": "avx512"}
@@ -82,8 +91,9 @@ def level() -> str:
     if forced is None:
         return best
     if forced not in supported:
-        logger.warning("SLUICE_CPU_ISA=%s is beyond this CPU (best: %s); using %s", forced,
-                       best, best)
+        logger.warning(
+            "SLUICE_CPU_ISA=%s is beyond this CPU (best: %s); using %s", forced, best, best
+        )
         return best
     return forced
 
