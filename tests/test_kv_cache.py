@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from sluice.core.request import Request
 from sluice.engine.kv_cache import BlockPool, KVCacheManager
-from sluice.engine.request import Request
 from sluice.sampling_params import SamplingParams
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice.engine.request import Request
+from sluice.core.request import Request
 from sluice.runner.sampler import Sampler
 from sluice.sampling_params import SamplingParams
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sluice.config import EngineConfig
+from sluice.core.request import Request, RequestStatus
 from sluice.engine.kv_cache import KVCacheManager
-from sluice.engine.request import Request, RequestStatus
 from sluice.engine.scheduler import Scheduler
 from sluice.sampling_params import SamplingParams
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sluice.config import EngineConfig
+from sluice.core.errors import EngineShutdownError, EngineStepError, QueueFullError
 from sluice.engine.engine import LLMEngine
 from sluice.outputs import RequestOutput
 from sluice.sampling_params import SamplingParams
@@ -30,26 +31,6 @@ from sluice.sampling_params import SamplingParams
 logger = logging.getLogger("sluice")
 
 DEFAULT_MAX_WAITING_REQUESTS = 512
-
-
-class QueueFullError(RuntimeError):
-    """Too many requests are waiting; the caller should retry later (HTTP 503)."""
-
-    def __init__(self, num_waiting: int, limit: int) -> None:
-        super().__init__(
-            f"the server is overloaded: {num_waiting} requests are waiting "
-            f"(limit {limit}); retry later"
-        )
-        self.num_waiting = num_waiting
-        self.limit = limit
-
-
-class EngineShutdownError(RuntimeError):
-    """The engine is shutting down (or its loop died) and takes no new requests."""
-
-
-class EngineStepError(RuntimeError):
-    """An engine step failed; the requests that were in flight are failed with this."""
 
 
 class EngineLike(Protocol):

@@ -12,9 +12,10 @@ import torch
 
 from sluice import kernels
 from sluice.config import EngineConfig, resolve_dtype, resolve_quantization
+from sluice.core.errors import RequestError
+from sluice.core.request import Request, RequestStatus
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.output import SequenceOutputState
-from sluice.engine.request import Request, RequestStatus
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.loader import load_model
 from sluice.outputs import CompletionOutput, Logprob, RequestMetricsOut, RequestOutput
@@ -23,14 +24,6 @@ from sluice.runner.sampler import Sampler
 from sluice.sampling_params import SamplingParams
 
 logger = logging.getLogger("sluice")
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take; `param` names the offending field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass

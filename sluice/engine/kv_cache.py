@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from sluice.core.request import Request
 from sluice.engine.prefix_cache import extend_block_hashes
-from sluice.engine.request import Request
 
 
 class BlockPool:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
-from sluice.sampling_params import SamplingParams
+from sluice.core.choices import FinishReason
+from sluice.core.sampling_params import SamplingParams
 
 # Prompt tokens kept as left context so the first output token decodes as it would
 # mid-text (decoders that strip a leading space or join sub-words need the neighbours).
@@ -141,7 +142,7 @@ class SequenceOutputState:
         self.params = params
         self.token_ids: list[int] = []
         self.text = ""
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self._detok = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, params.skip_special_tokens
@@ -185,7 +186,7 @@ class SequenceOutputState:
             return self.finished or self._finish("length", None)
         return False
 
-    def _finish(self, reason: str, stop_reason: str | int | None) -> bool:
+    def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> bool:
         self.finish_reason = reason
         self.stop_reason = stop_reason
         return True

@@ -14,8 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from sluice.config import EngineConfig
+from sluice.core.request import Request, RequestStatus
 from sluice.engine.kv_cache import CacheHit, KVCacheManager
-from sluice.engine.request import Request, RequestStatus
 
 
 @dataclass

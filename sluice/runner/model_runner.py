@@ -13,7 +13,7 @@ import torch
 from sluice.attention import AttentionMetadata, PrefillSpan, select_backend
 from sluice.attention.step import StepContext, step_context
 from sluice.config import ModelConfig
-from sluice.engine.request import Request
+from sluice.core.request import Request
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import make_linear_method
 from sluice.models import model_class

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sluice.engine.request import Request
+from sluice.core.request import Request
 
 _GREEDY_EPS = 1e-5
 # Candidates that top-k/top-p look at before falling back to sorting a whole row.

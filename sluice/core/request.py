@@ -1,18 +1,23 @@
-"""A request's state as the scheduler and KV cache manager see it."""
+"""A request's state as the scheduler, the KV cache manager and the runner see it.
+
+It lives in the core layer because every layer below the engine reads it too (the
+runner batches requests, the sampler reads their sampling params and seeds).
+"""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from sluice.engine.output import SequenceOutputState
-    from sluice.sampling_params import SamplingParams
+from sluice.core.choices import FinishReason
+from sluice.core.outputs import Logprob
+from sluice.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    # A finished status's value is its finish reason.
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
@@ -26,6 +31,21 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
         )
+
+
+class OutputState(Protocol):
+    """What the engine keeps per sequence for its text and stop rules
+    (`sluice.engine.output.SequenceOutputState`); a protocol here so that the core
+    layer does not import the engine."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None
+
+    def append(self, token_id: int, max_tokens: int) -> bool: ...
+
+    def take_delta(self) -> str: ...
 
 
 @dataclass
@@ -79,10 +99,12 @@ class Request:
     num_preemptions: int = field(init=False, default=0)
     # Other sequences of an n > 1 request that fork from this one once its prompt is in.
     pending_forks: list[Request] = field(init=False, default_factory=list)
-    output: SequenceOutputState | None = field(init=False, default=None)
-    logprobs: list[dict[int, float]] | None = field(init=False, default=None)
+    output: OutputState | None = field(init=False, default=None)
+    # Per output token: the sampled token's and the top-N tokens' logprobs (when asked).
+    logprobs: list[dict[int, Logprob]] | None = field(init=False, default=None)
     cumulative_logprob: float = field(init=False, default=0.0)
-    prompt_logprobs: list[dict[int, float] | None] | None = field(init=False, default=None)
+    # Per prompt position (None for the first, which nothing predicts).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(init=False, default=None)
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,108 @@
+"""Every closed list of choices, written once.
+
+Each is a `Literal` type, for annotations and the type checker, and a tuple of its
+values (`typing.get_args`), for run-time checks, CLI `choices=` and messages. Config
+validation, the CLI, the model registry, the loaders and the server protocol derive
+from these; adding a value here is the one edit that makes it known everywhere.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal, TypeVar, get_args
+
+from sluice.core.errors import InvalidValueError
+
+# Compute precision of the weights and activations; "auto": bf16 on CUDA and on CPUs
+# with AVX512-BF16/AMX, fp32 elsewhere.
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPES: tuple[DType, ...] = get_args(DType)
+
+# Weight-only quantization as asked for; "auto" keeps a quantized GGUF's precision where
+# our kernels run (see config.resolve_quantization).
+Quantization = Literal["auto", "none", "int8", "int4"]
+QUANTIZATIONS: tuple[Quantization, ...] = get_args(Quantization)
+
+# What "auto" resolves to: the method each Linear layer is given.
+WeightQuantization = Literal["none", "int8", "int4"]
+WEIGHT_QUANTIZATIONS: tuple[WeightQuantization, ...] = get_args(WeightQuantization)
+
+# Decoder families sluice implements (ModelConfig.architecture): one decoder, flags apart.
+Architecture = Literal["llama", "qwen2", "qwen3"]
+ARCHITECTURES: tuple[Architecture, ...] = get_args(Architecture)
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = get_args(SchedulingPolicy)
+
+# Device kinds; a CUDA device may also be named with an index, "cuda:N".
+DeviceKind = Literal["auto", "cpu", "cuda"]
+DEVICE_KINDS: tuple[DeviceKind, ...] = get_args(DeviceKind)
+_DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+# Why a sequence ended (CompletionOutput.finish_reason, OpenAI's finish_reason).
+FinishReason = Literal["stop", "length", "abort"]
+FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
+
+# Instruction-set levels of the CPU kernel variants, lowest first (SLUICE_CPU_ISA).
+CpuIsa = Literal["generic", "avx2", "avx512", "amx"]
+CPU_ISAS: tuple[CpuIsa, ...] = get_args(CpuIsa)
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+LOG_LEVELS: tuple[LogLevel, ...] = get_args(LogLevel)
+
+T = TypeVar("T", bound=str)
+
+
+def one_of(choices: tuple[str, ...]) -> str:
+    """`a, b, c`: the choices as a message or a help text lists them."""
+    return ", ".join(choices)
+
+
+def is_device(value: object) -> bool:
+    """True for "auto", "cpu", "cuda" and "cuda:N"."""
+    return isinstance(value, str) and _DEVICE_RE.fullmatch(value) is not None
+
+
+def choice_error(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """The one wording of "not one of the choices", used by every check."""
+    return f"{name} must be one of {one_of(choices)}; got {value!r}"
+
+
+def parse_choice(
+    name: str,
+    value: object,
+    choices: tuple[T, ...],
+    error: type[InvalidValueError] = InvalidValueError,
+) -> T:
+    """`value` as one of `choices`, typed as their Literal; otherwise `error` (a
+    ValueError) naming `name`, worded by `choice_error`."""
+    for choice in choices:
+        if value == choice:
+            return choice
+    raise error(name, choice_error(name, value, choices))
+
+
+__all__ = [
+    "ARCHITECTURES",
+    "CPU_ISAS",
+    "DEVICE_KINDS",
+    "DTYPES",
+    "FINISH_REASONS",
+    "LOG_LEVELS",
+    "QUANTIZATIONS",
+    "SCHEDULING_POLICIES",
+    "WEIGHT_QUANTIZATIONS",
+    "Architecture",
+    "CpuIsa",
+    "DType",
+    "DeviceKind",
+    "FinishReason",
+    "LogLevel",
+    "Quantization",
+    "SchedulingPolicy",
+    "WeightQuantization",
+    "choice_error",
+    "is_device",
+    "one_of",
+    "parse_choice",
+]

@@ -1,0 +1,75 @@
+"""The errors sluice raises on purpose, importable from every layer.
+
+Every one derives from `SluiceError`, so a caller can catch all of them at once, and
+also from the builtin a caller would catch without knowing sluice (`ValueError` for
+bad input, `RuntimeError` for a state the engine is in), so existing `except
+ValueError` clauses keep working.
+"""
+
+from __future__ import annotations
+
+
+class SluiceError(Exception):
+    """Base of every error sluice raises on purpose."""
+
+
+class InvalidValueError(SluiceError, ValueError):
+    """A value that is not allowed; `param` names the field, option or variable."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingParamsError(InvalidValueError):
+    """An invalid sampling option; ``param`` names the offending field."""
+
+
+class RequestError(InvalidValueError):
+    """A request the engine cannot take; `param` names the offending field."""
+
+
+class ConfigError(InvalidValueError):
+    """An invalid engine option; `param` names the option (an EngineConfig field)."""
+
+
+class SettingsError(InvalidValueError):
+    """A `SLUICE_*` environment variable with a value it cannot take; `param` names it."""
+
+
+class ModelNotFoundError(SluiceError, ValueError):
+    """The model is not installed or the name/path does not point at a model."""
+
+
+class QueueFullError(SluiceError, RuntimeError):
+    """Too many requests are waiting; the caller should retry later (HTTP 503)."""
+
+    def __init__(self, num_waiting: int, limit: int) -> None:
+        super().__init__(
+            f"the server is overloaded: {num_waiting} requests are waiting "
+            f"(limit {limit}); retry later"
+        )
+        self.num_waiting = num_waiting
+        self.limit = limit
+
+
+class EngineShutdownError(SluiceError, RuntimeError):
+    """The engine is shutting down (or its loop died) and takes no new requests."""
+
+
+class EngineStepError(SluiceError, RuntimeError):
+    """An engine step failed; the requests that were in flight are failed with this."""
+
+
+__all__ = [
+    "ConfigError",
+    "EngineShutdownError",
+    "EngineStepError",
+    "InvalidValueError",
+    "ModelNotFoundError",
+    "QueueFullError",
+    "RequestError",
+    "SamplingParamsError",
+    "SettingsError",
+    "SluiceError",
+]
