@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sluice import LLM, SamplingParams
-from sluice.loader import Tokenizer
+from sluice.loader import tokenizer_from_gguf
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,7 +60,7 @@ def build(kind: str, directory: Path, smollm2_path: Path) -> torch.nn.Module:
                 ):
                     proj.bias.normal_(0, 0.5)
     model.save_pretrained(directory)
-    Tokenizer.from_gguf(smollm2_path).save(directory)
+    tokenizer_from_gguf(smollm2_path).save(directory)
     return model
 
 

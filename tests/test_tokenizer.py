@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tokenizers
 
-from sluice.loader import Tokenizer, load_model
+from sluice import settings
+from sluice.loader import Tokenizer, load_model, tokenizer_from_gguf
 
 TEXTS = [
     "Hello world",
@@ -94,7 +94,7 @@ def test_decode_round_trip(tok: Tokenizer) -> None:
 
 
 def test_from_gguf_directly(smollm2_path: Path, tok: Tokenizer) -> None:
-    direct = Tokenizer.from_gguf(smollm2_path)
+    direct = tokenizer_from_gguf(smollm2_path)
     for text in TEXTS:
         assert direct.encode(text) == tok.encode(text)
     assert direct.chat_template == tok.chat_template
@@ -148,11 +148,8 @@ def test_hf_backend_bos_from_post_processor(tok: Tokenizer, tmp_path: Path) -> N
 
 # -- llama.cpp's reference tokenizations (ggml-vocab-*.gguf + .inp/.out) --------------------------
 
-VOCAB_DIR = Path(
-    os.environ.get(
-        "SLUICE_LLAMA_VOCAB_DIR",
-        "/tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp/models",
-    )
+VOCAB_DIR = settings.llama_vocab_dir() or Path(
+    "/tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp/models"
 )
 
 
@@ -165,7 +162,7 @@ def test_llama_cpp_vocab(name: str) -> None:
             f"{path} not present: unpack llama-cpp-python==0.3.36's sdist "
             "and set SLUICE_LLAMA_VOCAB_DIR to its vendor/llama.cpp/models"
         )
-    tok = Tokenizer.from_gguf(path)
+    tok = tokenizer_from_gguf(path)
     inputs = Path(f"{path}.inp").read_text().split("\n__ggml_vocab_test__\n")
     outputs = Path(f"{path}.out").read_text().split("\n")
     for text, expected in zip(inputs, outputs, strict=False):

@@ -8,10 +8,13 @@ from pathlib import Path
 import torch
 
 from sluice.config import ModelConfig
+from sluice.core.errors import ModelNotFoundError
+from sluice.settings import cache_dir
 
 from .gguf_loader import load_gguf
+from .gguf_tokenizer import tokenizer_from_gguf
 from .hf_loader import load_hf_dir
-from .resolve import KNOWN_MODELS, ModelNotFoundError, cache_dir, resolve_model_path
+from .resolve import KNOWN_MODELS, resolve_model_path
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -22,6 +25,7 @@ __all__ = [
     "cache_dir",
     "load_model",
     "resolve_model_path",
+    "tokenizer_from_gguf",
 ]
 
 

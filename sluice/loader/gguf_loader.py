@@ -23,9 +23,11 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
+from sluice import settings
 from sluice.config import ModelConfig
 
-from .resolve import cache_dir
+from .gguf_metadata import GGUFMetadata
+from .gguf_tokenizer import tokenizer_from_gguf
 from .tokenizer import Tokenizer
 
 # Bump when the cached layout or the conversion changes, so stale caches are never reused.
@@ -50,36 +52,6 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-class GGUFMetadata:
-    """Key/value metadata of a GGUF file as plain Python values (decoded lazily: the token
-    list alone is 100k+ strings)."""
-
-    def __init__(self, reader: GGUFReader) -> None:
-        self.reader = reader
-        self._values: dict[str, Any] = {}
-
-    @classmethod
-    def of(cls, source: GGUFMetadata | GGUFReader | str | os.PathLike[str]) -> GGUFMetadata:
-        if isinstance(source, GGUFMetadata):
-            return source
-        if isinstance(source, GGUFReader):
-            return cls(source)
-        return cls(GGUFReader(os.fspath(source)))
-
-    def get(self, key: str, default: Any = None) -> Any:
-        if key in self._values:
-            return self._values[key]
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        value = field.contents()
-        self._values[key] = value
-        return value
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.reader.fields
 
 
 def _check_architecture(arch: str) -> None:
@@ -208,11 +180,7 @@ def weight_bits(reader: GGUFReader) -> int | None:
 def _cache_entry(path: Path) -> Path:
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_FORMAT}"
-    return cache_dir() / "weights" / hashlib.sha256(key.encode()).hexdigest()[:24]
-
-
-def _weight_cache_enabled() -> bool:
-    return os.environ.get("SLUICE_WEIGHT_CACHE", "1") not in ("0", "false", "no")
+    return settings.cache_dir() / "weights" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 GGUFModel = tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, int | None]
@@ -259,7 +227,7 @@ def load_gguf(path: str | os.PathLike[str], use_cache: bool | None = None) -> GG
     weight_bits) of a GGUF model (cached after the first call unless use_cache is False
     or $SLUICE_WEIGHT_CACHE=0)."""
     path = Path(path)
-    use_cache = _weight_cache_enabled() if use_cache is None else use_cache
+    use_cache = settings.weight_cache_enabled() if use_cache is None else use_cache
     entry = _cache_entry(path) if use_cache else None
     if entry is not None and entry.is_dir():
         cached = _read_cache(entry)
@@ -269,7 +237,7 @@ def load_gguf(path: str | os.PathLike[str], use_cache: bool | None = None) -> GG
 
     meta = GGUFMetadata.of(path)
     config = config_from_gguf(meta, name=path.stem)
-    tokenizer = Tokenizer.from_gguf(meta)
+    tokenizer = tokenizer_from_gguf(meta)
     tensors = tensors_from_gguf(meta.reader, config)
     bits = weight_bits(meta.reader)
     if entry is not None:

@@ -14,13 +14,20 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from sluice.core.errors import ModelNotFoundError
 from sluice.settings import cache_dir
 
+__all__ = [
+    "DEFAULT_MODEL",
+    "KNOWN_MODELS",
+    "ModelNotFoundError",
+    "ModelPart",
+    "PackagedModel",
+    "known_aliases",
+    "resolve_model_path",
+]
+
 DEFAULT_MODEL = "smollm2-135m"
-
-
-class ModelNotFoundError(ValueError):
-    """The model is not installed or the name/path does not point at a model."""
 
 
 @dataclass(frozen=True)
