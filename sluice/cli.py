@@ -14,29 +14,35 @@ from typing import Any, TextIO
 
 from sluice.bench import BENCHMARKS
 from sluice.config import EngineConfig
+from sluice.core.choices import DEVICE_KINDS, LOG_LEVELS, one_of
+from sluice.core.errors import SamplingParamsError
+from sluice.core.sampling_params import SamplingParams
 from sluice.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
-from sluice.sampling_params import SamplingParams, SamplingParamsError
 
+# Flags whose field is a Literal list their choices themselves (from sluice.core.choices).
 _OPTION_HELP = {
     "model": "model alias, .gguf file or Hugging Face directory (default: the bundled "
     "smollm2-135m)",
-    "dtype": "auto, float32, bfloat16 or float16",
-    "device": "auto, cpu or cuda[:N]",
+    "dtype": "compute precision; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or "
+    "AMX, else float32",
+    "device": f"{one_of(DEVICE_KINDS)} or cuda:N",
     "kv_cache_memory": "GiB for the K and V pools together",
-    "scheduling_policy": "fcfs or priority",
+    "scheduling_policy": "the order requests are admitted in and preempted in",
     "num_threads": "CPU threads for torch (default: all cores)",
-    "quantization": "weight-only quantization on CPU: auto (default: a 4/8-bit GGUF "
-    "stays int4/int8 in bf16), none, int8 or int4",
+    "quantization": "weight-only quantization on CPU (default: auto, a 4/8-bit GGUF "
+    "stays int4/int8 in bf16)",
     "compile": "torch.compile the model (first steps compile; cached on disk)",
 }
 
 
-def _flag_type(annotation: Any) -> type:
-    """The scalar type of a field annotated `T` or `T | None`."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+def _flag_type(annotation: Any) -> tuple[type, tuple[str, ...] | None]:
+    """The scalar type of a field annotated `T` or `T | None`, and its choices when T is
+    a Literal."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        annotation = args[0]
-    return annotation if isinstance(annotation, type) else str
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is typing.Literal:
+        return str, typing.get_args(annotation)
+    return (annotation if isinstance(annotation, type) else str), None
 
 
 def add_engine_options(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
@@ -49,7 +55,7 @@ def add_engine_options(parser: argparse.ArgumentParser, skip: frozenset[str] = f
         if f.name not in EngineConfig.option_names() or f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        kind = _flag_type(hints[f.name])
+        kind, choices = _flag_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = _OPTION_HELP.get(f.name, f.name.replace("_", " "))
         if "default" not in help_text:
@@ -65,8 +71,9 @@ def add_engine_options(parser: argparse.ArgumentParser, skip: frozenset[str] = f
             group.add_argument(
                 flag,
                 type=kind,
+                choices=choices,
                 default=argparse.SUPPRESS,
-                metavar=f.name.upper(),
+                metavar=None if choices else f.name.upper(),
                 help=help_text,
             )
 
@@ -89,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice", description="sluice: a small, fast LLM inference and serving engine"
     )
-    parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default=None, choices=LOG_LEVELS)
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")

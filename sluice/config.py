@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from sluice.core.choices import (
+    ARCHITECTURES,
+    DEVICE_KINDS,
+    DTYPES,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
+    Architecture,
+    DType,
+    Quantization,
+    SchedulingPolicy,
+    WeightQuantization,
+    is_device,
+    one_of,
+    parse_choice,
+)
+from sluice.core.errors import ConfigError
 from sluice.kernels import cpu
 
 
@@ -15,7 +31,7 @@ from sluice.kernels import cpu
 class ModelConfig:
     """Architecture hyper-parameters, read from GGUF metadata or a HF config.json."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    architecture: Architecture
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,14 +50,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     name: str = "model"
 
-    SUPPORTED = ("llama", "qwen2", "qwen3")
-
     def __post_init__(self) -> None:
-        if self.architecture not in self.SUPPORTED:
-            raise ValueError(
-                f"unsupported model architecture {self.architecture!r}; "
-                f"sluice supports: {', '.join(self.SUPPORTED)}"
-            )
+        check_architecture(self.architecture)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of "
@@ -49,18 +59,32 @@ class ModelConfig:
             )
 
 
+def check_architecture(arch: object) -> Architecture:
+    """`arch` if sluice implements it; the loaders call this before any expensive work."""
+    for known in ARCHITECTURES:
+        if arch == known:
+            return known
+    raise ValueError(
+        f"unsupported model architecture {arch!r}; sluice supports: {one_of(ARCHITECTURES)}"
+    )
+
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype in names:
-        return names[dtype]
-    if dtype != "auto":
-        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
+    if parse_choice("dtype", dtype, DTYPES, ConfigError) != "auto":
+        return _TORCH_DTYPES[dtype]
     if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if cpu.has_native_bf16() else torch.float32
 
 
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+_AUTO_QUANTIZATION: dict[int, WeightQuantization] = {4: "int4", 8: "int8"}
 
 
 def resolve_quantization(
@@ -69,18 +93,19 @@ def resolve_quantization(
     dtype: torch.dtype,
     weight_bits: int | None,
     dtype_requested: str = "auto",
-) -> str:
+) -> WeightQuantization:
     """'auto' keeps a quantized file's weights at their precision on CPU, where our
     weight-only kernels run at every instruction-set level: in bf16, and in fp32 where
     fp32 was chosen because the CPU has no native bf16 (AVX2). An fp32 the user asked
     for stays the exact, unquantized mode the tests compare with transformers in."""
-    if quantization != "auto":
-        return quantization
+    chosen = parse_choice("quantization", quantization, QUANTIZATIONS, ConfigError)
+    if chosen != "auto":
+        return chosen
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return "none"
     if dtype == torch.float32 and dtype_requested != "auto":
         return "none"
-    return {4: "int4", 8: "int8"}.get(weight_bits or 0, "none")
+    return _AUTO_QUANTIZATION.get(weight_bits or 0, "none")
 
 
 @dataclass
@@ -88,8 +113,8 @@ class EngineConfig:
     """Every option of LLM(...), of the CLI (--kebab-case) and of `sluice serve`."""
 
     model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
+    dtype: DType = "auto"
+    device: str = "auto"  # auto, cpu, cuda or cuda:N
     block_size: int = 16
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -97,47 +122,46 @@ class EngineConfig:
     kv_cache_memory: float = 2.0  # GiB for the K and V pools together
     seed: int = 0
     enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"  # or "priority"
+    scheduling_policy: SchedulingPolicy = "fcfs"
     # Weight-only, on CPU kernels: "none", "int8", "int4", or "auto": a GGUF's 4-bit
     # (8-bit) linear weights stay int4 (int8) on CPU unless fp32 was asked for.
-    quantization: str = "auto"
+    quantization: Quantization = "auto"
     # torch.compile the model (inductor): fuses the per-layer elementwise work; costs a
     # compile at the first steps of each shape class (cached on disk across runs).
     compile: bool = False
     num_threads: int | None = None
-    # Filled in by the engine at start-up.
-    model_config: ModelConfig | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise ConfigError(name, f"{name} must be a positive integer, got {value!r}")
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             positive(name)
         if self.max_model_len is not None:
             positive("max_model_len")
         if not (isinstance(self.kv_cache_memory, int | float) and self.kv_cache_memory > 0):
-            raise ValueError(
-                f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory!r}"
+            raise ConfigError(
+                "kv_cache_memory",
+                f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory!r}",
             )
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
-            )
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of auto, none, int8, int4; got {self.quantization!r}"
-            )
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+        self.scheduling_policy = parse_choice(
+            "scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES, ConfigError
+        )
+        self.quantization = parse_choice(
+            "quantization", self.quantization, QUANTIZATIONS, ConfigError
+        )
+        self.dtype = parse_choice("dtype", self.dtype, DTYPES, ConfigError)
+        if not is_device(self.device):
+            raise ConfigError(
+                "device",
+                f"device must be one of {one_of(DEVICE_KINDS)} or cuda:N; got {self.device!r}",
             )
 
     @classmethod
     def option_names(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.name != "model_config"]
+        return [f.name for f in fields(cls)]
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -7,9 +7,12 @@ import dataclasses
 import subprocess
 import sys
 
+import pytest
+
 from sluice import LLM, SamplingParams
 from sluice.cli import build_parser, engine_config
 from sluice.config import EngineConfig
+from sluice.core.choices import DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES
 
 CLI = [sys.executable, "-m", "sluice.cli"]
 
@@ -39,7 +42,19 @@ def test_every_engine_option_is_a_flag_on_every_subcommand() -> None:
     assert (cfg.seed, cfg.dtype, cfg.max_num_seqs, cfg.num_threads) == (3, "float32", 8, 1)
     flags = {a.dest for a in parser._subparsers._group_actions[0].choices["serve"]._actions}  # type: ignore[union-attr]
     assert set(EngineConfig.option_names()) <= flags
-    assert {f.name for f in dataclasses.fields(EngineConfig)} - flags == {"model_config"}
+    assert {f.name for f in dataclasses.fields(EngineConfig)} <= flags
+
+
+def test_choice_flags_take_their_choices_from_core() -> None:
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    actions = {a.dest: a for a in serve._actions}
+    assert tuple(actions["dtype"].choices) == DTYPES
+    assert tuple(actions["quantization"].choices) == QUANTIZATIONS
+    assert tuple(actions["scheduling_policy"].choices) == SCHEDULING_POLICIES
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["serve", "--dtype", "float64"])
+    assert exc.value.code == 2
 
 
 def test_bad_engine_option_is_a_clean_error() -> None:

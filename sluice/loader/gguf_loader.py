@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
 from sluice import settings
-from sluice.config import ModelConfig
+from sluice.config import ModelConfig, check_architecture
 
 from .gguf_metadata import GGUFMetadata
 from .gguf_tokenizer import tokenizer_from_gguf
@@ -54,20 +54,12 @@ _GLOBAL_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def _check_architecture(arch: str) -> None:
-    # Fail before any expensive work, with the same message ModelConfig gives.
-    if arch not in ModelConfig.SUPPORTED:
-        raise ValueError(
-            f"unsupported model architecture {arch!r}; "
-            f"sluice supports: {', '.join(ModelConfig.SUPPORTED)}"
-        )
-
-
 def config_from_gguf(meta: GGUFMetadata, name: str = "model") -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch is None:
+    name_in_file = meta.get("general.architecture")
+    if name_in_file is None:
         raise ValueError("not a model GGUF: general.architecture is missing")
-    _check_architecture(arch)
+    # Fail before any expensive work, with the same message ModelConfig gives.
+    arch = check_architecture(name_in_file)
 
     def req(key: str) -> Any:
         value = meta.get(f"{arch}.{key}")

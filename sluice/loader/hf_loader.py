@@ -11,10 +11,12 @@ import torch
 from safetensors.torch import load_file
 
 from sluice.config import ModelConfig
+from sluice.core.choices import Architecture
 
 from .tokenizer import Tokenizer
 
-_ARCHITECTURES = {
+# Hugging Face class names and the decoder family (ModelConfig.architecture) each loads as.
+_ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",  # Mistral is Llama when it has no sliding window
     "Qwen2ForCausalLM": "qwen2",

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from sluice.config import ModelConfig
+from sluice.core.choices import ARCHITECTURES, Architecture
 from sluice.models.llama import LlamaForCausalLM
 
 # Llama, Mistral (no sliding window), Qwen2 (QKV bias) and Qwen3 (QK-norm) share one
-# decoder; the differences are config flags, not separate code paths.
-_REGISTRY: dict[str, type[nn.Module]] = {
-    "llama": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
+# decoder; the differences are config flags, not separate code paths. A family with a
+# decoder of its own would get its own entry here.
+_REGISTRY: dict[Architecture, type[LlamaForCausalLM]] = {
+    arch: LlamaForCausalLM for arch in ARCHITECTURES
 }
 
 
-def model_class(config: ModelConfig) -> type[nn.Module]:
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
     try:
         return _REGISTRY[config.architecture]
     except KeyError:
