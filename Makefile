@@ -29,8 +29,10 @@ test: install
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
+# ruff, and mypy --strict on the package ([tool.mypy] in pyproject.toml).
 lint: install
 	$(BIN)/ruff check sluice tests benchmarks
+	$(BIN)/mypy sluice
 
 bench: install
 	$(BIN)/sluice bench

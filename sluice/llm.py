@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
 from sluice.config import EngineConfig
+from sluice.core.outputs import RequestOutput
+from sluice.core.sampling_params import SamplingParams
 from sluice.engine.engine import LLMEngine
-from sluice.outputs import RequestOutput
-from sluice.sampling_params import SamplingParams
 
 Message = dict[str, str]
 
@@ -36,11 +36,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string or a list of token ids); outputs keep the
         order of the prompts."""
+        prompt_list: list[str | list[int]]
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)
+            prompt_list = [cast("str | list[int]", prompts)]  # one prompt
+        else:
+            prompt_list = list(cast("Sequence[str | list[int]]", prompts))
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
@@ -62,7 +64,7 @@ class LLM:
                     rid,
                     prompt,
                     params,
-                    priority=priority[i] if priority else 0,  # type: ignore[arg-type]
+                    priority=priority[i] if priority else 0,
                 )
                 ids.append(rid)
             return self._run(ids, use_tqdm)
@@ -81,7 +83,11 @@ class LLM:
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        convs: list[list[Message]]
+        if messages and isinstance(messages[0], dict):
+            convs = [messages]  # one conversation
+        else:
+            convs = cast(list[list[Message]], messages)
         prompts = [
             self.tokenizer.encode(
                 self.tokenizer.apply_chat_template(
@@ -89,7 +95,7 @@ class LLM:
                 ),
                 add_special_tokens=False,
             )
-            for conv in convs  # type: ignore[union-attr]
+            for conv in convs
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -62,5 +62,6 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Te
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """Write this step's K/V for `layer` into the cache and attend; [T, heads, head_dim]."""
     if torch.compiler.is_compiling():
-        return _attention_op(q, k, v, layer)
+        out: torch.Tensor = _attention_op(q, k, v, layer)
+        return out
     return _run(q, k, v, layer)  # eager: skip the custom op's dispatch cost

@@ -57,7 +57,6 @@ class LLMEngine:
         loaded = load_model(config.model)
         self.model_path = loaded.path
         self.model_config = mc = loaded.config
-        config.model_config = mc
         self.tokenizer = loaded.tokenizer
         self.dtype = resolve_dtype(config.dtype, device)
         self.quantization = resolve_quantization(

@@ -46,9 +46,10 @@ class LinearMethod:
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
                 x, layer.packed_weight, layer.bias, "none", [], ""
             )
+            return out
         return F.linear(x, layer.weight, layer.bias)
 
 

@@ -7,6 +7,9 @@ layout and the paged KV cache, so the model's arguments are only tensors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -65,7 +68,8 @@ class Attention(nn.Module):
         # q and k heads rotate together, in place where fused.
         q, k = fused.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = attend(q, k, v, self.layer_index)
-        return self.o_proj(out.reshape(t, self.q_size))
+        projected: torch.Tensor = self.o_proj(out.reshape(t, self.q_size))
+        return projected
 
 
 class MLP(nn.Module):
@@ -76,7 +80,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -115,7 +120,12 @@ class LlamaForCausalLM(nn.Module):
             _weight=torch.empty(config.vocab_size, config.hidden_size),
             _freeze=True,
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        # A ModuleList (it registers the layers), typed as the sequence of DecoderLayers
+        # it is: nn.Module's attribute typing would make each item a Tensor | Module.
+        self.layers = cast(
+            Sequence[DecoderLayer],
+            nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers)),
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.rotary: RotaryEmbedding | None = None
@@ -139,10 +149,12 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin)
-        return h if residual is None else h + residual
+        out: torch.Tensor = h if residual is None else h + residual
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden)).float()
+        logits: torch.Tensor = self.lm_head(self.norm(hidden))
+        return logits.float()
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -170,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
             att = layer.self_attn
             qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
             put(att.qkv_proj.weight, torch.cat(qkv))
-            if c.attention_bias:
+            if att.qkv_proj.bias is not None:  # config.attention_bias
                 put(
                     att.qkv_proj.bias,
                     torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
@@ -186,9 +198,11 @@ class LlamaForCausalLM(nn.Module):
             put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"))
         put(self.norm.weight, take("model.norm.weight"))
         if c.tie_word_embeddings or "lm_head.weight" not in tensors:
-            self.lm_head.weight = self.embed_tokens.weight  # tied: one copy in memory
+            tied = self.embed_tokens.weight
+            assert isinstance(tied, nn.Parameter)
+            self.lm_head.weight = tied  # tied: one copy in memory
         else:
             put(self.lm_head.weight, take("lm_head.weight"))
-        for layer in self.modules():
-            if isinstance(layer, Linear):
-                layer.method.process_weight(layer)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.method.process_weight(module)

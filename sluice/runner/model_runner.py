@@ -13,6 +13,7 @@ import torch
 from sluice.attention import AttentionMetadata, PrefillSpan, select_backend
 from sluice.attention.step import StepContext, step_context
 from sluice.config import ModelConfig
+from sluice.core.choices import WeightQuantization
 from sluice.core.request import Request
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import make_linear_method
@@ -71,7 +72,7 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         max_model_len: int,
-        quantization: str = "none",
+        quantization: WeightQuantization = "none",
         compile: bool = False,
     ) -> None:
         self.config = config
@@ -166,8 +167,8 @@ class ModelRunner:
             meta.small_query_start = cu[: num_small + 1].to(dev)
             meta.small_ctx_end = ctx_end.to(dev)
             if self.backend.uses_row_mask:
-                rows = req_of_token[:num_rows]
-                meta.row_block_tables = table[rows, :nb].to(dev)
+                row_req = req_of_token[:num_rows]
+                meta.row_block_tables = table[row_req, :nb].to(dev)
                 visible = positions[:num_rows] + 1
                 mask = torch.arange(nb * bs) < visible[:, None]
                 meta.row_mask = mask[:, None, None, :].to(dev)
