@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from sluice.core.choices import CPU_ISAS, CpuIsa, parse_choice
+from sluice.core.choices import CPU_ISAS, CpuIsa, choice_error
 from sluice.core.errors import SettingsError
 
 
@@ -106,11 +106,15 @@ def cpu_kernels_enabled() -> bool:
 
 
 def cpu_isa_override() -> CpuIsa | None:
-    """The kernel instruction-set level forced by `SLUICE_CPU_ISA`, None when unset."""
+    """The kernel instruction-set level forced by `SLUICE_CPU_ISA` (any case), None
+    when unset."""
     value = _raw("SLUICE_CPU_ISA")
     if value is None:
         return None
-    return parse_choice("SLUICE_CPU_ISA", value, CPU_ISAS, SettingsError)
+    for isa in CPU_ISAS:
+        if value.lower() == isa:
+            return isa
+    raise SettingsError("SLUICE_CPU_ISA", choice_error("SLUICE_CPU_ISA", value, CPU_ISAS))
 
 
 def llama_vocab_dir() -> Path | None:

@@ -63,6 +63,8 @@ def test_cpu_isa_override(monkeypatch: pytest.MonkeyPatch) -> None:
     for isa in ("generic", "avx2", "avx512", "amx"):
         monkeypatch.setenv("SLUICE_CPU_ISA", isa)
         assert settings.cpu_isa_override() == isa
+    monkeypatch.setenv("SLUICE_CPU_ISA", " AVX2 ")
+    assert settings.cpu_isa_override() == "avx2"
     monkeypatch.setenv("SLUICE_CPU_ISA", "sse2")
     with pytest.raises(SettingsError, match=r"SLUICE_CPU_ISA must be one of generic, avx2, "):
         settings.cpu_isa_override()
@@ -95,3 +97,11 @@ def test_only_settings_reads_sluice_variables() -> None:
 def test_pending_entries_are_still_pending() -> None:
     for rel, names in PENDING_DIRECT_READS.items():
         assert names <= _sluice_names_read(ROOT / rel), f"{rel} no longer reads {names}"
+
+
+def test_every_setting_is_read_and_documented() -> None:
+    source = (PACKAGE / "settings.py").read_text()
+    docs = (ROOT / "docs" / "layout.md").read_text()
+    for name in settings.SETTINGS:
+        assert source.count(f'"{name}"') >= 2, f"{name} has no accessor"
+        assert f"`{name}`" in docs, f"{name} is not in docs/layout.md"

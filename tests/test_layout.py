@@ -1,0 +1,174 @@
+"""The import rules of docs/layout.md, checked on the source with `ast`.
+
+Every `import` in sluice/ counts: module level, inside functions and under
+TYPE_CHECKING alike, since each is an arrow a reader has to follow.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "sluice"
+
+# Which parts of sluice each part may import (besides itself). Lowest first; the
+# public re-export modules sluice.sampling_params and sluice.outputs count as core.
+ALLOWED: dict[str, set[str]] = {
+    "core": set(),
+    "settings": {"core"},
+    "kernels": {"core", "settings"},
+    # config may ask the kernels what the CPU runs (dtype and quantization "auto").
+    "config": {"core", "settings", "kernels"},
+    "attention": {"core", "settings", "config", "kernels"},
+    "layers": {"core", "settings", "config", "kernels"},
+    "models": {"core", "settings", "config", "kernels", "attention", "layers"},
+    "loader": {"core", "settings", "config"},
+    "runner": {"core", "settings", "config", "kernels", "attention", "layers", "models"},
+    "engine": {"core", "settings", "config", "loader", "runner"},
+    "server": {"core", "settings", "config", "loader", "engine"},
+    # The front doors: LLM (and the package's __init__), the CLI, `sluice bench`.
+    "api": {"core", "settings", "config", "engine"},
+    "cli": {"core", "settings", "config", "engine", "server", "bench"},
+    "bench": {"api"},
+}
+
+# Arrows that break a rule today, each until its owner's rewrite lands. A stale entry
+# fails test_pending_exceptions_are_still_real, so this list only shrinks.
+PENDING: set[tuple[str, str]] = {
+    # kernels/__init__.py imports cache_dir from the loader; it moves to sluice.settings.
+    ("sluice.kernels", "sluice.loader.resolve"),
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def imports_of(module: str) -> Iterator[str]:
+    """The sluice modules `module` imports (`from pkg import sub` names pkg.sub when it
+    is a module)."""
+    tree = ast.parse(MODULES[module].read_text(), str(MODULES[module]))
+    package = module if _is_package(module) else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
+                for alias in node.names
+            ]
+        else:
+            continue
+        for name in names:
+            if name == "sluice" or name.startswith("sluice."):
+                yield name
+
+
+def part_of(module: str) -> str:
+    """The part of sluice (a key of ALLOWED) that `module` belongs to."""
+    parts = module.split(".")
+    if module in ("sluice", "sluice.llm"):
+        return "api"
+    if module in ("sluice.sampling_params", "sluice.outputs"):
+        return "core"
+    return parts[1]
+
+
+def test_every_module_has_a_part() -> None:
+    assert {part_of(m) for m in MODULES} == set(ALLOWED)
+
+
+def _violations() -> set[tuple[str, str]]:
+    bad = set()
+    for module in MODULES:
+        mine = part_of(module)
+        for target in imports_of(module):
+            theirs = part_of(target)
+            if theirs != mine and theirs not in ALLOWED[mine]:
+                bad.add((module, target))
+    return bad
+
+
+def test_imports_follow_the_layers() -> None:
+    unexpected = sorted(_violations() - PENDING)
+    assert not unexpected, f"imports against docs/layout.md (importer, imported): {unexpected}"
+
+
+def test_pending_exceptions_are_still_real() -> None:
+    assert not PENDING - _violations(), "fixed: remove these from PENDING"
+
+
+def test_core_imports_nothing_else_of_sluice() -> None:
+    for module in MODULES:
+        if module.startswith("sluice.core"):
+            others = [t for t in imports_of(module) if not t.startswith("sluice.core")]
+            assert not others, f"{module} imports {others}"
+
+
+def test_runner_does_not_import_the_engine() -> None:
+    for module in MODULES:
+        if module.startswith("sluice.runner"):
+            assert not [t for t in imports_of(module) if t.startswith("sluice.engine")]
+
+
+def _find_cycle(nodes: list[str]) -> list[str] | None:
+    graph = {m: {t for t in imports_of(m) if t in nodes and t != m} for m in nodes}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                return [*path[path.index(t) :], t]
+            if t not in state and (cycle := visit(t)):
+                return cycle
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(nodes):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_the_loader_has_no_import_cycle() -> None:
+    loader = [m for m in MODULES if m.startswith("sluice.loader.")]
+    assert "sluice.loader.gguf_metadata" in loader
+    assert _find_cycle(loader) is None
+
+
+def test_no_module_imports_a_module_that_imports_it_back() -> None:
+    # Package __init__s re-export their submodules, so they are left out here.
+    modules = [m for m in MODULES if not _is_package(m)]
+    assert _find_cycle(modules) is None
+
+
+def test_the_checker_sees_imports() -> None:
+    # Guard against a checker that passes because it finds nothing.
+    assert "sluice.core.request" in set(imports_of("sluice.runner.sampler"))
+    assert "sluice.kernels" in set(imports_of("sluice.layers.fused"))
+    assert "sluice.loader.gguf_metadata" in set(imports_of("sluice.loader.gguf_tokenizer"))
+    assert part_of("sluice.sampling_params") == "core"
