@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from sluice.engine.output import IncrementalDetokenizer, SequenceOutputState, TokenizerLike
-from sluice.loader import Tokenizer
+from sluice.loader import Tokenizer, tokenizer_from_gguf
 from sluice.sampling_params import SamplingParams
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -126,7 +126,7 @@ def test_incremental_matches_full_decode(
 
 @pytest.fixture(scope="module")
 def sluice_tok(smollm2_path: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(smollm2_path)
+    return tokenizer_from_gguf(smollm2_path)
 
 
 @pytest.mark.parametrize("text", MULTILINGUAL)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sluice import LLM, SamplingParams
+from sluice.core.request import Request
 from sluice.engine.kv_cache import CacheHit
-from sluice.engine.request import Request
 
 SYSTEM = (
     "You are a careful assistant. Answer briefly and precisely. Think about units, "

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from sluice import LLM, SamplingParams
+from sluice.core.request import Request
 from sluice.engine.async_engine import AsyncLLM, EngineStepError
 from sluice.engine.engine import LLMEngine
-from sluice.engine.request import Request
 
 TEXT = (
     "The river rose through the night, and by morning the lower streets of the town were "
