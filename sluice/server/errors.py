@@ -18,8 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sluice.engine.async_engine import EngineShutdownError, EngineStepError, QueueFullError
-from sluice.engine.engine import RequestError
+from sluice.core.errors import EngineShutdownError, EngineStepError, QueueFullError, RequestError
 from sluice.sampling_params import SamplingParamsError
 
 logger = logging.getLogger("sluice.server")

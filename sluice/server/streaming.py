@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from sluice.engine.async_engine import EngineShutdownError, EngineStepError
+from sluice.core.errors import EngineShutdownError, EngineStepError
 from sluice.outputs import CompletionOutput
 from sluice.sampling_params import SamplingParams
 from sluice.server.context import ServerContext
