@@ -266,7 +266,37 @@ def _quantization(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _cpu_levels(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        cmp = d["comparison"]
+        top = cmp["baseline"]
+        for level in cmp["sides"]:
+            vs_top = 1.0 if level == top else _rmed(cmp, level, "sluice_tok_s")
+            rows.append(
+                [
+                    *_run_cells(name, d),
+                    level,
+                    _spread(cmp, level, "sluice_tok_s"),
+                    _spread(cmp, level, "llamacpp_tok_s"),
+                    _spread(cmp, level, "ratio_to_llamacpp", digits=2),
+                    f"{_ratio(vs_top)} of {top}",
+                    str(cmp["rounds"]),
+                ]
+            )
+    headers = [
+        "level",
+        "sluice tok/s",
+        "llama.cpp tok/s",
+        "sluice / llama.cpp",
+        "vs best",
+        "rounds",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
 RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
+    "cpu_levels": _cpu_levels,
     "throughput": _throughput,
     "single_stream": _single_stream,
     "serve": _serve,
