@@ -123,7 +123,8 @@ def _range(cmp: dict[str, Any], side: str, metric: str) -> list[float] | None:
 
 
 def _ratio(cmp: dict[str, Any], side: str, metric: str) -> float | None:
-    return cmp.get("ratio_of_medians", {}).get(side, {}).get(metric)
+    ratio: float | None = cmp.get("ratio_of_medians", {}).get(side, {}).get(metric)
+    return ratio
 
 
 _SERVE_METRICS = (
@@ -309,10 +310,15 @@ def _concurrency_axis(ax: Any, levels: list[int]) -> None:
     ax.grid(True, alpha=0.3)
 
 
-def _serve_series(serve: dict[str, Any], side: str, metric: str) -> tuple[list[int], list, list]:
+def _serve_series(
+    serve: dict[str, Any], side: str, metric: str
+) -> tuple[list[int], list[float], list[list[float]]]:
     """x, medians and yerr of one side's metric over the levels (sorted by concurrency)."""
     levels = sorted(serve["levels"], key=lambda lvl: lvl["concurrency"])
-    xs, ys, lo, hi = [], [], [], []
+    xs: list[int] = []
+    ys: list[float] = []
+    lo: list[float] = []
+    hi: list[float] = []
     for lvl in levels:
         s = lvl["comparison"]["summary"].get(side, {}).get(metric)
         if s is None or not s.get("n"):

@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from sluice.config import EngineConfig
 from sluice.core.errors import EngineShutdownError, EngineStepError, QueueFullError
@@ -270,7 +270,11 @@ class AsyncLLM:
         built: concurrent.futures.Future[EngineLike],
     ) -> None:
         try:
-            self.engine = engine() if callable(engine) and not hasattr(engine, "step") else engine
+            if callable(engine) and not hasattr(engine, "step"):
+                # A factory (e.g. from_config's lambda), run here on the loop thread.
+                self.engine = engine()
+            else:
+                self.engine = cast(EngineLike, engine)
             self._stats = dict(self.engine.stats())
         except BaseException as exc:
             built.set_exception(exc)

@@ -9,6 +9,8 @@ CUDA, without a compiler, and under torch.compile, which fuses the torch version
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
@@ -73,5 +75,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     lib = _lib(gate_up)
     if lib is None or not gate_up.is_contiguous():
         gate, up = gate_up.split(inter, dim=-1)
-        return F.silu(gate) * up
+        # Tensor.__mul__ is typed as returning Any in torch's stubs.
+        return cast(torch.Tensor, F.silu(gate) * up)
     return fused_kernels.silu_and_mul(lib, gate_up)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 
@@ -92,11 +93,17 @@ class Int8WeightOnly(_WeightOnly):
         layer.qscale = scale.to(layer.weight.dtype)
 
     def _matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        # The quantized weights are tensors set on the module by `_quantize`; nn.Module's
+        # __getattr__ types them as Tensor | Module, and custom/aten ops return Any.
         if self.lib is not None:
+            packed = cast(torch.Tensor, layer.q8_packed)
+            scale = cast(torch.Tensor, layer.q8_scale)
             if torch.compiler.is_compiling():
-                return _q8_matmul_op(x, layer.q8_packed, layer.q8_scale)  # opaque
-            return matmul.q8_matmul(self.lib, x, layer.q8_packed, layer.q8_scale)
-        return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.qscale)
+                return cast(torch.Tensor, _q8_matmul_op(x, packed, scale))  # opaque
+            return matmul.q8_matmul(self.lib, x, packed, scale)
+        return cast(
+            torch.Tensor, torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.qscale)
+        )
 
 
 class Int4WeightOnly(_WeightOnly):
@@ -147,13 +154,22 @@ class Int4WeightOnly(_WeightOnly):
         layer.qscale_zero = sz.transpose(0, 1).contiguous().to(layer.weight.dtype)
 
     def _matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        # As in Int8WeightOnly._matmul: tensors set by `_quantize`; ops return Any.
         if self.lib is not None:
-            args = (x, layer.q4_packed, layer.q4_scale, layer.q4_min)
+            args = (
+                x,
+                cast(torch.Tensor, layer.q4_packed),
+                cast(torch.Tensor, layer.q4_scale),
+                cast(torch.Tensor, layer.q4_min),
+            )
             if torch.compiler.is_compiling():
-                return _q4_matmul_op(*args)  # opaque to the compiler
+                return cast(torch.Tensor, _q4_matmul_op(*args))  # opaque to the compiler
             return matmul.q4_matmul(self.lib, *args)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, layer.qweight, self.group_size, layer.qscale_zero
+        return cast(
+            torch.Tensor,
+            torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, layer.qweight, self.group_size, layer.qscale_zero
+            ),
         )
 
 
@@ -173,7 +189,9 @@ def _q4_matmul_op(
 
 
 @_q4_matmul_op.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
+def _(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], packed.shape[0])
 
 

@@ -17,6 +17,8 @@ layout is defined once, in sluice/kernels/csrc/decode_stack_fields.h.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from sluice import kernels
@@ -152,7 +154,9 @@ class LlamaDecodeStack:
             rows.append(found[1])
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                max_rows = min(max_rows, linear.method.dense_min_rows - 1)
+                # layer_fields returned fields, so every linear runs a weight-only method.
+                method = cast("Int4WeightOnly | Int8WeightOnly", linear.method)
+                max_rows = min(max_rows, method.dense_min_rows - 1)
         if max_rows < 1 or len(bits) != 1:
             return None  # one weight format throughout: the stack takes one `bits`
         block_size = kv_caches[0][0].shape[2]  # pools are [blocks, kv_heads, block_size, d]

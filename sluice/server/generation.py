@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from typing import TypeVar
 
 from fastapi import Request
@@ -64,7 +64,7 @@ class Tracked:
         self.stream.abort()
 
 
-async def merge(tracked: list[Tracked]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge(tracked: list[Tracked]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Outputs of several requests as they come, tagged with the request's index."""
     if len(tracked) == 1:
         async for out in tracked[0]:

@@ -10,10 +10,12 @@ answer at all. A second signal stops without waiting for the drain.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import socket
 import threading
 from types import FrameType
+from typing import TYPE_CHECKING, cast
 
 import uvicorn
 
@@ -22,6 +24,9 @@ from sluice.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLM
 from sluice.loader.resolve import DEFAULT_MODEL
 from sluice.server.app import build_app
 from sluice.server.context import ServerContext
+
+if TYPE_CHECKING:
+    from sluice.engine.engine import LLMEngine
 
 logger = logging.getLogger("sluice.server")
 
@@ -80,7 +85,7 @@ def run_server(
 ) -> int:
     """Serve until a signal arrives; returns the process exit code."""
     llm = AsyncLLM.from_config(config, max_waiting_requests=max_waiting_requests)
-    engine = llm.engine
+    engine = cast("LLMEngine", llm.engine)  # from_config builds an LLMEngine
     name = served_model_name or config.model or DEFAULT_MODEL
     vocab = engine.model_config.vocab_size if hasattr(engine, "model_config") else None
     app = build_app(
@@ -99,7 +104,8 @@ def run_server(
         access_log=log_level == "debug",
         # After the drain, responses only have their last events to send; this bounds
         # it (then they are cancelled, which aborts their requests).
-        timeout_graceful_shutdown=shutdown_timeout,
+        # uvicorn's Config takes whole seconds: round up so the bound is never shorter.
+        timeout_graceful_shutdown=math.ceil(shutdown_timeout),
         timeout_keep_alive=30,
     )
     server = _Server(uv_config, app.state.ctx, shutdown_timeout)

@@ -7,7 +7,7 @@ its field and never an exception in the engine loop.
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -114,7 +114,9 @@ def sampling_params(
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            logit_bias=req.logit_bias,
+            # JSON keys are strings: SamplingParams converts them to int token ids (and
+            # rejects any that are not), so its field holds dict[int, float] afterwards.
+            logit_bias=cast("dict[int, float] | None", req.logit_bias),
         )
     except SamplingParamsError as exc:
         param = rename.get(exc.param, exc.param)

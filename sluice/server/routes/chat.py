@@ -35,6 +35,7 @@ def _validate(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[SamplingP
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs", "top_logprobs requires logprobs to be true")
     # max_completion_tokens is the current name; max_tokens the deprecated one.
+    max_tokens: int | None
     if req.max_completion_tokens is not None:
         max_tokens, mt_param = req.max_completion_tokens, "max_completion_tokens"
     else:
