@@ -60,9 +60,7 @@ class LayerTable:
     It holds the tensors it points to, so none of them is freed while the table lives.
     """
 
-    def __init__(
-        self, lib: Library, layers: Sequence[Mapping[str, torch.Tensor | None]]
-    ) -> None:
+    def __init__(self, lib: Library, layers: Sequence[Mapping[str, torch.Tensor | None]]) -> None:
         self.names = field_names(lib)
         known = set(self.names)
         self.tensors: list[list[torch.Tensor | None]] = []
