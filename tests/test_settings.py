@@ -18,8 +18,6 @@ PACKAGE = ROOT / "sluice"
 # to sluice.settings. A stale entry fails test_pending_entries_are_still_pending, so
 # the list only shrinks.
 PENDING_DIRECT_READS = {
-    "sluice/kernels/__init__.py": {"SLUICE_CPU_KERNELS"},  # settings.cpu_kernels_enabled()
-    "sluice/kernels/cpu.py": {"SLUICE_CPU_ISA"},  # settings.cpu_isa_override()
 }
 
 

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads libgomp first, so the kernels bind to torch's copy)
 
+from sluice import settings
+
 # The binding modules, one per kernel: importing them declares their C functions, which
 # `_build` applies to every library it loads.
 from sluice.kernels import attention, cpu, decode_stack, fused, matmul
@@ -126,7 +128,7 @@ def _build(level: str) -> Library | None:
 def load(level: str | None = None) -> Library | None:
     """The kernel library for `level` (default: the active one, see `variant()`),
     building it on first use; None if kernels are off or cannot be built."""
-    if os.environ.get("SLUICE_CPU_KERNELS", "1") == "0":
+    if not settings.cpu_kernels_enabled():
         return None
     level = level or _override or cpu.level()
     if level not in _libs:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import platform
+
+from sluice import settings
 
 logger = logging.getLogger("sluice")
 
@@ -71,16 +72,10 @@ def supported_levels() -> tuple[str, ...]:
 
 
 def forced_level() -> str | None:
-    """SLUICE_CPU_ISA, normalized; None when unset. A bad value is an error naming it."""
-    value = os.environ.get("SLUICE_CPU_ISA", "").strip().lower()
-    if not value:
-        return None
-    value = _ALIASES.get(value, value)
-    if value not in LEVELS:
-        raise ValueError(
-            f"SLUICE_CPU_ISA must be one of {', '.join((*LEVELS, 'amx'))}; got {value!r}"
-        )
-    return value
+    """SLUICE_CPU_ISA as one of LEVELS (amx means avx512); None when unset. A bad value
+    is an error naming the variable (sluice.settings)."""
+    value = settings.cpu_isa_override()
+    return None if value is None else _ALIASES.get(value, value)
 
 
 def level() -> str:
