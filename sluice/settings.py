@@ -1,7 +1,7 @@
 """Every `SLUICE_*` environment variable, read one way.
 
 Each variable has one typed accessor here and an entry in `SETTINGS` (its name,
-default and meaning; docs/layout.md lists them). Accessors read the environment at
+default and meaning; docs/architecture.md lists them). Accessors read the environment at
 each call, so a test can set a variable with monkeypatch. An empty value means the
 default; a value outside what the variable takes raises `SettingsError` naming the
 variable, rather than being read as something else.

@@ -99,7 +99,7 @@ def test_pending_entries_are_still_pending() -> None:
 
 def test_every_setting_is_read_and_documented() -> None:
     source = (PACKAGE / "settings.py").read_text()
-    docs = (ROOT / "docs" / "layout.md").read_text()
+    docs = (ROOT / "docs" / "architecture.md").read_text()
     for name in settings.SETTINGS:
         assert source.count(f'"{name}"') >= 2, f"{name} has no accessor"
-        assert f"`{name}`" in docs, f"{name} is not in docs/layout.md"
+        assert f"`{name}`" in docs, f"{name} is not in docs/architecture.md"

@@ -8,7 +8,7 @@
 - `outputs`: what generation returns (`RequestOutput`, `CompletionOutput`, `Logprob`).
 - `request`: `Request`, one sequence as the scheduler, KV cache and runner see it.
 
-See docs/layout.md for which package may import which.
+See docs/architecture.md ("Layers and the direction of imports") for which package may import which.
 """
 
 from sluice.core.errors import (
