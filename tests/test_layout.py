@@ -1,4 +1,5 @@
-"""The import rules of docs/architecture.md ("Layers and the direction of imports"), checked on the source with `ast`.
+"""The import rules of docs/architecture.md (its "Layers and the direction of imports"),
+checked on the source with `ast`.
 
 Every `import` in sluice/ counts: module level, inside functions and under
 TYPE_CHECKING alike, since each is an arrow a reader has to follow.
@@ -110,7 +111,7 @@ def _violations() -> set[tuple[str, str]]:
 
 def test_imports_follow_the_layers() -> None:
     unexpected = sorted(_violations() - PENDING)
-    assert not unexpected, f"imports against docs/architecture.md ("Layers and the direction of imports") (importer, imported): {unexpected}"
+    assert not unexpected, f"imports against the layering rules (importer, imported): {unexpected}"
 
 
 def test_pending_exceptions_are_still_real() -> None:
