@@ -227,7 +227,7 @@ def test_int4_keeps_the_output_head_in_int8() -> None:
     llm = LLM(quantization="int4", kv_cache_memory=0.05)
     model = llm.engine.runner.model
     assert isinstance(model.lm_head.method, Int8WeightOnly)
-    assert model.lm_head.method.lib is None  # bf16 activations for the logits
+    assert not model.lm_head.method.quantize_activations  # unquantized logits input
     assert isinstance(model.layers[0].mlp.down_proj.method, Int4WeightOnly)
     assert make_linear_method("int4", output_head=True).name == "int8"
     assert make_linear_method("none", output_head=True).name == "none"
@@ -320,3 +320,21 @@ def test_engine_reports_its_kernel_level(llm_fp32: LLM) -> None:
     from sluice import kernels
 
     assert llm_fp32.engine.stats()["cpu_kernels"] == kernels.variant() == cpu.level()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_head_kernel_keeps_activations_unquantized(
+    dtype: torch.dtype, kernel_level: str
+) -> None:
+    # The head's int8 weights times unquantized activations on our kernel of each level:
+    # equal to the dequantized weight times x, without int8 activation blocks.
+    method = Int8WeightOnly(quantize_activations=False)
+    layer, _ = our_kernel_on_model_shape(method, 576, dtype, seed=4)
+    assert method.lib is not None and built_level(method.lib) == kernel_level
+    w = dequantized(layer, method)
+    for rows in (1, 3):
+        x = torch.randn(rows, 576, dtype=dtype)
+        ref = x.float() @ w.t()
+        got = method._matmul(layer, x).float()
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=0), rows

@@ -17,8 +17,7 @@ PACKAGE = ROOT / "sluice"
 # Modules that still read a SLUICE_* variable themselves, until their owner moves them
 # to sluice.settings. A stale entry fails test_pending_entries_are_still_pending, so
 # the list only shrinks.
-PENDING_DIRECT_READS = {
-}
+PENDING_DIRECT_READS = {}
 
 
 def test_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -20,6 +20,11 @@ _Q8_MATMUL = c_function(
 )
 
 
+_Q8_MATMUL_FLOAT = c_function(
+    "sluice_q8_matmul_float", None, POINTER, INT, INT, INT, POINTER, POINTER, INT, POINTER
+)
+
+
 def _int8_activation_matmul(
     fn: CFunction, lib: Library, x: torch.Tensor, packed: torch.Tensor, *weights: torch.Tensor
 ) -> torch.Tensor:
@@ -49,3 +54,13 @@ def q8_matmul(
 ) -> torch.Tensor:
     """y [M, N] = x @ W.T in x's dtype, W = q * scale per output channel."""
     return _int8_activation_matmul(_Q8_MATMUL, lib, x, packed, scale)
+
+
+def q8_matmul_float(
+    lib: Library,
+    x: torch.Tensor,  # [M, K] fp32 or bf16
+    packed: torch.Tensor,  # [N, K] uint8, as for q8_matmul
+    scale: torch.Tensor,  # [N] fp32
+) -> torch.Tensor:
+    """q8_matmul with unquantized activations (fp32 accumulation): the output head."""
+    return _int8_activation_matmul(_Q8_MATMUL_FLOAT, lib, x, packed, scale)

@@ -52,10 +52,10 @@ class _WeightOnly(LinearMethod, abc.ABC):
 class Int8WeightOnly(_WeightOnly):
     """Symmetric per-output-channel int8.
 
-    Two kernels: ours (sluice/kernels/csrc/q8_matmul.h: int8 activations; VNNI, AVX2
-    or portable C++ by the CPU's level) where it was built and the input size is a
-    multiple of 64, else torch's `_weight_int8pack_mm` (bf16 activations). Either
-    holds one copy of the int8 weight.
+    Two kernels: ours (sluice/kernels/csrc/q8_matmul.h: int8 activations, or fp32 ones
+    for the output head; VNNI, AVX2 or portable C++ by the CPU's level) where it was
+    built and the input size is a multiple of 64, else torch's `_weight_int8pack_mm`.
+    Either holds one copy of the int8 weight.
     """
 
     name = "int8"
@@ -63,9 +63,11 @@ class Int8WeightOnly(_WeightOnly):
     def __init__(
         self, dense_min_rows: int = DENSE_MIN_ROWS, quantize_activations: bool = True
     ) -> None:
-        """quantize_activations=False keeps torch's kernel and its bf16 activations:
-        for the output head, whose logits pick among near-ties (the int8 activation
-        blocks flipped the bundled model's first answer token on a plain question)."""
+        """quantize_activations=False multiplies unquantized activations (our
+        q8_matmul_float): for the output head, whose logits pick among near-ties (the
+        int8 activation blocks flipped the bundled model's first answer token on a plain
+        question). torch's kernel did this before, but with fp32 activations (AVX2's
+        auto dtype) it took 13-16 ms a token on the vocabulary-sized head."""
         super().__init__(dense_min_rows)
         self.quantize_activations = quantize_activations
         self.lib: Library | None = None
@@ -77,8 +79,7 @@ class Int8WeightOnly(_WeightOnly):
         q = (w / scale[:, None]).round().clamp(-127, 127)
         lib = kernels.load()
         if (
-            self.quantize_activations
-            and lib is not None
+            lib is not None
             and k % 64 == 0
             and layer.weight.dtype in (torch.float32, torch.bfloat16)
         ):
@@ -98,6 +99,10 @@ class Int8WeightOnly(_WeightOnly):
         if self.lib is not None:
             packed = cast(torch.Tensor, layer.q8_packed)
             scale = cast(torch.Tensor, layer.q8_scale)
+            if not self.quantize_activations:
+                if torch.compiler.is_compiling():
+                    return cast(torch.Tensor, _q8_matmul_float_op(x, packed, scale))
+                return matmul.q8_matmul_float(self.lib, x, packed, scale)
             if torch.compiler.is_compiling():
                 return cast(torch.Tensor, _q8_matmul_op(x, packed, scale))  # opaque
             return matmul.q8_matmul(self.lib, x, packed, scale)
@@ -201,6 +206,16 @@ def _q8_matmul_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) ->
 
 
 @_q8_matmul_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+@torch.library.custom_op("sluice::q8_matmul_float", mutates_args=())
+def _q8_matmul_float_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return matmul.q8_matmul_float(_loaded(), x, packed, scale)
+
+
+@_q8_matmul_float_op.register_fake
 def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], packed.shape[0])
 

@@ -1,5 +1,6 @@
 // C entry point of the 8-bit matmul (q8_matmul.h).
 #include <cstdint>
+#include <vector>
 
 #include "q8_matmul.h"
 
@@ -18,6 +19,20 @@ void sluice_q8_matmul(const void* x, int bf16, int M, int K, const uint8_t* qw,
     xa.quantize(static_cast<const float*>(x), M, K);
 #pragma omp parallel
     sluice::q8_rows(xa, M, K, qw, scale, N, static_cast<float*>(y));
+  }
+}
+
+// As sluice_q8_matmul, but the activations stay unquantized (fp32 accumulation).
+void sluice_q8_matmul_float(const void* x, int bf16, int M, int K, const uint8_t* qw,
+                            const float* scale, int N, void* y) {
+  if (bf16) {
+    const std::vector<float> xf = sluice::pair_ordered(static_cast<const uint16_t*>(x), M, K);
+#pragma omp parallel
+    sluice::q8f_rows(xf.data(), M, K, qw, scale, N, static_cast<uint16_t*>(y));
+  } else {
+    const std::vector<float> xf = sluice::pair_ordered(static_cast<const float*>(x), M, K);
+#pragma omp parallel
+    sluice::q8f_rows(xf.data(), M, K, qw, scale, N, static_cast<float*>(y));
   }
 }
 }

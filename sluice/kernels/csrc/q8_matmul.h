@@ -103,4 +103,63 @@ void q8_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const flo
   }
 }
 
+// The same int8 weights times unquantized activations, for the output head: int8
+// activation blocks there flip near-ties between logits (the bundled model's first
+// answer token to "What is the capital of France?"). The activations are widened to
+// fp32 once per call, in the weights' pair order, and each weight row is widened
+// 16 (avx512), 8 (avx2) or 1 byte at a time; fp32 accumulation.
+template <typename T>
+std::vector<float> pair_ordered(const T* x, int M, int K) {
+  std::vector<float> out(static_cast<size_t>(M) * K);
+  for (int64_t r = 0; r < M; ++r)
+    for (int b = 0; b < K / 32; ++b)
+      for (int i = 0; i < 32; ++i)
+        out[r * K + (b / 2) * 64 + (i < 16 ? 0 : 32) + 16 * (b % 2) + (i % 16)] =
+            to_float(x[r * K + b * 32 + i]);
+  return out;
+}
+
+#if defined(SLUICE_ISA_AVX512)
+inline float q8f_row_dot(const uint8_t* wr, const float* xr, int K) {
+  const __m512i offset = _mm512_set1_epi32(128);
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int i = 0; i < K; i += 16) {
+    const __m128i w8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + i));
+    const __m512 w = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(w8), offset));
+    acc[(i / 16) & 1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xr + i), acc[(i / 16) & 1]);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+}
+#elif defined(SLUICE_ISA_AVX2)
+inline float q8f_row_dot(const uint8_t* wr, const float* xr, int K) {
+  const __m256i offset = _mm256_set1_epi32(128);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int i = 0; i < K; i += 8) {
+    const __m128i w8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + i));
+    const __m256 w = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(w8), offset));
+    acc[(i / 8) & 1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xr + i), acc[(i / 8) & 1]);
+  }
+  return hsum8(_mm256_add_ps(acc[0], acc[1]));
+}
+#else
+inline float q8f_row_dot(const uint8_t* wr, const float* xr, int K) {
+  float sum = 0.f;
+  for (int i = 0; i < K; ++i) sum += static_cast<float>(static_cast<int>(wr[i]) - 128) * xr[i];
+  return sum;
+}
+#endif
+
+// y [M, N] = x @ w.T with x already pair-ordered fp32; orphaned `omp for` over rows.
+template <typename T>
+void q8f_rows(const float* x, int M, int K, const uint8_t* qw, const float* scale, int N, T* y) {
+#pragma omp for schedule(static)
+  for (int n = 0; n < N; ++n) {
+    const uint8_t* wr = qw + static_cast<int64_t>(n) * K;
+    for (int r = 0; r < M; ++r) {
+      T* dst = y + static_cast<int64_t>(r) * N + n;
+      *dst = sluice::round_to(dst, scale[n] * q8f_row_dot(wr, x + static_cast<int64_t>(r) * K, K));
+    }
+  }
+}
+
 }  // namespace sluice
