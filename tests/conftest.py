@@ -85,10 +85,9 @@ LEVELS = ("generic", "avx2", "avx512")
 def kernels_at(level: str) -> Iterator[str]:
     """Our CPU kernels of `level` active in the block; the test is skipped only where
     the CPU (or SLUICE_CPU_ISA) does not run that level or no compiler is installed."""
-    import os
     import shutil
 
-    from sluice import kernels
+    from sluice import kernels, settings
     from sluice.kernels import cpu
 
     if level not in cpu.available_levels():
@@ -98,7 +97,7 @@ def kernels_at(level: str) -> Iterator[str]:
         )
     if not (shutil.which("g++") or shutil.which("c++")):
         pytest.skip("no C++ compiler: our CPU kernels cannot be built")
-    if os.environ.get("SLUICE_CPU_KERNELS") == "0":
+    if not settings.cpu_kernels_enabled():
         pytest.skip("SLUICE_CPU_KERNELS=0 turns our CPU kernels off")
     with kernels.use_variant(level) as lib:
         assert lib is not None, f"the {level} kernels failed to build (see the log)"

@@ -63,6 +63,7 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
 def supported_levels() -> tuple[str, ...]:
     """Every level this CPU can run, lowest first (always at least generic)."""
     if not is_x86():
@@ -78,8 +79,10 @@ def forced_level() -> str | None:
     return None if value is None else _ALIASES.get(value, value)
 
 
+@functools.cache
 def level() -> str:
-    """The level the kernels run at: the CPU's best, or lower where SLUICE_CPU_ISA says."""
+    """The level the kernels run at: the CPU's best, or lower where SLUICE_CPU_ISA says.
+    Read once per process (kernels.load() asks on every kernel call of an eager step)."""
     supported = supported_levels()
     best = supported[-1]
     forced = forced_level()

@@ -1,5 +1,6 @@
 """Bindings of the weight-only matmuls (csrc/q4_matmul.cpp, csrc/q8_matmul.cpp): int4 or
-int8 weights times int8-quantized activations, for a few rows.
+int8 weights times int8-quantized activations (or, for the output head, unquantized
+ones), for a few rows.
 
 The weight layouts are made by `sluice.layers.quantization`; the kernels take fp32 or
 bf16 activations whose row length (K) is a multiple of 64.
@@ -11,7 +12,7 @@ import torch
 
 from sluice.kernels._ffi import INT, POINTER, CFunction, Library, c_function, is_bf16, ptr
 
-# Both share one shape: (x, bf16, M, K, packed weight, its scale tensors..., N, y).
+# All share one shape: (x, bf16, M, K, packed weight, its scale tensors..., N, y).
 _Q4_MATMUL = c_function(
     "sluice_q4_matmul", None, POINTER, INT, INT, INT, POINTER, POINTER, POINTER, INT, POINTER
 )
@@ -25,7 +26,7 @@ _Q8_MATMUL_FLOAT = c_function(
 )
 
 
-def _int8_activation_matmul(
+def _weight_only_matmul(
     fn: CFunction, lib: Library, x: torch.Tensor, packed: torch.Tensor, *weights: torch.Tensor
 ) -> torch.Tensor:
     x = x.contiguous()
@@ -43,7 +44,7 @@ def q4_matmul(
     minimum: torch.Tensor,  # [N, K / 32] fp16
 ) -> torch.Tensor:
     """y [M, N] = x @ W.T in x's dtype, W = q * scale + minimum per block of 32."""
-    return _int8_activation_matmul(_Q4_MATMUL, lib, x, packed, scale, minimum)
+    return _weight_only_matmul(_Q4_MATMUL, lib, x, packed, scale, minimum)
 
 
 def q8_matmul(
@@ -53,7 +54,7 @@ def q8_matmul(
     scale: torch.Tensor,  # [N] fp32
 ) -> torch.Tensor:
     """y [M, N] = x @ W.T in x's dtype, W = q * scale per output channel."""
-    return _int8_activation_matmul(_Q8_MATMUL, lib, x, packed, scale)
+    return _weight_only_matmul(_Q8_MATMUL, lib, x, packed, scale)
 
 
 def q8_matmul_float(
@@ -63,4 +64,4 @@ def q8_matmul_float(
     scale: torch.Tensor,  # [N] fp32
 ) -> torch.Tensor:
     """q8_matmul with unquantized activations (fp32 accumulation): the output head."""
-    return _int8_activation_matmul(_Q8_MATMUL_FLOAT, lib, x, packed, scale)
+    return _weight_only_matmul(_Q8_MATMUL_FLOAT, lib, x, packed, scale)

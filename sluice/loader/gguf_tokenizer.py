@@ -31,32 +31,10 @@ _QWEN2_RE = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
-    "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"],
-    **{k: [_GPT2_RE] for k in ("gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion")},
-    **{
-        k: [r"\p{N}", _GPT2_RE]
-        for k in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
-    },
-    **{
-        k: [_LLAMA3_RE]
-        for k in (
-            "llama3",
-            "llama-v3",
-            "llama-bpe",
-            "falcon3",
-            "falcon-h1",
-            "pixtral",
-            "midm-2.0",
-            "lfm2",
-            "dbrx",
-            "smaug-bpe",
-        )
-    },
-    **{k: [_QWEN2_RE] for k in ("qwen2", "stablelm2", "deepseek-r1-qwen", "hunyuan", "megrez")},
-}
-# llama.cpp looks up whole pre-tokens in the vocabulary before merging for these.
-_IGNORE_MERGES = {
+# Llama-3-style pre-tokenizers for which llama.cpp looks up whole pre-tokens in the
+# vocabulary before merging (see _IGNORE_MERGES); dbrx and smaug-bpe split the same way
+# but merge as usual.
+_LLAMA3_IGNORING_MERGES = (
     "llama3",
     "llama-v3",
     "llama-bpe",
@@ -65,7 +43,19 @@ _IGNORE_MERGES = {
     "pixtral",
     "midm-2.0",
     "lfm2",
+)
+_PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
+    "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"],
+    **{k: [_GPT2_RE] for k in ("gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion")},
+    **{
+        k: [r"\p{N}", _GPT2_RE]
+        for k in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+    },
+    **{k: [_LLAMA3_RE] for k in (*_LLAMA3_IGNORING_MERGES, "dbrx", "smaug-bpe")},
+    **{k: [_QWEN2_RE] for k in ("qwen2", "stablelm2", "deepseek-r1-qwen", "hunyuan", "megrez")},
 }
+# llama.cpp looks up whole pre-tokens in the vocabulary before merging for these.
+_IGNORE_MERGES = frozenset(_LLAMA3_IGNORING_MERGES)
 _SPM_SPACE = "\u2581"
 
 

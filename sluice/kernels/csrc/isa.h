@@ -21,3 +21,15 @@
 #if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
 #include <immintrin.h>
 #endif
+
+#if defined(SLUICE_ISA_AVX2)
+namespace sluice {
+// Sum of the 8 lanes (AVX2 has no reduce instruction; AVX-512's is _mm512_reduce_add_ps).
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+}  // namespace sluice
+#endif

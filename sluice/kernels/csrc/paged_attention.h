@@ -172,13 +172,6 @@ inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-inline float reduce8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // e^x for x <= 0, as exp16: n = round(x log2 e) >= -126 (x clamped at -87), so 2^n
 // is a normal float whose exponent field is n + 127.
 inline __m256 exp8(__m256 x) {
@@ -218,7 +211,7 @@ struct Avx2Math {
       s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), row.v[i], s0);
       s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i + 8), row.v[i + 1], s1);
     }
-    return reduce8(_mm256_add_ps(s0, s1));
+    return hsum8(_mm256_add_ps(s0, s1));
   }
   void axpy(float w, const Row& row, float* y) const {
     const __m256 wv = _mm256_set1_ps(w);
@@ -234,7 +227,7 @@ struct Avx2Math {
       _mm256_storeu_ps(sc + t, e);
       total = _mm256_add_ps(total, e);
     }
-    float sum = reduce8(total);
+    float sum = hsum8(total);
     for (; t < n; ++t) sum += sc[t] = std::exp(sc[t] - m);
     return sum;
   }

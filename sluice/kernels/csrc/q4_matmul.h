@@ -119,13 +119,6 @@ inline float q4_row_dot(const uint8_t* wr, const uint16_t* dr, const uint16_t* m
   return _mm512_reduce_add_ps(acc);
 }
 #elif defined(SLUICE_ISA_AVX2)
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // Lanes 0-3 get a, lanes 4-7 get b: the two blocks of a pair after maddubs + madd.
 inline __m256 pair_lanes(__m128 ab) {
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(ab),
