@@ -84,28 +84,30 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu.has_native_bf16() else torch.float32
 
 
-_AUTO_QUANTIZATION: dict[int, WeightQuantization] = {4: "int4", 8: "int8"}
-
-
 def resolve_quantization(
     quantization: str,
     device: torch.device,
     dtype: torch.dtype,
-    weight_bits: int | None,
+    quantized_file: bool,
     dtype_requested: str = "auto",
 ) -> WeightQuantization:
-    """'auto' keeps a quantized file's weights at their precision on CPU, where our
-    weight-only kernels run at every instruction-set level: in bf16, and in fp32 where
-    fp32 was chosen because the CPU has no native bf16 (AVX2). An fp32 the user asked
-    for stays the exact, unquantized mode the tests compare with transformers in."""
+    """'auto' runs a quantized GGUF as stored ("gguf") on CPU, where our block kernels
+    run at every instruction-set level: in bf16, and in fp32 where fp32 was chosen
+    because the CPU has no native bf16 (AVX2). An fp32 the user asked for stays the
+    exact, unquantized mode the tests compare with transformers in; float files and
+    other devices stay dense."""
     chosen = parse_choice("quantization", quantization, QUANTIZATIONS, ConfigError)
+    if chosen == "gguf" and not quantized_file:
+        raise ConfigError(
+            "quantization", "quantization='gguf' needs a GGUF file with quantized weights"
+        )
     if chosen != "auto":
         return chosen
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return "none"
     if dtype == torch.float32 and dtype_requested != "auto":
         return "none"
-    return _AUTO_QUANTIZATION.get(weight_bits or 0, "none")
+    return "gguf" if quantized_file else "none"
 
 
 @dataclass
@@ -123,8 +125,9 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
-    # Weight-only, on CPU kernels: "none", "int8", "int4", or "auto": a GGUF's 4-bit
-    # (8-bit) linear weights stay int4 (int8) on CPU unless fp32 was asked for.
+    # Weight-only, on CPU kernels: "none", "int8", "int4", "gguf" (a GGUF's quantized
+    # weights as stored), or "auto": "gguf" for a quantized GGUF on CPU unless fp32
+    # was asked for.
     quantization: Quantization = "auto"
     # torch.compile the model (inductor): fuses the per-layer elementwise work; costs a
     # compile at the first steps of each shape class (cached on disk across runs).

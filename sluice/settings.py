@@ -35,13 +35,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "SLUICE_CACHE_DIR",
             "~/.cache/sluice",
-            "root of everything sluice writes: assembled models, the converted-weights "
-            "cache, compiled kernels",
-        ),
-        Setting(
-            "SLUICE_WEIGHT_CACHE",
-            "1",
-            "0 turns off the warm-start cache of converted GGUF weights",
+            "root of everything sluice writes: assembled models, compiled kernels",
         ),
         Setting(
             "SLUICE_CPU_KERNELS",
@@ -95,11 +89,6 @@ def cache_dir() -> Path:
     return _path("SLUICE_CACHE_DIR") or Path.home() / ".cache" / "sluice"
 
 
-def weight_cache_enabled() -> bool:
-    """Whether converted GGUF weights are cached (`SLUICE_WEIGHT_CACHE`, default on)."""
-    return _flag("SLUICE_WEIGHT_CACHE", True)
-
-
 def cpu_kernels_enabled() -> bool:
     """Whether sluice's C++ CPU kernels may be used (`SLUICE_CPU_KERNELS`, default on)."""
     return _flag("SLUICE_CPU_KERNELS", True)
@@ -129,5 +118,4 @@ __all__ = [
     "cpu_isa_override",
     "cpu_kernels_enabled",
     "llama_vocab_dir",
-    "weight_cache_enabled",
 ]

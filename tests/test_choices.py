@@ -57,11 +57,13 @@ def test_auto_quantization_resolves_to_a_weight_method() -> None:
     import torch
 
     cpu = torch.device("cpu")
-    for bits in (None, 4, 8, 16):
-        got = resolve_quantization("auto", cpu, torch.bfloat16, bits)
+    for quantized_file in (False, True):
+        got = resolve_quantization("auto", cpu, torch.bfloat16, quantized_file)
         assert got in WEIGHT_QUANTIZATIONS
     with pytest.raises(ConfigError, match="quantization must be one of"):
-        resolve_quantization("int3", cpu, torch.float32, None)
+        resolve_quantization("int3", cpu, torch.float32, False)
+    with pytest.raises(ConfigError, match="needs a GGUF file with quantized weights"):
+        resolve_quantization("gguf", cpu, torch.float32, False)
 
 
 def test_architectures_have_a_model_and_loaders_map_into_them() -> None:

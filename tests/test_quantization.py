@@ -233,19 +233,18 @@ def test_int4_keeps_the_output_head_in_int8() -> None:
     assert make_linear_method("none", output_head=True).name == "none"
 
 
-def test_auto_keeps_a_quantized_files_precision_on_cpu() -> None:
+def test_auto_runs_a_quantized_file_as_stored_on_cpu() -> None:
     host, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_quantization("auto", host, torch.bfloat16, 4) == "int4"
-    assert resolve_quantization("auto", host, torch.bfloat16, 8) == "int8"
-    assert resolve_quantization("auto", host, torch.bfloat16, None) == "none"
-    # fp32 that auto chose (no native bf16: AVX2) keeps the file's precision too...
-    assert resolve_quantization("auto", host, torch.float32, 4, "auto") == "int4"
+    assert resolve_quantization("auto", host, torch.bfloat16, True) == "gguf"
+    assert resolve_quantization("auto", host, torch.bfloat16, False) == "none"
+    # fp32 that auto chose (no native bf16: AVX2) keeps the file's quantization too...
+    assert resolve_quantization("auto", host, torch.float32, True, "auto") == "gguf"
     # ...while an fp32 the user asked for is the exact mode.
-    assert resolve_quantization("auto", host, torch.float32, 4, "float32") == "none"
-    assert resolve_quantization("auto", cuda, torch.bfloat16, 4) == "none"
-    assert resolve_quantization("int8", host, torch.float32, 4) == "int8"
-    assert load_model(None).weight_bits == 4  # the bundled GGUF is Q4_1
-    assert LLM(dtype="bfloat16", kv_cache_memory=0.05).engine.quantization == "int4"
+    assert resolve_quantization("auto", host, torch.float32, True, "float32") == "none"
+    assert resolve_quantization("auto", cuda, torch.bfloat16, True) == "none"
+    assert resolve_quantization("int8", host, torch.float32, True) == "int8"
+    assert load_model(None).quantized  # the bundled GGUF is Q4_1 and Q8_0
+    assert LLM(dtype="bfloat16", kv_cache_memory=0.05).engine.quantization == "gguf"
     assert LLM(dtype="float32", kv_cache_memory=0.05).engine.stats()["quantization"] == "none"
 
 

@@ -37,7 +37,6 @@ def test_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     ("accessor", "name"),
     [
         (settings.cpu_kernels_enabled, "SLUICE_CPU_KERNELS"),
-        (settings.weight_cache_enabled, "SLUICE_WEIGHT_CACHE"),
     ],
 )
 def test_flags(accessor: object, name: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,13 +18,14 @@ from sluice.core.errors import InvalidValueError
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[DType, ...] = get_args(DType)
 
-# Weight-only quantization as asked for; "auto" keeps a quantized GGUF's precision where
-# our kernels run (see config.resolve_quantization).
-Quantization = Literal["auto", "none", "int8", "int4"]
+# Weight-only quantization as asked for: "gguf" runs a GGUF's quantized weights as
+# stored, in their block formats; "auto" picks that on CPU (see
+# config.resolve_quantization); "int8"/"int4" (re)quantize at load; "none" is dense.
+Quantization = Literal["auto", "none", "int8", "int4", "gguf"]
 QUANTIZATIONS: tuple[Quantization, ...] = get_args(Quantization)
 
 # What "auto" resolves to: the method each Linear layer is given.
-WeightQuantization = Literal["none", "int8", "int4"]
+WeightQuantization = Literal["none", "int8", "int4", "gguf"]
 WEIGHT_QUANTIZATIONS: tuple[WeightQuantization, ...] = get_args(WeightQuantization)
 
 # Decoder families sluice implements (ModelConfig.architecture): one decoder, flags apart.

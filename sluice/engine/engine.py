@@ -60,7 +60,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.dtype = resolve_dtype(config.dtype, device)
         self.quantization = resolve_quantization(
-            config.quantization, device, self.dtype, loaded.weight_bits, config.dtype
+            config.quantization, device, self.dtype, loaded.quantized, config.dtype
         )
 
         per_block = kv_bytes_per_block(mc, config.block_size, self.dtype)

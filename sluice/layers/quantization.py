@@ -17,6 +17,7 @@ import torch
 
 from sluice import kernels
 from sluice.kernels import Library, matmul
+from sluice.layers.block_quant import BlockQuantized
 from sluice.layers.linear import Linear, LinearMethod
 
 # Rows at or above which the dense matmul beats the weight-only kernels on this CPU
@@ -248,10 +249,12 @@ def make_linear_method(quantization: str, output_head: bool = False) -> LinearMe
     bf16 activations (see Int8WeightOnly)."""
     if quantization == "none":
         return LinearMethod()
+    if quantization == "gguf":
+        return BlockQuantized(output_head=output_head)
     if output_head and quantization in ("int8", "int4"):
         return Int8WeightOnly(quantize_activations=False)
     if quantization == "int8":
         return Int8WeightOnly()
     if quantization == "int4":
         return Int4WeightOnly()
-    raise ValueError(f"quantization must be one of none, int8, int4; got {quantization!r}")
+    raise ValueError(f"quantization must be one of none, int8, int4, gguf; got {quantization!r}")

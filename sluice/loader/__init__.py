@@ -1,4 +1,4 @@
-"""Model loading: find a model, read its config, float32 weights (HF names) and tokenizer."""
+"""Model loading: find a model, read its config, weights (HF names) and tokenizer."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from sluice.config import ModelConfig
 from sluice.core.errors import ModelNotFoundError
+from sluice.core.quantized_tensor import QuantizedTensor
 from sluice.settings import cache_dir
 
 from .gguf_loader import load_gguf
@@ -32,20 +33,22 @@ __all__ = [
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # float32, Hugging Face parameter names
+    # Hugging Face parameter names; a GGUF's quantized weights stay quantized
+    tensors: dict[str, torch.Tensor | QuantizedTensor]
     tokenizer: Tokenizer
     path: Path
-    # 4 or 8 when the source file's linear weights were quantized to that many bits or
-    # fewer (a GGUF), None for float weights: what quantization="auto" keeps.
-    weight_bits: int | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether some weights are kept in a GGUF block quantization."""
+        return any(isinstance(t, QuantizedTensor) for t in self.tensors.values())
 
 
 def load_model(model: str | None) -> LoadedModel:
     """Resolve `model` (alias, .gguf path or HF directory; None = default) and load it."""
     path = resolve_model_path(model)
-    bits = None
     if path.is_dir():
-        config, tensors, tokenizer = load_hf_dir(path)
-    else:
-        config, tensors, tokenizer, bits = load_gguf(path)
-    return LoadedModel(config, tensors, tokenizer, path, weight_bits=bits)
+        config, dense, tokenizer = load_hf_dir(path)
+        return LoadedModel(config, dict(dense), tokenizer, path)
+    config, tensors, tokenizer = load_gguf(path)
+    return LoadedModel(config, tensors, tokenizer, path)

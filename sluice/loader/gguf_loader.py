@@ -1,37 +1,34 @@
-"""Read a GGUF file: ModelConfig from its metadata, float32 tensors under Hugging Face names.
+"""Read a GGUF file: ModelConfig from its metadata, weights under Hugging Face names.
 
-Dequantizing with numpy takes seconds, so the converted model (config, tensors, tokenizer) is
-kept in a warm-start cache under the cache directory, keyed by the file's identity; a second
-load just memory-maps a safetensors file.
+Quantized weights stay quantized: each tensor is read once and repacked into the block
+layout our kernels read (sluice/loader/gguf_blocks.py), so memory stays close to the
+file's size and no float copy exists, in RAM or on disk.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
+import logging
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
-from safetensors.torch import load_file, save_file
 
 from sluice import settings
 from sluice.config import ModelConfig, check_architecture
+from sluice.core.quantized_tensor import QuantizedTensor
 
+from . import gguf_blocks
 from .gguf_metadata import GGUFMetadata
 from .gguf_tokenizer import tokenizer_from_gguf
 from .tokenizer import Tokenizer
 
-# Bump when the cached layout or the conversion changes, so stale caches are never reused.
-CACHE_FORMAT = 2  # 2: entries record the source weight bits (source.json)
+logger = logging.getLogger("sluice")
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -128,113 +125,89 @@ def _hf_name(name: str) -> str | None:
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def tensors_from_gguf(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to float32, in torch (out, in) order, under HF names."""
-    out: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        name = _hf_name(t.name)
-        if name is None:
-            raise ValueError(f"unexpected tensor {t.name!r} in a {config.architecture} GGUF")
-        # GGUF lists dims fastest-first (ne0 = columns); torch wants them reversed.
-        shape = tuple(int(d) for d in reversed(t.shape))
-        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        if not arr.flags.writeable:
-            arr = arr.copy()  # F32 tensors are views of the read-only file map
-        tensor = torch.from_numpy(arr)
-        if config.architecture == "llama":
-            if name.endswith("q_proj.weight"):
-                tensor = _unpermute_rope(tensor, config.num_heads)
-            elif name.endswith("k_proj.weight"):
-                tensor = _unpermute_rope(tensor, config.num_kv_heads)
-        out[name] = tensor.contiguous()
+Weight = torch.Tensor | QuantizedTensor
+
+
+def _read(f: BinaryIO, tensor: ReaderTensor) -> np.ndarray:
+    """A tensor's bytes, read from the file into a buffer of its own: reading through
+    the reader's memory map would leave every page of the file resident (counted in
+    RSS) until the map closes, doubling the peak memory of a load."""
+    buf = np.empty(int(tensor.n_bytes), dtype=np.uint8)
+    f.seek(int(tensor.data_offset))
+    if f.readinto(memoryview(buf)) != buf.nbytes:
+        raise ValueError(f"GGUF file is truncated in tensor {tensor.name!r}")
+    return buf
+
+
+def _to_weight(buf: np.ndarray, tensor: ReaderTensor, keep_quantized: bool) -> Weight:
+    """Quantized types we have a layout for stay quantized (sluice/loader/gguf_blocks.py);
+    floats stay as stored; any other type is dequantized to float32."""
+    type_name = tensor.tensor_type.name
+    # GGUF lists dims fastest-first (ne0 = columns); torch wants them reversed.
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    cols = shape[-1]
+    rows = int(np.prod(shape[:-1]))
+    if keep_quantized and len(shape) == 2 and gguf_blocks.can_keep(type_name, cols):
+        return gguf_blocks.repack(torch.from_numpy(buf), type_name, rows, cols)
+    if type_name in ("F32", "F16", "BF16"):
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[type_name]
+        return torch.from_numpy(buf).view(dtype).reshape(shape)
+    arr = np.asarray(dequantize(buf, tensor.tensor_type), dtype=np.float32)
+    return torch.from_numpy(arr.reshape(shape))
+
+
+def _unpermuted(weight: Weight, n_head: int) -> Weight:
+    if isinstance(weight, QuantizedTensor):
+        rows = weight.shape[0]
+        return weight.rows(_unpermute_rope(torch.arange(rows), n_head))
+    return _unpermute_rope(weight, n_head).contiguous()
+
+
+def tensors_from_gguf(
+    reader: GGUFReader, config: ModelConfig, keep_quantized: bool = True
+) -> dict[str, Weight]:
+    """Every tensor under HF names in torch (out, in) order: quantized ones repacked
+    into our layouts (or dequantized to float32 if not keep_quantized), floats as
+    stored."""
+    out: dict[str, Weight] = {}
+    with open(reader.data.filename, "rb") as f:
+        for t in reader.tensors:
+            name = _hf_name(t.name)
+            if name is None:
+                raise ValueError(f"unexpected tensor {t.name!r} in a {config.architecture} GGUF")
+            weight = _to_weight(_read(f, t), t, keep_quantized)
+            if not keep_quantized and isinstance(weight, torch.Tensor):
+                weight = weight.float()
+            if config.architecture == "llama":
+                if name.endswith("q_proj.weight"):
+                    weight = _unpermuted(weight, config.num_heads)
+                elif name.endswith("k_proj.weight"):
+                    weight = _unpermuted(weight, config.num_kv_heads)
+            out[name] = weight
     return out
 
 
-# Bits per weight of GGUF quantized types, rounded up to what our methods keep: 2-4 bit
-# types to int4, 5-8 bit types to int8 (never fewer bits than the file had).
-_TYPE_BITS = {"Q2_K": 4, "Q3_K": 4, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "IQ4_NL": 4, "IQ4_XS": 4}
-_TYPE_BITS |= {"Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q6_K": 8, "Q8_0": 8, "Q8_1": 8, "Q8_K": 8}
+GGUFModel = tuple[ModelConfig, dict[str, Weight], Tokenizer]
 
 
-def weight_bits(reader: GGUFReader) -> int | None:
-    """4 or 8 when the file's decoder linear weights are mostly quantized to that many
-    bits or fewer, None when they are floats."""
-    counts: dict[int | None, int] = {}
-    for t in reader.tensors:
-        m = _BLOCK_RE.fullmatch(t.name)
-        if m is None or m.group(3) != "weight" or "norm" in m.group(2):
-            continue
-        bits = _TYPE_BITS.get(t.tensor_type.name)
-        counts[bits] = counts.get(bits, 0) + 1
-    return max(counts, key=lambda b: counts[b]) if counts else None
+def _remove_legacy_cache() -> None:
+    """Older versions kept a float32 copy of every GGUF they loaded under
+    cache_dir()/weights (4-11x the file); nothing reads it any more."""
+    legacy = settings.cache_dir() / "weights"
+    if legacy.is_dir():
+        size = sum(p.stat().st_size for p in legacy.rglob("*") if p.is_file())
+        shutil.rmtree(legacy, ignore_errors=True)
+        logger.info("removed the float32 weight cache of older versions (%.1f GB)", size / 1e9)
 
 
-def _cache_entry(path: Path) -> Path:
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_FORMAT}"
-    return settings.cache_dir() / "weights" / hashlib.sha256(key.encode()).hexdigest()[:24]
-
-
-GGUFModel = tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, int | None]
-
-
-def _read_cache(entry: Path) -> GGUFModel | None:
-    try:
-        config = ModelConfig(**json.loads((entry / "config.json").read_text()))
-        bits = json.loads((entry / "source.json").read_text())["weight_bits"]
-        tokenizer = Tokenizer.load(entry)
-        tensors = load_file(entry / "model.safetensors")
-    except Exception:
-        # A corrupt or foreign entry is rebuilt rather than failing the load.
-        return None
-    return config, tensors, tokenizer, bits
-
-
-def _write_cache(
-    entry: Path,
-    config: ModelConfig,
-    tensors: dict[str, torch.Tensor],
-    tokenizer: Tokenizer,
-    bits: int | None,
-) -> None:
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a temp dir and rename it into place: a crash or a concurrent loader never
-    # leaves a half-written entry behind.
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
-    try:
-        save_file(tensors, tmp / "model.safetensors")
-        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
-        (tmp / "source.json").write_text(json.dumps({"weight_bits": bits}))
-        tokenizer.save(tmp)
-        try:
-            os.rename(tmp, entry)
-        except OSError:
-            pass  # another process won the race; its entry is identical
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def load_gguf(path: str | os.PathLike[str], use_cache: bool | None = None) -> GGUFModel:
-    """Config, float32 HF-named tensors, tokenizer and the source's weight bits (see
-    weight_bits) of a GGUF model (cached after the first call unless use_cache is False
-    or $SLUICE_WEIGHT_CACHE=0)."""
+def load_gguf(path: str | os.PathLike[str], keep_quantized: bool = True) -> GGUFModel:
+    """Config, HF-named weights (quantized ones in our layouts unless keep_quantized is
+    False) and tokenizer of a GGUF model.
+    Nothing is cached on disk: repacking reads the file once, at disk speed."""
     path = Path(path)
-    use_cache = settings.weight_cache_enabled() if use_cache is None else use_cache
-    entry = _cache_entry(path) if use_cache else None
-    if entry is not None and entry.is_dir():
-        cached = _read_cache(entry)
-        if cached is not None:
-            return cached
-        shutil.rmtree(entry, ignore_errors=True)
-
+    _remove_legacy_cache()
     meta = GGUFMetadata.of(path)
     config = config_from_gguf(meta, name=path.stem)
     tokenizer = tokenizer_from_gguf(meta)
-    tensors = tensors_from_gguf(meta.reader, config)
-    bits = weight_bits(meta.reader)
-    if entry is not None:
-        try:
-            _write_cache(entry, config, tensors, tokenizer, bits)
-        except OSError:
-            pass  # a read-only or full disk costs speed next time, not correctness
-    return config, tensors, tokenizer, bits
+    tensors = tensors_from_gguf(meta.reader, config, keep_quantized)
+    return config, tensors, tokenizer

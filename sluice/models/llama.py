@@ -15,7 +15,9 @@ from torch import nn
 
 from sluice.attention.step import attend
 from sluice.config import ModelConfig
+from sluice.core.quantized_tensor import QuantizedTensor, concat_rows, dequantize
 from sluice.layers import fused
+from sluice.layers.block_quant import BlockQuantized, Embedding
 from sluice.layers.linear import Linear
 from sluice.layers.rotary import RotaryEmbedding
 
@@ -113,13 +115,7 @@ class LlamaForCausalLM(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
         self.config = config
-        # _weight skips the random init: load_weights overwrites it anyway.
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size,
-            config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size),
-            _freeze=True,
-        )
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         # A ModuleList (it registers the layers), typed as the sequence of DecoderLayers
         # it is: nn.Module's attribute typing would make each item a Tensor | Module.
         self.layers = cast(
@@ -157,52 +153,88 @@ class LlamaForCausalLM(nn.Module):
         return logits.float()
 
     @torch.no_grad()
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up."""
-        c = self.config
-        dtype = self.embed_tokens.weight.dtype
-        used: set[str] = set()
-
-        def take(name: str) -> torch.Tensor:
-            if name not in tensors:
-                raise ValueError(f"checkpoint is missing tensor {name!r}")
-            used.add(name)
-            return tensors[name]
-
-        def put(param: torch.Tensor, value: torch.Tensor) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(
-                    f"shape mismatch: expected {tuple(param.shape)}, got {tuple(value.shape)}"
-                )
-            param.copy_(value.to(dtype))
-
-        put(self.embed_tokens.weight, take("model.embed_tokens.weight"))
+    def load_weights(self, tensors: dict[str, Weight]) -> None:
+        """Take Hugging Face-named weights, fusing q/k/v and gate/up. Quantized ones
+        (a GGUF's) stay quantized where the layer's method keeps them (BlockQuantized),
+        else are dequantized into the model's dtype."""
+        ck = _Checkpoint(tensors, self.embed_tokens.weight.dtype)
+        embed = ck.take("model.embed_tokens.weight")
+        if isinstance(embed, QuantizedTensor) and isinstance(self.lm_head.method, BlockQuantized):
+            self.embed_tokens.load_quantized(embed)
+        else:
+            ck.put(self.embed_tokens.weight, embed)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             att = layer.self_attn
-            qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-            put(att.qkv_proj.weight, torch.cat(qkv))
+            ck.put_linear(att.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
             if att.qkv_proj.bias is not None:  # config.attention_bias
-                put(
-                    att.qkv_proj.bias,
-                    torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
-                )
-            put(att.o_proj.weight, take(p + "self_attn.o_proj.weight"))
+                biases = [ck.dense(ck.take(p + f"self_attn.{n}_proj.bias")) for n in "qkv"]
+                ck.put(att.qkv_proj.bias, torch.cat(biases))
+            ck.put_linear(att.o_proj, [p + "self_attn.o_proj.weight"])
             if att.q_norm is not None and att.k_norm is not None:
-                put(att.q_norm.weight, take(p + "self_attn.q_norm.weight"))
-                put(att.k_norm.weight, take(p + "self_attn.k_norm.weight"))
-            gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-            put(layer.mlp.gate_up_proj.weight, torch.cat(gate_up))
-            put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"))
-            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"))
-            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"))
-        put(self.norm.weight, take("model.norm.weight"))
-        if c.tie_word_embeddings or "lm_head.weight" not in tensors:
-            tied = self.embed_tokens.weight
-            assert isinstance(tied, nn.Parameter)
-            self.lm_head.weight = tied  # tied: one copy in memory
-        else:
-            put(self.lm_head.weight, take("lm_head.weight"))
+                ck.put(att.q_norm.weight, ck.take(p + "self_attn.q_norm.weight"))
+                ck.put(att.k_norm.weight, ck.take(p + "self_attn.k_norm.weight"))
+            mlp = layer.mlp
+            ck.put_linear(mlp.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
+            ck.put_linear(mlp.down_proj, [p + "mlp.down_proj.weight"])
+            ck.put(layer.input_layernorm.weight, ck.take(p + "input_layernorm.weight"))
+            ck.put(
+                layer.post_attention_layernorm.weight,
+                ck.take(p + "post_attention_layernorm.weight"),
+            )
+        ck.put(self.norm.weight, ck.take("model.norm.weight"))
+        self._load_head(ck)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.method.process_weight(module)
+
+    def _load_head(self, ck: _Checkpoint) -> None:
+        """A separate output weight, or the embedding's (tied: one copy in memory)."""
+        if not self.config.tie_word_embeddings and "lm_head.weight" in ck.tensors:
+            ck.put_linear(self.lm_head, ["lm_head.weight"])
+            return
+        quantized = self.embed_tokens.quantized
+        if quantized is not None and isinstance(self.lm_head.method, BlockQuantized):
+            self.lm_head.method.load_quantized(self.lm_head, quantized)
+            return
+        tied = self.embed_tokens.weight
+        assert isinstance(tied, nn.Parameter)
+        self.lm_head.weight = tied
+
+
+Weight = torch.Tensor | QuantizedTensor
+
+
+class _Checkpoint:
+    """The named weights being loaded into a model, converted as each layer keeps them."""
+
+    def __init__(self, tensors: dict[str, Weight], dtype: torch.dtype) -> None:
+        self.tensors = tensors
+        self.dtype = dtype
+
+    def take(self, name: str) -> Weight:
+        if name not in self.tensors:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        return self.tensors[name]
+
+    def dense(self, value: Weight) -> torch.Tensor:
+        if isinstance(value, QuantizedTensor):
+            return dequantize(value, self.dtype)  # quantization="none", int8 or int4
+        return value.to(self.dtype)
+
+    def put(self, param: torch.Tensor, value: Weight) -> None:
+        value = self.dense(value)
+        if tuple(param.shape) != tuple(value.shape):
+            raise ValueError(
+                f"shape mismatch: expected {tuple(param.shape)}, got {tuple(value.shape)}"
+            )
+        param.copy_(value)
+
+    def put_linear(self, layer: Linear, names: list[str]) -> None:
+        """One layer's weight from one or more checkpoint tensors stacked along rows."""
+        parts = [self.take(n) for n in names]
+        quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
+        if isinstance(layer.method, BlockQuantized) and len(quantized) == len(parts):
+            layer.method.load_quantized(layer, concat_rows(quantized))
+        else:
+            self.put(layer.weight, torch.cat([self.dense(p) for p in parts]))

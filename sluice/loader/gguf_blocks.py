@@ -1,0 +1,156 @@
+"""GGUF block formats -> sluice's quantized layouts (sluice/core/quantized_tensor.py).
+
+Each decoder reads a tensor's raw blocks and returns its unsigned values, in natural
+order, with one scale and offset per group, so that W = scale * u + offset exactly as
+ggml defines the format (checked against `gguf.quants.dequantize` in
+tests/test_gguf_blocks.py). The values are never widened to floats: a 4-bit file
+stays 4 bits in memory.
+
+Layouts chosen (bits / group): Q4_0, Q4_1, Q4_K -> 4/32; Q5_0, Q5_1, Q5_K -> 5/32;
+Q8_0 -> 8/32; Q6_K -> 8/16 (its 16-value sub-blocks each have a scale; 6-bit values in
+bytes cost 10 bits a weight against the file's 6.56, but the kernel stays one of three).
+K-quant scales are products of a float16 super-block scale and a 6- or 8-bit integer;
+they are stored as float16 (relative rounding 2**-11, far below the 4-6 bit values'
+own step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from sluice.core.quantized_tensor import QuantizedTensor, pack
+
+# (values, scale, offset): u [blocks, block values] uint8, scale/offset [blocks, groups]
+Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _f16(raw: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 at byte `start` of every block, as fp32 [blocks, 1]."""
+    return raw[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """GGUF's 32-value nibble block: byte j holds value j (low) and j + 16 (high)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _bits_of(words: torch.Tensor, count: int) -> torch.Tensor:
+    """Bits 0..count-1 of little-endian bytes [blocks, count / 8] -> [blocks, count]."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((words[..., None] >> shifts) & 1).reshape(words.shape[0], count)
+
+
+def _q4_0(raw: torch.Tensor) -> Decoded:
+    d = _f16(raw, 0)
+    return _nibbles(raw[:, 2:18]), d, -8 * d
+
+
+def _q4_1(raw: torch.Tensor) -> Decoded:
+    return _nibbles(raw[:, 4:20]), _f16(raw, 0), _f16(raw, 2)
+
+
+def _q5_0(raw: torch.Tensor) -> Decoded:
+    d = _f16(raw, 0)
+    u = _nibbles(raw[:, 6:22]) | (_bits_of(raw[:, 2:6], 32) << 4)
+    return u, d, -16 * d
+
+
+def _q5_1(raw: torch.Tensor) -> Decoded:
+    u = _nibbles(raw[:, 8:24]) | (_bits_of(raw[:, 4:8], 32) << 4)
+    return u, _f16(raw, 0), _f16(raw, 2)
+
+
+def _q8_0(raw: torch.Tensor) -> Decoded:
+    d = _f16(raw, 0)
+    u = (raw[:, 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return u, d, -128 * d
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and minimums packed in 12 bytes (ggml's get_scale_min_k4)."""
+    lo_sc, lo_mn = s[:, 0:4] & 63, s[:, 4:8] & 63
+    hi_sc = (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)
+    hi_mn = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
+    return torch.cat([lo_sc, hi_sc], 1).float(), torch.cat([lo_mn, hi_mn], 1).float()
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K values: each 32 bytes hold sub-block 2i (low nibbles) and 2i + 1."""
+    q = qs.reshape(-1, 4, 1, 32)
+    return torch.cat([q & 0x0F, q >> 4], dim=2).reshape(-1, 256)
+
+
+def _q4_k(raw: torch.Tensor) -> Decoded:
+    d, dmin = _f16(raw, 0), _f16(raw, 2)
+    sc, mn = _k_scales(raw[:, 4:16])
+    return _k_nibbles(raw[:, 16:144]), d * sc, -dmin * mn
+
+
+def _q5_k(raw: torch.Tensor) -> Decoded:
+    d, dmin = _f16(raw, 0), _f16(raw, 2)
+    sc, mn = _k_scales(raw[:, 4:16])
+    # Bit i of qh[l] is the fifth bit of value l of sub-block i.
+    high = _bits_of(raw[:, 16:48], 256).reshape(-1, 32, 8).transpose(1, 2).reshape(-1, 256)
+    return _k_nibbles(raw[:, 48:176]) | (high << 4), d * sc, -dmin * mn
+
+
+def _q6_k(raw: torch.Tensor) -> Decoded:
+    ql = raw[:, 0:128].reshape(-1, 2, 2, 32)  # [half, l + 0 / l + 32, 32]
+    qh = raw[:, 128:192].reshape(-1, 2, 1, 32)
+    sc = raw[:, 192:208].view(torch.int8).float()
+    d = _f16(raw, 208)
+    # Per 128-value half: values 0-31 / 32-63 are ql's low nibbles, 64-127 the high
+    # ones; qh's bit pairs 0-1, 2-3, 4-5, 6-7 top them up in that order.
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=2)  # [half, 4 quarters, 32]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    u = (low | (((qh >> shifts) & 3) << 4)).reshape(-1, 256)
+    scale = d * sc
+    return u, scale, -32 * scale
+
+
+# type name -> (values a block, bytes a block, decoder, layout bits, layout group)
+FORMATS: dict[str, tuple[int, int, Callable[[torch.Tensor], Decoded], int, int]] = {
+    "Q4_0": (32, 18, _q4_0, 4, 32),
+    "Q4_1": (32, 20, _q4_1, 4, 32),
+    "Q5_0": (32, 22, _q5_0, 5, 32),
+    "Q5_1": (32, 24, _q5_1, 5, 32),
+    "Q8_0": (32, 34, _q8_0, 8, 32),
+    "Q4_K": (256, 144, _q4_k, 4, 32),
+    "Q5_K": (256, 176, _q5_k, 5, 32),
+    "Q6_K": (256, 210, _q6_k, 8, 16),
+}
+
+
+def can_keep(type_name: str, cols: int) -> bool:
+    """Whether a tensor of this type and row length stays quantized in memory."""
+    return type_name in FORMATS and cols % 64 == 0 and cols % FORMATS[type_name][0] == 0
+
+
+def repack(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> QuantizedTensor:
+    """A GGUF tensor's raw bytes (rows of blocks) in our layout, in row chunks so the
+    decoded values never take more than a few MB at once."""
+    per_block, nbytes, decode, bits, group = FORMATS[type_name]
+    raw = raw.reshape(rows, (cols // per_block) * nbytes)
+    chunk = max(1, (1 << 22) // cols)
+    parts = []
+    for r0 in range(0, rows, chunk):
+        block_rows = raw[r0 : r0 + chunk].reshape(-1, nbytes)
+        u, scale, offset = decode(block_rows)
+        n = min(chunk, rows - r0)
+        ng = cols // group
+        # Every decoder yields one scale and offset per layout group.
+        scale, offset = scale.reshape(n, ng), offset.reshape(n, ng)
+        parts.append(pack(u.reshape(n, cols), scale, offset, bits, group, type_name))
+    if len(parts) == 1:
+        return parts[0]
+    return QuantizedTensor(
+        bits,
+        group,
+        torch.cat([p.packed for p in parts]),
+        torch.cat([p.hbits for p in parts]) if bits == 5 else parts[0].hbits,
+        torch.cat([p.scale for p in parts]),
+        torch.cat([p.minimum for p in parts]),
+        type_name,
+    )

@@ -1,0 +1,140 @@
+"""GGUF block formats kept quantized: every decoder against gguf's own dequantization,
+the layouts' packing, and the loader's output on the bundled model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+
+from sluice import settings
+from sluice.core.quantized_tensor import (
+    QuantizedTensor,
+    concat_rows,
+    dequantize,
+    pack,
+    unpack_values,
+)
+from sluice.loader import load_model
+from sluice.loader.gguf_blocks import FORMATS, repack
+
+# Byte offsets of each block's float16 scale fields (set to sane values in random
+# blocks: random bytes there could be inf/NaN or overflow the products).
+_F16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random but valid blocks: every bit pattern of the values and sub-scales is a
+    legal block; the float16 fields get small random magnitudes of both signs."""
+    per_block, nbytes = FORMATS[type_name][:2]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // per_block, nbytes), dtype=np.uint8)
+    for start in _F16_FIELDS[type_name]:
+        scale = rng.uniform(-0.02, 0.02, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, start : start + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", sorted(FORMATS))
+def test_every_format_decodes_as_gguf_does(type_name: str) -> None:
+    rows, cols = 6, 512
+    raw = random_blocks(type_name, rows, cols)
+    expected = gguf_dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, cols)
+    qt = repack(torch.from_numpy(raw), type_name, rows, cols)
+    assert (qt.bits, qt.group) == FORMATS[type_name][3:]
+    got = dequantize(qt).numpy()
+    # Legacy formats are exact; K-quant scales are products rounded to float16.
+    tol = 0.0 if "K" not in type_name else 2.0**-10 * np.abs(expected).max()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (5, 32), (8, 32), (8, 16), (4, 16), (5, 16)])
+def test_pack_round_trips_and_widening_is_exact(bits: int, group: int) -> None:
+    gen = torch.Generator().manual_seed(bits * group)
+    u = torch.randint(0, 1 << bits, (5, 192), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(5, 192 // group, generator=gen)
+    minimum = torch.randn(5, 192 // group, generator=gen)
+    qt = pack(u, scale, minimum, bits, group)
+    assert torch.equal(unpack_values(qt), u)
+    w = dequantize(qt)
+    for wider in (8, 16):
+        if wider >= bits and group >= 16:
+            assert torch.equal(dequantize(qt.widened(8, 16)), w)
+    # Pair positions: b0[0:16], b1[0:16], b0[16:32], b1[16:32] (bits 8 shows it plainly).
+    if bits == 8:
+        order = torch.cat([u[0, 0:16], u[0, 32:48], u[0, 16:32], u[0, 48:64]])
+        assert torch.equal(qt.packed[0, :64], order)
+
+
+def test_concat_rows_widens_mixed_formats_exactly() -> None:
+    q4 = repack(torch.from_numpy(random_blocks("Q4_K", 3, 256, 1)), "Q4_K", 3, 256)
+    q5 = repack(torch.from_numpy(random_blocks("Q5_0", 2, 256, 2)), "Q5_0", 2, 256)
+    q6 = repack(torch.from_numpy(random_blocks("Q6_K", 4, 256, 3)), "Q6_K", 4, 256)
+    both = concat_rows([q4, q5, q6])
+    assert (both.bits, both.group) == (8, 16)
+    expected = torch.cat([dequantize(q4), dequantize(q5), dequantize(q6)])
+    assert torch.equal(dequantize(both), expected)
+    same = concat_rows([q4, q4])
+    assert (same.bits, same.group) == (4, 32) and same.shape == (6, 256)
+
+
+def test_packaged_file_tensors_match_gguf(smollm2_path: Path) -> None:
+    reader = GGUFReader(smollm2_path)
+    for t in reader.tensors:
+        if t.tensor_type.name not in FORMATS:
+            continue
+        cols = int(t.shape[0])
+        raw = np.asarray(t.data)[:32]
+        expected = gguf_dequantize(raw, t.tensor_type).reshape(-1, cols)
+        got = dequantize(repack(torch.from_numpy(raw.copy()), t.tensor_type.name, 32, cols))
+        np.testing.assert_array_equal(got.numpy(), expected)
+
+
+def test_loader_keeps_weights_quantized_and_writes_no_float_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    legacy = settings.cache_dir() / "weights" / "old"
+    legacy.mkdir(parents=True)
+    (legacy / "model.safetensors").write_bytes(b"0" * 1000)
+    loaded = load_model(None)
+    assert not (tmp_path / "weights").exists()  # the old float32 cache is cleared
+    quantized = {k: v for k, v in loaded.tensors.items() if isinstance(v, QuantizedTensor)}
+    floats = {k: v for k, v in loaded.tensors.items() if not isinstance(v, QuantizedTensor)}
+    c = loaded.config
+    assert len(quantized) == 7 * c.num_layers + 1  # every linear and the embedding
+    assert all("norm" in k for k in floats)
+    assert quantized["model.embed_tokens.weight"].source == "Q8_0"
+    assert quantized["model.layers.0.mlp.down_proj.weight"].source == "Q4_1"
+    file_bytes = loaded.path.stat().st_size
+    held = sum(t.nbytes for t in quantized.values())
+    assert held <= 1.05 * file_bytes, (held, file_bytes)
+
+
+def test_quantized_rope_rows_equal_the_dequantized_permutation() -> None:
+    from sluice.loader import resolve_model_path
+    from sluice.loader.gguf_loader import load_gguf
+
+    path = resolve_model_path(None)
+    _, kept, _ = load_gguf(path)
+    _, floats, _ = load_gguf(path, keep_quantized=False)
+    for name in (
+        "model.layers.3.self_attn.q_proj.weight",
+        "model.layers.3.self_attn.k_proj.weight",
+    ):
+        q = kept[name]
+        assert isinstance(q, QuantizedTensor)
+        assert torch.equal(dequantize(q), floats[name])
