@@ -1,4 +1,4 @@
-"""Model resolution, GGUF/HF loading and the warm-start weight cache."""
+"""Model resolution, GGUF/HF loading and the GGUF header cache."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from sluice.core.quantized_tensor import QuantizedTensor, dequantize
 from sluice.loader import (
     LoadedModel,
     ModelNotFoundError,
+    gguf_loader,
     load_model,
     resolve,
     resolve_model_path,
@@ -180,6 +181,26 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(w.shape)
     )
+
+
+def test_warm_load_reads_the_cached_header_not_the_gguf_metadata(
+    smollm2_path: Path, smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header cache (config, tokenizer, tensor table) spares the seconds of parsing
+    100k token strings; the weights themselves are read from the file each time."""
+    assert gguf_loader._header_entry(smollm2_path).is_dir()
+
+    def no_parse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the warm load parsed the GGUF header again")
+
+    monkeypatch.setattr(gguf_loader, "_read_header", no_parse)
+    again = load_model(str(smollm2_path))
+    assert again.config == smollm2.config
+    name = "model.layers.5.self_attn.q_proj.weight"
+    a, b = again.tensors[name], smollm2.tensors[name]
+    assert isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor)
+    assert torch.equal(a.packed, b.packed) and torch.equal(a.scale, b.scale)
+    assert again.tokenizer.encode("warm cache") == smollm2.tokenizer.encode("warm cache")
 
 
 _TINY_TOKENS = [chr(c) for c in range(ord("!"), ord("~") + 1)] + ["Ġ", "<|endoftext|>"]

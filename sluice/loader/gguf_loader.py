@@ -7,16 +7,22 @@ file's size and no float copy exists, in RAM or on disk.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
+import json
 import logging
 import os
 import re
 import shutil
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from sluice import settings
@@ -128,32 +134,57 @@ def _hf_name(name: str) -> str | None:
 Weight = torch.Tensor | QuantizedTensor
 
 
-def _read(f: BinaryIO, tensor: ReaderTensor) -> np.ndarray:
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes are in the file, and what they are."""
+
+    name: str  # the GGUF name (blk.0.attn_q.weight)
+    type_name: str  # GGMLQuantizationType name: F32, Q4_K, ...
+    shape: tuple[int, ...]  # torch order (out, in)
+    offset: int
+    nbytes: int
+
+
+def tensor_entries(reader: GGUFReader) -> list[TensorEntry]:
+    # GGUF lists dims fastest-first (ne0 = columns); torch wants them reversed.
+    return [
+        TensorEntry(
+            t.name,
+            t.tensor_type.name,
+            tuple(int(d) for d in reversed(t.shape)),
+            int(t.data_offset),
+            int(t.n_bytes),
+        )
+        for t in reader.tensors
+    ]
+
+
+def _read(f: BinaryIO, entry: TensorEntry) -> np.ndarray:
     """A tensor's bytes, read from the file into a buffer of its own: reading through
-    the reader's memory map would leave every page of the file resident (counted in
-    RSS) until the map closes, doubling the peak memory of a load."""
-    buf = np.empty(int(tensor.n_bytes), dtype=np.uint8)
-    f.seek(int(tensor.data_offset))
+    a memory map would leave every page of the file resident (counted in RSS) until
+    the map closes, doubling the peak memory of a load."""
+    buf = np.empty(entry.nbytes, dtype=np.uint8)
+    f.seek(entry.offset)
     if f.readinto(memoryview(buf)) != buf.nbytes:
-        raise ValueError(f"GGUF file is truncated in tensor {tensor.name!r}")
+        raise ValueError(f"GGUF file is truncated in tensor {entry.name!r}")
     return buf
 
 
-def _to_weight(buf: np.ndarray, tensor: ReaderTensor, keep_quantized: bool) -> Weight:
+def _to_weight(buf: np.ndarray, entry: TensorEntry, keep_quantized: bool) -> Weight:
     """Quantized types we have a layout for stay quantized (sluice/loader/gguf_blocks.py);
     floats stay as stored; any other type is dequantized to float32."""
-    type_name = tensor.tensor_type.name
-    # GGUF lists dims fastest-first (ne0 = columns); torch wants them reversed.
-    shape = tuple(int(d) for d in reversed(tensor.shape))
+    shape, type_name = entry.shape, entry.type_name
     cols = shape[-1]
     rows = int(np.prod(shape[:-1]))
     if keep_quantized and len(shape) == 2 and gguf_blocks.can_keep(type_name, cols):
         return gguf_blocks.repack(torch.from_numpy(buf), type_name, rows, cols)
-    if type_name in ("F32", "F16", "BF16"):
-        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[type_name]
-        return torch.from_numpy(buf).view(dtype).reshape(shape)
-    arr = np.asarray(dequantize(buf, tensor.tensor_type), dtype=np.float32)
+    if type_name in _FLOAT_TYPES:
+        return torch.from_numpy(buf).view(_FLOAT_TYPES[type_name]).reshape(shape)
+    arr = np.asarray(dequantize(buf, GGMLQuantizationType[type_name]), dtype=np.float32)
     return torch.from_numpy(arr.reshape(shape))
+
+
+_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def _unpermuted(weight: Weight, n_head: int) -> Weight:
@@ -164,18 +195,20 @@ def _unpermuted(weight: Weight, n_head: int) -> Weight:
 
 
 def tensors_from_gguf(
-    reader: GGUFReader, config: ModelConfig, keep_quantized: bool = True
+    path: Path, entries: list[TensorEntry], config: ModelConfig, keep_quantized: bool = True
 ) -> dict[str, Weight]:
     """Every tensor under HF names in torch (out, in) order: quantized ones repacked
     into our layouts (or dequantized to float32 if not keep_quantized), floats as
     stored."""
     out: dict[str, Weight] = {}
-    with open(reader.data.filename, "rb") as f:
-        for t in reader.tensors:
-            name = _hf_name(t.name)
+    with open(path, "rb") as f:
+        for entry in entries:
+            name = _hf_name(entry.name)
             if name is None:
-                raise ValueError(f"unexpected tensor {t.name!r} in a {config.architecture} GGUF")
-            weight = _to_weight(_read(f, t), t, keep_quantized)
+                raise ValueError(
+                    f"unexpected tensor {entry.name!r} in a {config.architecture} GGUF"
+                )
+            weight = _to_weight(_read(f, entry), entry, keep_quantized)
             if not keep_quantized and isinstance(weight, torch.Tensor):
                 weight = weight.float()
             if config.architecture == "llama":
@@ -200,14 +233,56 @@ def _remove_legacy_cache() -> None:
         logger.info("removed the float32 weight cache of older versions (%.1f GB)", size / 1e9)
 
 
-def load_gguf(path: str | os.PathLike[str], keep_quantized: bool = True) -> GGUFModel:
-    """Config, HF-named weights (quantized ones in our layouts unless keep_quantized is
-    False) and tokenizer of a GGUF model.
-    Nothing is cached on disk: repacking reads the file once, at disk speed."""
-    path = Path(path)
-    _remove_legacy_cache()
+# Bump when the header cache's layout or the config/tokenizer conversion changes.
+HEADER_FORMAT = 1
+
+
+def _header_entry(path: Path) -> Path:
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{HEADER_FORMAT}"
+    return settings.cache_dir() / "gguf-headers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+Header = tuple[ModelConfig, Tokenizer, list[TensorEntry]]
+
+
+def _read_header(path: Path) -> Header:
     meta = GGUFMetadata.of(path)
     config = config_from_gguf(meta, name=path.stem)
-    tokenizer = tokenizer_from_gguf(meta)
-    tensors = tensors_from_gguf(meta.reader, config, keep_quantized)
+    return config, tokenizer_from_gguf(meta), tensor_entries(meta.reader)
+
+
+def _cached_header(path: Path) -> Header:
+    """The file's config, tokenizer and tensor table. Parsing a GGUF header takes
+    seconds (100k+ token strings through numpy), so these (a few MB; never weights)
+    are kept under the cache directory, keyed by the file's identity."""
+    entry = _header_entry(path)
+    try:
+        config = ModelConfig(**json.loads((entry / "config.json").read_text()))
+        rows = json.loads((entry / "tensors.json").read_text())
+        tensors = [TensorEntry(r[0], r[1], tuple(r[2]), r[3], r[4]) for r in rows]
+        return config, Tokenizer.load(entry), tensors
+    except (OSError, ValueError, TypeError, KeyError, IndexError):
+        pass  # missing or foreign: parse the file (and rewrite the entry)
+    config, tokenizer, tensors = header = _read_header(path)
+    with contextlib.suppress(OSError):  # read-only disk: slower next time, not wrong
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+        rows_out = [[t.name, t.type_name, list(t.shape), t.offset, t.nbytes] for t in tensors]
+        (tmp / "tensors.json").write_text(json.dumps(rows_out))
+        tokenizer.save(tmp)
+        shutil.rmtree(entry, ignore_errors=True)
+        os.rename(tmp, entry)
+    return header
+
+
+def load_gguf(path: str | os.PathLike[str], keep_quantized: bool = True) -> GGUFModel:
+    """Config, HF-named weights (quantized ones in our layouts unless keep_quantized is
+    False) and tokenizer of a GGUF model. Weights are read from the file every time:
+    repacking runs at disk speed, so no copy of them is cached."""
+    path = Path(path)
+    _remove_legacy_cache()
+    config, tokenizer, entries = _cached_header(path)
+    tensors = tensors_from_gguf(path, entries, config, keep_quantized)
     return config, tensors, tokenizer
