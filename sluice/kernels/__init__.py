@@ -12,13 +12,14 @@ kernels and torch ops share one thread pool instead of fighting over the cores.
 
 Sources (csrc/): the kernels live in headers, each with a .cpp of C entry points:
 paged_attention (decode attention over the block pool), q4_matmul and q8_matmul
-(4-bit and 8-bit weight x int8 activation matmuls for small batches) and fused_ops
-(RMSNorm with the residual add, rotary, SiLU-and-multiply). decode_stack.cpp runs a
+(4-bit and 8-bit weight x int8 activation matmuls for small batches), qblock (GGUF
+block-quantized weights kept quantized: matmuls, dequantization, embedding rows) and
+fused_ops (RMSNorm with the residual add, rotary, SiLU-and-multiply). decode_stack.cpp runs a
 whole Llama decoder stack on them in one call, for decode steps. isa.h says which
 level a build is; every kernel has a path for each.
 SLUICE_CPU_KERNELS=0 turns them all off (torch's ops are used instead).
 
-Bindings: one Python module per kernel (matmul, attention, fused, decode_stack)
+Bindings: one Python module per kernel (matmul, qblock, attention, fused, decode_stack)
 declares its C functions' signatures next to wrappers that take and return tensors;
 `load()` applies them all (_ffi.py). ctypes and raw pointers stay inside this package:
 callers hold a `Library` and pass tensors.
@@ -43,7 +44,7 @@ from sluice import settings
 
 # The binding modules, one per kernel: importing them declares their C functions, which
 # `_build` applies to every library it loads.
-from sluice.kernels import attention, cpu, decode_stack, fused, matmul
+from sluice.kernels import attention, cpu, decode_stack, fused, matmul, qblock
 from sluice.kernels._ffi import STRING, Library, apply_declarations, c_function
 from sluice.settings import cache_dir
 
@@ -56,6 +57,7 @@ __all__ = [
     "fused",
     "load",
     "matmul",
+    "qblock",
     "use_variant",
     "variant",
 ]

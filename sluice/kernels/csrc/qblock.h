@@ -1,0 +1,384 @@
+// Kernels of the qblock layouts: GGUF block-quantized weights kept quantized in memory
+// (/work/wt/SPEC_qblock.md). W[n, k] = d[n, g] * u[n, k] + m[n, g], g = k / G, with u
+// 4, 5 or 8 bits, fp16 d and m per group of G = 16 or 32 values.
+//
+// Along K the values sit in pairs of 32-blocks, 64 positions per pair, in four runs of
+// 16: b0[0..15], b1[0..15], b0[16..31], b1[16..31] (the activations' order of
+// quantize_rows, q4_matmul.h). A run is exactly one group of 16, or half a group of 32,
+// so every run has one (d, m): run j of pair p is group 2p + (j & 1) when G = 32, and
+// 4p + 2 * (j & 1) + (j >> 1) when G = 16.
+//
+// Entry points (qblock.cpp): matmul with int8 activations (a generalization of
+// q4_rows: one weight pair is unpacked once and used by up to 4 activation rows, and
+// the rows are tiled so a tile's activations stay in L2), matmul with unquantized
+// activations (the output head), dequantization, and embedding rows.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "dtype.h"
+#include "isa.h"
+#include "q4_matmul.h"
+
+namespace sluice {
+
+// The (d, m) group of run j of pair p, and where run j starts along natural K.
+template <int G>
+constexpr int qb_run_group(int p, int j) {
+  return G == 32 ? 2 * p + (j & 1) : 4 * p + 2 * (j & 1) + (j >> 1);
+}
+constexpr int qb_run_k(int p, int j) { return 64 * p + 32 * (j & 1) + 16 * (j >> 1); }
+
+// Bytes of one row of `packed` for `bits`.
+constexpr int64_t qb_row_bytes(int bits, int K) { return bits == 8 ? K : K / 2; }
+
+inline float qb_half(uint16_t h) {
+#if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
+  return _cvtsh_ss(h);
+#else
+  return half_to_float(h);
+#endif
+}
+
+// Activations quantized as for q4_rows, plus what qblock needs: dx8, each pair's block
+// scales as [dx0 x4, dx1 x4] (the lane pattern of a pair's int32 dot products, loaded
+// with one broadcast), and sx16, dx * sum(qx) per group of 16 in natural order.
+struct QBlockActivations : Q4Activations {
+  std::vector<float> dx8, sx16;
+  template <typename T>
+  void quantize(const T* x, int M, int K) {
+    Q4Activations::quantize(x, M, K);
+    const int nb = K / 32;
+    dx8.resize(static_cast<size_t>(M) * nb * 4);
+    sx16.resize(static_cast<size_t>(M) * nb * 2);
+    for (int64_t r = 0; r < M; ++r)
+      for (int b = 0; b < nb; ++b) {
+        const float s = dx[r * nb + b];
+        for (int i = 0; i < 4; ++i) dx8[r * nb * 4 + (b / 2) * 8 + (b % 2) * 4 + i] = s;
+        const int8_t* qb = q.data() + r * K + (b / 2) * 64 + (b % 2) * 16;
+        int lo = 0, hi = 0;
+        for (int i = 0; i < 16; ++i) {
+          lo += qb[i];
+          hi += qb[32 + i];
+        }
+        sx16[r * nb * 2 + 2 * b] = s * static_cast<float>(lo);
+        sx16[r * nb * 2 + 2 * b + 1] = s * static_cast<float>(hi);
+      }
+  }
+};
+
+// One weight row's pointers.
+struct QbRow {
+  const uint8_t* w;   // packed
+  const uint8_t* h;   // hbits (bits == 5)
+  const uint16_t* d;  // [K / G]
+  const uint16_t* m;
+};
+
+template <int BITS, int G>
+QbRow qb_row(const uint8_t* packed, const uint8_t* hbits, const uint16_t* d, const uint16_t* m,
+             int K, int64_t n) {
+  return {packed + n * qb_row_bytes(BITS, K), BITS == 5 ? hbits + n * (K / 8) : nullptr,
+          d + n * (K / G), m + n * (K / G)};
+}
+
+// sum_i h_i s_i over n fp16 h and fp32 s: the minimum terms.
+inline float qb_half_dot(const uint16_t* h, const float* s, int n) {
+#if defined(SLUICE_ISA_AVX512)
+  __m512 acc = _mm512_setzero_ps();
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + i)),
+                          _mm512_maskz_loadu_ps(k, s + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#elif defined(SLUICE_ISA_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))),
+                          _mm256_loadu_ps(s + i), acc);
+  float sum = hsum8(acc);
+  for (; i < n; ++i) sum += qb_half(h[i]) * s[i];
+  return sum;
+#else
+  float sum = 0.f;
+  for (int i = 0; i < n; ++i) sum += half_to_float(h[i]) * s[i];
+  return sum;
+#endif
+}
+
+// ---- Integer dot products: out[r] = sum_p sum_runs d * dx * sum(u qx), for R <= 4
+// activation rows (xr[r]: pair-ordered int8, dx8r[r]: that row's dx8). The per-row
+// arithmetic does not depend on R, so a row's result is the same in any batch.
+
+#if defined(SLUICE_ISA_AVX512)
+// Pair p's 64 values u, byte i = position i.
+template <int BITS>
+inline __m512i qb_unpack(const QbRow& w, int p) {
+  if constexpr (BITS == 8) {
+    return _mm512_loadu_si512(w.w + 64 * p);
+  } else {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.w + 32 * p));
+    __m512i u = _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1),
+        _mm512_set1_epi8(0x0F));
+    if constexpr (BITS == 5) {
+      uint64_t hb;
+      std::memcpy(&hb, w.h + 8 * p, sizeof(hb));
+      u = _mm512_mask_add_epi8(u, static_cast<__mmask64>(hb), u, _mm512_set1_epi8(16));
+    }
+    return u;
+  }
+}
+
+// Pair p's d per int32 lane (four lanes a run).
+template <int G>
+inline __m512 qb_pair_d(const uint16_t* d, int p) {
+  if constexpr (G == 32) {
+    int32_t d2;
+    std::memcpy(&d2, d + 2 * p, sizeof(d2));
+    const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(d2))));
+  } else {
+    const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0);
+    const __m128i d4 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + 4 * p));
+    return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_cvtph_ps(d4)));
+  }
+}
+
+template <int BITS, int G, int R>
+inline void qb_dot_rows(const QbRow& w, const int8_t* const* xr, const float* const* dx8r,
+                        int np, float* out) {
+  __m512 acc[2][R];
+  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+  for (int p = 0; p < np; ++p) {
+    const __m512i u = qb_unpack<BITS>(w, p);
+    const __m512 dv = qb_pair_d<G>(w.d, p);
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_loadu_si512(xr[r] + 64 * p);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x));
+      const __m512 dx = _mm512_broadcast_f32x8(_mm256_loadu_ps(dx8r[r] + 8 * p));
+      acc[p & 1][r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, dx), acc[p & 1][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]));
+}
+#elif defined(SLUICE_ISA_AVX2)
+// Pair p's values as two halves: positions 0..31 (runs 0, 1) and 32..63 (runs 2, 3).
+// 8 bits come back as signed u - 128 (for maddubs' sign trick; the 128 * sum(qx)
+// it drops is folded into the minimum term).
+template <int BITS>
+inline void qb_unpack(const QbRow& w, int p, __m256i& lo, __m256i& hi) {
+  if constexpr (BITS == 8) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    lo = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.w + 64 * p)), flip);
+    hi = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.w + 64 * p + 32)),
+                          flip);
+  } else {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.w + 32 * p));
+    lo = _mm256_and_si256(raw, nibble);
+    hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+    if constexpr (BITS == 5) {
+      // Each byte tests its own bit of the 32 bits covering its half.
+      const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+      const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+      const __m256i sixteen = _mm256_set1_epi8(16);
+      uint32_t h2[2];
+      std::memcpy(h2, w.h + 8 * p, sizeof(h2));
+      for (int half = 0; half < 2; ++half) {
+        const __m256i b = _mm256_and_si256(
+            _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(h2[half])), spread), bit);
+        const __m256i add = _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), sixteen);
+        (half ? hi : lo) = _mm256_or_si256(half ? hi : lo, add);
+      }
+    }
+  }
+}
+
+// d per int32 lane of the low half's (runs 0, 1) and high half's (runs 2, 3) dots.
+template <int G>
+inline void qb_pair_d(const uint16_t* d, int p, __m256& dlo, __m256& dhi) {
+  if constexpr (G == 32) {
+    int32_t d2;
+    std::memcpy(&d2, d + 2 * p, sizeof(d2));
+    dlo = dhi = pair_lanes(_mm_cvtph_ps(_mm_cvtsi32_si128(d2)));
+  } else {
+    const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + 4 * p)));
+    dlo = pair_lanes(_mm_shuffle_ps(d4, d4, _MM_SHUFFLE(2, 0, 2, 0)));  // groups 4p, 4p+2
+    dhi = pair_lanes(_mm_shuffle_ps(d4, d4, _MM_SHUFFLE(3, 1, 3, 1)));  // 4p+1, 4p+3
+  }
+}
+
+// int16 pair sums of u * x for one half (never saturating: 2 * 31 * 127 for 4/5 bits,
+// 2 * 128 * 127 with the sign trick for 8).
+template <int BITS>
+inline __m256i qb_maddubs(__m256i u, __m256i x) {
+  if constexpr (BITS == 8) return _mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(x, u));
+  return _mm256_maddubs_epi16(u, x);
+}
+
+template <int BITS, int G, int R>
+inline void qb_dot_rows(const QbRow& w, const int8_t* const* xr, const float* const* dx8r,
+                        int np, float* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[2][R];
+  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  for (int p = 0; p < np; ++p) {
+    __m256i lo, hi;
+    __m256 dlo, dhi;
+    qb_unpack<BITS>(w, p, lo, hi);
+    qb_pair_d<G>(w.d, p, dlo, dhi);
+    for (int r = 0; r < R; ++r) {
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + 64 * p));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + 64 * p + 32));
+      const __m256i plo = qb_maddubs<BITS>(lo, x0), phi = qb_maddubs<BITS>(hi, x1);
+      const __m256 dx = _mm256_loadu_ps(dx8r[r] + 8 * p);
+      __m256 t;
+      if constexpr (G == 32 && BITS != 8) {  // both halves share their blocks' d
+        t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(plo, phi), ones)), dlo);
+      } else if constexpr (G == 32) {
+        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(plo, ones), _mm256_madd_epi16(phi, ones));
+        t = _mm256_mul_ps(_mm256_cvtepi32_ps(s), dlo);
+      } else {
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(plo, ones)), dlo,
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(phi, ones)), dhi));
+      }
+      acc[p & 1][r] = _mm256_fmadd_ps(t, dx, acc[p & 1][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc[0][r], acc[1][r]));
+}
+#else
+// Pair p's 64 values u in position order.
+template <int BITS>
+inline void qb_unpack(const QbRow& w, int p, uint8_t* u) {
+  if constexpr (BITS == 8) {
+    std::memcpy(u, w.w + 64 * p, 64);
+  } else {
+    const uint8_t* b = w.w + 32 * p;
+    for (int j = 0; j < 32; ++j) {
+      u[j] = b[j] & 0x0F;
+      u[32 + j] = b[j] >> 4;
+    }
+    if constexpr (BITS == 5) {
+      uint64_t hb;
+      std::memcpy(&hb, w.h + 8 * p, sizeof(hb));
+      for (int i = 0; i < 64; ++i) u[i] |= static_cast<uint8_t>(((hb >> i) & 1) << 4);
+    }
+  }
+}
+
+// One row's share of a pair: out of line, so that fast-math cannot vectorize or
+// reorder it differently for different R (a row's result must not depend on R).
+__attribute__((noinline)) inline float qb_pair_dot(const uint8_t* u, const float* d,
+                                                   const int8_t* x, const float* dx8) {
+  float sum = 0.f;
+  for (int j = 0; j < 4; ++j) {
+    int32_t dot = 0;
+    for (int i = 0; i < 16; ++i) dot += u[16 * j + i] * x[16 * j + i];
+    sum += d[j] * dx8[4 * (j & 1)] * static_cast<float>(dot);
+  }
+  return sum;
+}
+
+template <int BITS, int G, int R>
+inline void qb_dot_rows(const QbRow& w, const int8_t* const* xr, const float* const* dx8r,
+                        int np, float* out) {
+  for (int r = 0; r < R; ++r) out[r] = 0.f;
+  uint8_t u[64];
+  for (int p = 0; p < np; ++p) {
+    qb_unpack<BITS>(w, p, u);
+    float d[4];
+    for (int j = 0; j < 4; ++j) d[j] = half_to_float(w.d[qb_run_group<G>(p, j)]);
+    for (int r = 0; r < R; ++r) out[r] += qb_pair_dot(u, d, xr[r] + 64 * p, dx8r[r] + 8 * p);
+  }
+}
+#endif
+
+// ---- Matmul with int8 activations.
+
+// Activation rows per tile: a tile's int8 values and dx8 (1.5 bytes a value) stay
+// within ~384 KiB of L2 while every weight row of the thread passes over them.
+inline int qb_row_tile(int K) { return std::max(4, (384 * 1024 / (K + K / 2)) / 4 * 4); }
+
+template <int BITS, int G, int R>
+inline void qb_dot_block(const QbRow& w, const QBlockActivations& xa, int r0, int K,
+                         float* out) {
+  const int8_t* xr[R];
+  const float* dx8r[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = xa.q.data() + static_cast<int64_t>(r0 + r) * K;
+    dx8r[r] = xa.dx8.data() + static_cast<int64_t>(r0 + r) * (K / 8);
+  }
+  qb_dot_rows<BITS, G, R>(w, xr, dx8r, K / 64, out);
+}
+
+// y[r0..r1, n] for one weight row.
+template <int BITS, int G, typename T>
+void qb_row_times_tile(const QbRow& w, const QBlockActivations& xa, int r0, int r1, int K,
+                       int N, int64_t n, T* y) {
+  const int ng = K / G;
+  const float* sx = G == 16 ? xa.sx16.data() : xa.sx.data();
+  for (int r = r0; r < r1; r += 4) {
+    float out[4];
+    switch (std::min(4, r1 - r)) {
+      case 4: qb_dot_block<BITS, G, 4>(w, xa, r, K, out); break;
+      case 3: qb_dot_block<BITS, G, 3>(w, xa, r, K, out); break;
+      case 2: qb_dot_block<BITS, G, 2>(w, xa, r, K, out); break;
+      default: qb_dot_block<BITS, G, 1>(w, xa, r, K, out); break;
+    }
+    for (int i = 0; i < std::min(4, r1 - r); ++i) {
+      const float* sxr = sx + static_cast<int64_t>(r + i) * ng;
+      float v = out[i] + qb_half_dot(w.m, sxr, ng);
+#if defined(SLUICE_ISA_AVX2)
+      if constexpr (BITS == 8) v += 128.f * qb_half_dot(w.d, sxr, ng);  // the sign trick's offset
+#endif
+      T* dst = y + static_cast<int64_t>(r + i) * N + n;
+      *dst = round_to(dst, v);
+    }
+  }
+}
+
+template <int BITS, int G, typename T>
+void qblock_rows_t(const QBlockActivations& xa, int M, int K, const uint8_t* packed,
+                   const uint8_t* hbits, const uint16_t* d, const uint16_t* m, int N, T* y) {
+  const int tile = qb_row_tile(K);
+  for (int r0 = 0; r0 < M; r0 += tile) {
+    const int r1 = std::min(M, r0 + tile);
+#pragma omp for schedule(static) nowait
+    for (int n = 0; n < N; ++n)
+      qb_row_times_tile<BITS, G>(qb_row<BITS, G>(packed, hbits, d, m, K, n), xa, r0, r1, K, N, n,
+                                 y);
+  }
+#pragma omp barrier
+}
+
+// The runtime format (bits, group) as the constants B and G inside `call`.
+#define SLUICE_QB_DISPATCH(bits, group, call)                      \
+  switch ((bits) * 100 + (group)) {                                \
+    case 432: { constexpr int B = 4, G = 32; call; } break;        \
+    case 416: { constexpr int B = 4, G = 16; call; } break;        \
+    case 532: { constexpr int B = 5, G = 32; call; } break;        \
+    case 516: { constexpr int B = 5, G = 16; call; } break;        \
+    case 832: { constexpr int B = 8, G = 32; call; } break;        \
+    case 816: { constexpr int B = 8, G = 16; call; } break;        \
+    default: break; /* the bindings reject other formats */        \
+  }
+
+// y [M, N] = x @ W.T for quantized x; the weight rows are shared out by orphaned `omp
+// for`s (every thread of an enclosing parallel region calls this; barrier at the end).
+// bits in {4, 5, 8}, group in {16, 32}; hbits only for 5 bits.
+template <typename T>
+void qblock_rows(const QBlockActivations& xa, int M, int K, int bits, int group,
+                 const uint8_t* packed, const uint8_t* hbits, const uint16_t* d,
+                 const uint16_t* m, int N, T* y) {
+  SLUICE_QB_DISPATCH(bits, group, (qblock_rows_t<B, G>(xa, M, K, packed, hbits, d, m, N, y)))
+}
+
+}  // namespace sluice
+

@@ -1,0 +1,168 @@
+"""Bindings of the qblock kernels (csrc/qblock.cpp): GGUF block-quantized weights kept
+quantized in memory, in the three layouts of /work/wt/SPEC_qblock.md.
+
+A weight is (packed, hbits, scale, minimum, bits, group): W[n, k] = scale[n, k // group]
+* u[n, k] + minimum[n, k // group], u of `bits` bits (4, 5 or 8) in pair-permuted
+order; `hbits` holds the fifth bits and is an empty uint8 tensor unless bits == 5.
+Rows are independent, so row slices of the four tensors are weights too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sluice.kernels._ffi import (
+    INT,
+    POINTER,
+    CFunction,
+    Library,
+    c_function,
+    is_bf16,
+    ptr,
+)
+
+# The formats the kernels take: (bits, group).
+FORMATS = frozenset({(4, 32), (4, 16), (5, 32), (5, 16), (8, 32), (8, 16)})
+
+# (x, bf16, M, K, bits, group, packed, hbits, d, m, N, y)
+_MATMUL_ARGS = (POINTER, INT, INT, INT, INT, INT, POINTER, POINTER, POINTER, POINTER, INT, POINTER)
+_MATMUL = c_function("sluice_qblock_matmul", None, *_MATMUL_ARGS)
+_MATMUL_FLOAT = c_function("sluice_qblock_matmul_float", None, *_MATMUL_ARGS)
+# (bits, group, packed, hbits, d, m, K, N, out, out_bf16)
+_DEQUANTIZE = c_function(
+    "sluice_qblock_dequantize",
+    None,
+    *(INT, INT, POINTER, POINTER, POINTER, POINTER, INT, INT, POINTER, INT),
+)
+# (ids, T, bits, group, packed, hbits, d, m, K, out, out_bf16)
+_EMBEDDING = c_function(
+    "sluice_qblock_embedding",
+    None,
+    *(POINTER, INT, INT, INT, POINTER, POINTER, POINTER, POINTER, INT, POINTER, INT),
+)
+
+
+def _weight_args(
+    packed: torch.Tensor,
+    hbits: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bits: int,
+    group: int,
+) -> tuple[int, int, tuple[int, int, int, int]]:
+    """(N, K, the four pointers) after checking the weight's layout."""
+    if (bits, group) not in FORMATS:
+        raise ValueError(f"no qblock kernel for {bits} bits in groups of {group}")
+    n = packed.shape[0]
+    k = packed.shape[1] * (1 if bits == 8 else 2)
+    if k % 64 or tuple(scale.shape) != (n, k // group) or scale.shape != minimum.shape:
+        raise ValueError(
+            f"qblock weight shapes: packed {tuple(packed.shape)}, scale "
+            f"{tuple(scale.shape)}, minimum {tuple(minimum.shape)}"
+        )
+    if packed.dtype != torch.uint8 or scale.dtype != torch.float16 or minimum.dtype != scale.dtype:
+        raise ValueError("qblock weights are uint8 values with float16 scales and minimums")
+    tensors = (packed, scale, minimum) + ((hbits,) if bits == 5 else ())
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("qblock weight tensors must be contiguous (row slices are)")
+    if bits == 5:
+        if tuple(hbits.shape) != (n, k // 8) or hbits.dtype != torch.uint8:
+            raise ValueError(f"5-bit hbits must be uint8 [{n}, {k // 8}]")
+        h = ptr(hbits)
+    else:
+        h = 0
+    return n, k, (ptr(packed), h, ptr(scale), ptr(minimum))
+
+
+def _matmul(
+    fn: CFunction,
+    lib: Library,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    hbits: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bits: int,
+    group: int,
+) -> torch.Tensor:
+    n, k, weight = _weight_args(packed, hbits, scale, minimum, bits, group)
+    x = x.contiguous()
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x must be fp32 or bf16 [M, {k}], got {x.dtype} {tuple(x.shape)}")
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        fn(lib, ptr(x), is_bf16(x), m, k, bits, group, *weight, n, ptr(y))
+    return y
+
+
+def qblock_matmul(
+    lib: Library,
+    x: torch.Tensor,  # [M, K] fp32 or bf16
+    packed: torch.Tensor,  # [N, K / 2] (4, 5 bits) or [N, K] (8 bits) uint8
+    hbits: torch.Tensor,  # [N, K / 8] uint8 for 5 bits, else empty
+    scale: torch.Tensor,  # [N, K / group] fp16
+    minimum: torch.Tensor,  # [N, K / group] fp16
+    bits: int,
+    group: int,
+) -> torch.Tensor:
+    """y [M, N] = x @ W.T in x's dtype, x quantized to int8 per block of 32."""
+    return _matmul(_MATMUL, lib, x, packed, hbits, scale, minimum, bits, group)
+
+
+def qblock_matmul_float(
+    lib: Library,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    hbits: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bits: int,
+    group: int,
+) -> torch.Tensor:
+    """qblock_matmul with unquantized activations (fp32 accumulation): the output head."""
+    return _matmul(_MATMUL_FLOAT, lib, x, packed, hbits, scale, minimum, bits, group)
+
+
+def _out_dtype(dtype: torch.dtype) -> int:
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"qblock dequantizes to float32 or bfloat16, not {dtype}")
+    return int(dtype == torch.bfloat16)
+
+
+def qblock_dequantize(
+    lib: Library,
+    packed: torch.Tensor,
+    hbits: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bits: int,
+    group: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """W [N, K] in natural order, in `dtype` (float32 or bfloat16)."""
+    n, k, weight = _weight_args(packed, hbits, scale, minimum, bits, group)
+    out = torch.empty(n, k, dtype=dtype)
+    _DEQUANTIZE(lib, bits, group, *weight, k, n, ptr(out), _out_dtype(dtype))
+    return out
+
+
+def qblock_embedding(
+    lib: Library,
+    ids: torch.Tensor,  # [T] integer row indices
+    packed: torch.Tensor,
+    hbits: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bits: int,
+    group: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """W[ids] [T, K] in `dtype` (a token embedding lookup)."""
+    n, k, weight = _weight_args(packed, hbits, scale, minimum, bits, group)
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < n):
+        raise IndexError(f"qblock embedding ids out of range [0, {n})")
+    out = torch.empty(ids.numel(), k, dtype=dtype)
+    _EMBEDDING(lib, ptr(ids), ids.numel(), bits, group, *weight, k, ptr(out), _out_dtype(dtype))
+    return out

@@ -1,0 +1,175 @@
+"""The qblock kernels (sluice/kernels/csrc/qblock*.h) at every instruction-set level
+this CPU has, against a pure-torch packer and dequantizer written from the layout spec
+(/work/wt/SPEC_qblock.md): dequantization and embedding rows exact, the unquantized
+matmul to fp32 rounding, the int8-activation matmul on activations its int8 blocks hold
+exactly, for every format and a spread of row counts in fp32 and bf16."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from sluice import kernels
+from sluice.kernels import qblock
+
+FORMATS = sorted(qblock.FORMATS)  # (bits, group): 4/32, 5/32, 8/32, 8/16, 4/16, 5/16
+ROWS = (1, 3, 4, 7, 64, 130)
+
+
+def natural_of_position() -> torch.Tensor:
+    """Natural index (within a pair of 32-blocks) of each of the pair's 64 positions:
+    b0[0..15], b1[0..15], b0[16..31], b1[16..31]."""
+    runs = [range(0, 16), range(32, 48), range(16, 32), range(48, 64)]
+    return torch.tensor([k for run in runs for k in run])
+
+
+@dataclass
+class Weight:
+    u: torch.Tensor  # [N, K] int64, natural order
+    d: torch.Tensor  # [N, K / G] fp16
+    m: torch.Tensor
+    bits: int
+    group: int
+    packed: torch.Tensor
+    hbits: torch.Tensor
+
+    def dense(self) -> torch.Tensor:
+        """W = d * u + m per group, fp32, exactly as the spec writes it."""
+        n, k = self.u.shape
+        g = self.group
+        u = self.u.float().view(n, k // g, g)
+        return (self.d.float()[..., None] * u + self.m.float()[..., None]).view(n, k)
+
+    def rows(self, a: int, b: int) -> tuple[torch.Tensor, ...]:
+        """Row slices of the kernel's four tensors (hbits stays empty unless 5 bits)."""
+        h = self.hbits[a:b] if self.bits == 5 else self.hbits
+        return self.packed[a:b], h, self.d[a:b], self.m[a:b]
+
+
+def pack(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, group: int) -> Weight:
+    n, k = u.shape
+    pos = u.view(n, k // 64, 64)[..., natural_of_position()]  # position order per pair
+    hbits = torch.empty(0, dtype=torch.uint8)
+    if bits == 8:
+        packed = pos.reshape(n, k)
+    else:
+        low = pos & 15  # byte j: position j low nibble, position 32 + j high nibble
+        packed = (low[..., :32] | (low[..., 32:] << 4)).reshape(n, k // 2)
+        if bits == 5:  # bit i of the pair's little-endian uint64: bit 4 of position i
+            fifth = ((pos >> 4) & 1).view(n, k // 64, 8, 8)
+            hbits = (fifth << torch.arange(8)).sum(-1).reshape(n, k // 8).to(torch.uint8)
+    return Weight(u, d, m, bits, group, packed.to(torch.uint8).contiguous(), hbits)
+
+
+def random_weight(n: int, k: int, bits: int, group: int, seed: int) -> Weight:
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 1 << bits, (n, k), generator=gen)
+    d = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).half()
+    m = (torch.randn(n, k // group, generator=gen) * 0.1).half()
+    return pack(u, d, m, bits, group)
+
+
+def int8_grid(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows on the int8 grid of their blocks (an integer times a power of two, 127 in
+    each block): quantize_rows keeps them exactly, so the int8-activation matmul can be
+    held to fp32 rounding. Off the grid, values within an ulp of a rounding tie (common
+    in bf16) go the way the kernel's fast-math reciprocal sends them."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (rows, k // 32, 32), generator=gen)
+    q[..., 0] = 127
+    scale = 2.0 ** torch.randint(-8, 1, (rows, k // 32, 1), generator=gen)
+    return (q * scale).view(rows, k).to(dtype)
+
+
+@pytest.fixture
+def lib(kernel_level: str) -> kernels.Library:
+    loaded = kernels.load()
+    assert loaded is not None and kernels.built_level(loaded) == kernel_level
+    return loaded
+
+
+@pytest.mark.parametrize(("bits", "group"), FORMATS)
+def test_dequantize_and_embedding_are_exact(bits: int, group: int, lib: kernels.Library) -> None:
+    w = random_weight(40, 192, bits, group, seed=bits * group)  # 3 pairs: an odd count
+    ref = w.dense()
+    ids = torch.tensor([3, 0, 39, 3, 17])
+    for dtype in (torch.float32, torch.bfloat16):
+        got = qblock.qblock_dequantize(lib, w.packed, w.hbits, w.d, w.m, bits, group, dtype)
+        assert torch.equal(got, ref.to(dtype))
+        rows = qblock.qblock_embedding(lib, ids, w.packed, w.hbits, w.d, w.m, bits, group, dtype)
+        assert torch.equal(rows, ref[ids].to(dtype))
+    # Row slices are weights too.
+    sliced = qblock.qblock_dequantize(lib, *w.rows(5, 21), bits, group, torch.float32)
+    assert torch.equal(sliced, ref[5:21])
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, rel: float) -> None:
+    """|got - ref| within rel * bound (a per-element magnitude of the sum's terms), plus
+    bf16's rounding of the result where got is bf16."""
+    tol = rel * bound
+    if got.dtype == torch.bfloat16:
+        tol = tol + ref.abs() * 2**-8
+    err = (got.double() - ref).abs()
+    assert bool((err <= tol + 1e-12).all()), float((err / (tol + 1e-12)).max())
+
+
+@pytest.mark.parametrize(("bits", "group"), FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmuls_match_the_reference(
+    bits: int, group: int, dtype: torch.dtype, lib: kernels.Library
+) -> None:
+    n, k = 24, 192
+    w = random_weight(n, k, bits, group, seed=7 * bits + group)
+    dense = w.dense().double()
+    abs_w = dense.abs().t()
+    x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(group)).to(dtype)
+    grid = int8_grid(max(ROWS), k, dtype, seed=group)
+    for rows in ROWS:
+        got = qblock.qblock_matmul_float(lib, x[:rows], *w.rows(0, n), bits, group)
+        assert got.dtype == dtype
+        assert_close(got, x[:rows].double() @ dense.t(), x[:rows].double().abs() @ abs_w, 1e-5)
+        got = qblock.qblock_matmul(lib, grid[:rows], *w.rows(0, n), bits, group)
+        assert_close(
+            got, grid[:rows].double() @ dense.t(), grid[:rows].double().abs() @ abs_w, 1e-5
+        )
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 16), (8, 16)])
+def test_matmul_rows_do_not_depend_on_the_batch(
+    bits: int, group: int, lib: kernels.Library
+) -> None:
+    # A row's result is bit-identical alone or in any batch: the decode stack and the
+    # eager model call the kernel with different row counts. K = 4096 tiles 130 rows
+    # (64 a tile), so tile edges are crossed too; the weight is a row slice.
+    n, k = 10, 4096
+    w = random_weight(n + 3, k, bits, group, seed=11)
+    weight = w.rows(3, n + 3)
+    x = torch.randn(130, k)
+    for fn in (qblock.qblock_matmul, qblock.qblock_matmul_float):
+        batch = fn(lib, x, *weight, bits, group)
+        for r in (0, 1, 63, 64, 65, 129):
+            assert torch.equal(fn(lib, x[r : r + 1], *weight, bits, group), batch[r : r + 1])
+    grid, dense = int8_grid(130, k, torch.float32, seed=12).double(), w.dense()[3:].double()
+    got = qblock.qblock_matmul(lib, grid.float(), *weight, bits, group)
+    assert_close(got, grid @ dense.t(), grid.abs() @ dense.abs().t(), 1e-5)
+
+
+def test_bad_formats_and_shapes_are_refused(kernel_level: str) -> None:
+    lib = kernels.load()
+    assert lib is not None
+    w = random_weight(4, 64, 4, 32, seed=0)
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError, match="6 bits"):
+        qblock.qblock_matmul(lib, x, w.packed, w.hbits, w.d, w.m, 6, 32)
+    with pytest.raises(ValueError, match="shapes"):
+        qblock.qblock_matmul(lib, x, w.packed, w.hbits, w.d, w.m, 4, 16)
+    with pytest.raises(ValueError, match="hbits"):
+        qblock.qblock_matmul(lib, x, w.packed, w.hbits, w.d, w.m, 5, 32)
+    with pytest.raises(ValueError, match="x must be"):
+        qblock.qblock_matmul(lib, torch.randn(1, 128), w.packed, w.hbits, w.d, w.m, 4, 32)
+    with pytest.raises(IndexError):
+        qblock.qblock_embedding(
+            lib, torch.tensor([4]), w.packed, w.hbits, w.d, w.m, 4, 32, torch.float32
+        )
