@@ -81,6 +81,8 @@ class QuantizedTensor:
 def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     """Stack weights along rows (q, k and v into one QKV weight), widening them to
     one common layout first where their formats differ (exact, see `widened`)."""
+    if len(parts) == 1:
+        return parts[0]
     bits = max(p.bits for p in parts)
     group = min(p.group for p in parts)
     parts = [p.widened(bits, group) for p in parts]

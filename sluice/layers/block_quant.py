@@ -172,7 +172,9 @@ def weight_bytes(model: nn.Module) -> int:
             q = module.quantized
             tensors += [q.packed, q.hbits, q.scale, q.minimum]
         for t in tensors:
-            if t.numel() and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
+            # oneDNN-packed weights are opaque (no data pointer); they are never shared.
+            key = id(t) if t.is_mkldnn else t.data_ptr()
+            if t.numel() and key not in seen:
+                seen.add(key)
                 total += t.numel() * t.element_size()
     return total

@@ -16,6 +16,7 @@ own step).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -128,29 +129,38 @@ def can_keep(type_name: str, cols: int) -> bool:
     return type_name in FORMATS and cols % 64 == 0 and cols % FORMATS[type_name][0] == 0
 
 
-def repack(raw: torch.Tensor, type_name: str, rows: int, cols: int) -> QuantizedTensor:
-    """A GGUF tensor's raw bytes (rows of blocks) in our layout, in row chunks so the
-    decoded values never take more than a few MB at once."""
+def repack(
+    raw: torch.Tensor | Callable[[int, int], torch.Tensor], type_name: str, rows: int, cols: int
+) -> QuantizedTensor:
+    """A GGUF tensor's raw bytes (rows of blocks) in our layout. `raw` is the bytes, or
+    a function reading rows r0..r1 of them (from the file). Row chunks are decoded into
+    the preallocated result, so a load holds the result plus a few MB of raw and
+    decoded values at a time, never two copies of a large tensor."""
     per_block, nbytes, decode, bits, group = FORMATS[type_name]
-    raw = raw.reshape(rows, (cols // per_block) * nbytes)
-    chunk = max(1, (1 << 22) // cols)
-    parts = []
-    for r0 in range(0, rows, chunk):
-        block_rows = raw[r0 : r0 + chunk].reshape(-1, nbytes)
-        u, scale, offset = decode(block_rows)
-        n = min(chunk, rows - r0)
-        ng = cols // group
-        # Every decoder yields one scale and offset per layout group.
-        scale, offset = scale.reshape(n, ng), offset.reshape(n, ng)
-        parts.append(pack(u.reshape(n, cols), scale, offset, bits, group, type_name))
-    if len(parts) == 1:
-        return parts[0]
-    return QuantizedTensor(
+    row_bytes = (cols // per_block) * nbytes
+    if isinstance(raw, torch.Tensor):
+        whole = raw.reshape(rows, row_bytes)
+        raw = lambda r0, r1: whole[r0:r1]  # noqa: E731
+    out = QuantizedTensor(
         bits,
         group,
-        torch.cat([p.packed for p in parts]),
-        torch.cat([p.hbits for p in parts]) if bits == 5 else parts[0].hbits,
-        torch.cat([p.scale for p in parts]),
-        torch.cat([p.minimum for p in parts]),
+        torch.empty(rows, cols if bits == 8 else cols // 2, dtype=torch.uint8),
+        torch.empty(rows, cols // 8 if bits == 5 else 0, dtype=torch.uint8),
+        torch.empty(rows, cols // group, dtype=torch.float16),
+        torch.empty(rows, cols // group, dtype=torch.float16),
         type_name,
     )
+    chunk = max(1, (1 << 22) // cols)
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        u, scale, offset = decode(raw(r0, r1).reshape(-1, nbytes))
+        # Every decoder yields one scale and offset per layout group.
+        n, ng = r1 - r0, cols // group
+        part = pack(u.reshape(n, cols), scale.reshape(n, ng), offset.reshape(n, ng), bits, group)
+        out.packed[r0:r1] = part.packed
+        out.hbits[r0:r1] = part.hbits.reshape(n, -1)
+        out.scale[r0:r1] = part.scale
+        out.minimum[r0:r1] = part.minimum
+    if bits != 5:  # the layout's convention: an empty tensor, not [rows, 0]
+        return dataclasses.replace(out, hbits=torch.empty(0, dtype=torch.uint8))
+    return out

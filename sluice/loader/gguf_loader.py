@@ -159,25 +159,33 @@ def tensor_entries(reader: GGUFReader) -> list[TensorEntry]:
     ]
 
 
-def _read(f: BinaryIO, entry: TensorEntry) -> np.ndarray:
-    """A tensor's bytes, read from the file into a buffer of its own: reading through
-    a memory map would leave every page of the file resident (counted in RSS) until
-    the map closes, doubling the peak memory of a load."""
-    buf = np.empty(entry.nbytes, dtype=np.uint8)
-    f.seek(entry.offset)
+def _read(f: BinaryIO, entry: TensorEntry, start: int = 0, size: int | None = None) -> np.ndarray:
+    """Bytes start..start+size of a tensor, read from the file into a buffer of their
+    own: reading through a memory map would leave every page of the file resident
+    (counted in RSS) until the map closes, doubling the peak memory of a load."""
+    size = entry.nbytes - start if size is None else size
+    buf = np.empty(size, dtype=np.uint8)
+    f.seek(entry.offset + start)
     if f.readinto(memoryview(buf)) != buf.nbytes:
         raise ValueError(f"GGUF file is truncated in tensor {entry.name!r}")
     return buf
 
 
-def _to_weight(buf: np.ndarray, entry: TensorEntry, keep_quantized: bool) -> Weight:
-    """Quantized types we have a layout for stay quantized (sluice/loader/gguf_blocks.py);
-    floats stay as stored; any other type is dequantized to float32."""
+def _to_weight(f: BinaryIO, entry: TensorEntry, keep_quantized: bool) -> Weight:
+    """Quantized types we have a layout for stay quantized (sluice/loader/gguf_blocks.py),
+    read a few MB of rows at a time; floats stay as stored; any other type is
+    dequantized to float32."""
     shape, type_name = entry.shape, entry.type_name
     cols = shape[-1]
     rows = int(np.prod(shape[:-1]))
     if keep_quantized and len(shape) == 2 and gguf_blocks.can_keep(type_name, cols):
-        return gguf_blocks.repack(torch.from_numpy(buf), type_name, rows, cols)
+        row_bytes = entry.nbytes // rows
+
+        def read_rows(r0: int, r1: int) -> torch.Tensor:
+            return torch.from_numpy(_read(f, entry, r0 * row_bytes, (r1 - r0) * row_bytes))
+
+        return gguf_blocks.repack(read_rows, type_name, rows, cols)
+    buf = _read(f, entry)
     if type_name in _FLOAT_TYPES:
         return torch.from_numpy(buf).view(_FLOAT_TYPES[type_name]).reshape(shape)
     arr = np.asarray(dequantize(buf, GGMLQuantizationType[type_name]), dtype=np.float32)
@@ -208,7 +216,7 @@ def tensors_from_gguf(
                 raise ValueError(
                     f"unexpected tensor {entry.name!r} in a {config.architecture} GGUF"
                 )
-            weight = _to_weight(_read(f, entry), entry, keep_quantized)
+            weight = _to_weight(f, entry, keep_quantized)
             if not keep_quantized and isinstance(weight, torch.Tensor):
                 weight = weight.float()
             if config.architecture == "llama":

@@ -154,9 +154,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, Weight]) -> None:
-        """Take Hugging Face-named weights, fusing q/k/v and gate/up. Quantized ones
-        (a GGUF's) stay quantized where the layer's method keeps them (BlockQuantized),
-        else are dequantized into the model's dtype."""
+        """Take Hugging Face-named weights, fusing q/k/v and gate/up (consumes
+        `tensors`: each entry is removed as it is loaded). Quantized ones (a GGUF's)
+        stay quantized where the layer's method keeps them (BlockQuantized), else are
+        dequantized into the model's dtype."""
         ck = _Checkpoint(tensors, self.embed_tokens.weight.dtype)
         embed = ck.take("model.embed_tokens.weight")
         if isinstance(embed, QuantizedTensor) and isinstance(self.lm_head.method, BlockQuantized):
@@ -213,9 +214,12 @@ class _Checkpoint:
         self.dtype = dtype
 
     def take(self, name: str) -> Weight:
+        """The weight, removed from the dict: once its layer holds it (fused,
+        converted), the loader's copy is freed layer by layer instead of all at the end,
+        which would double the peak memory of a load."""
         if name not in self.tensors:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
-        return self.tensors[name]
+        return self.tensors.pop(name)
 
     def dense(self, value: Weight) -> torch.Tensor:
         if isinstance(value, QuantizedTensor):
