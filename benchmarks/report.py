@@ -8,9 +8,10 @@ docs/benchmarks.md is hand-written prose around generated blocks:
 
 The name after `results:` is a benchmark kind (the `benchmark` field that
 `common.write_result` stores): throughput, single_stream, serve, prefix_cache,
-quantization. Every row names its result file, machine (CPU model, threads), kernel
-variant, commit and date, so no figure in the doc stands without the run behind it;
-tests/test_bench.py checks that the committed doc equals what this script generates.
+quantization, cpu_levels, gguf_models. Every row names its result file, machine (CPU
+model, threads), kernel variant, commit and date, so no figure in the doc stands without
+the run behind it; tests/test_bench.py checks that the committed doc equals what this
+script generates.
 
 Run from the repo root:
     .venv/bin/python benchmarks/report.py            # rewrite docs/benchmarks.md
@@ -295,6 +296,100 @@ def _cpu_levels(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _mib(x: float | None) -> str:
+    return "–" if x is None else f"{x / 2**20:,.0f}"
+
+
+def _gguf_memory(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        for alias, m in d["models"].items():
+            for system, s in m.get("memory", {}).items():
+                rows.append(
+                    [
+                        *_run_cells(name, d),
+                        f"{alias} ({m['gguf']})",
+                        system,
+                        _mib(m["file_bytes"]),
+                        _mib(s["baseline_rss"]),
+                        _mib(s["peak_rss"]),
+                        _mib(s["peak_minus_baseline"]),
+                        f"{_mib(s['kv_bytes'])} ({s['kv_tokens']:,} tokens)",
+                        _mib(s.get("weight_bytes")),
+                        f"{s['ratio_to_file']:.2f}",
+                    ]
+                )
+    headers = [
+        "model",
+        "system",
+        "file MiB",
+        "baseline RSS MiB",
+        "peak RSS MiB",
+        "peak − baseline",
+        "KV MiB",
+        "weights MiB",
+        "(peak − baseline − KV) / file",
+    ]
+    return _table(RUN_HEADERS + headers, rows) if rows else ""
+
+
+def _gguf_speed(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        for alias, m in d["models"].items():
+            if "speed" not in m:
+                continue
+            cmp = m["speed"]["comparison"]
+            for level in cmp["sides"]:
+                rows.append(
+                    [
+                        *_run_cells(name, d),
+                        alias,
+                        f"{level} ({m['speed']['dtype'][level]})",
+                        _spread(cmp, level, "sluice_tok_s"),
+                        _spread(cmp, level, "llamacpp_tok_s"),
+                        _spread(cmp, level, "ratio_to_llamacpp", digits=2),
+                        str(cmp["rounds"]),
+                    ]
+                )
+    headers = ["model", "level", "sluice tok/s", "llama.cpp tok/s", "sluice / llama.cpp", "rounds"]
+    return _table(RUN_HEADERS + headers, rows) if rows else ""
+
+
+def _ppl(p: dict[str, Any] | None) -> str:
+    return "–" if p is None else f"{p['perplexity']:.3f} ± {p['stderr']:.3f}"
+
+
+def _gguf_perplexity(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        for alias, m in d["models"].items():
+            if "perplexity" not in m:
+                continue
+            p = m["perplexity"]
+            ours, peer = p["systems"]["sluice"], p["systems"].get("llama.cpp")
+            same = peer is not None and peer["tokens_sha256"] == ours["tokens_sha256"]
+            rows.append(
+                [
+                    *_run_cells(name, d),
+                    alias,
+                    f"{p['chunks']} × {p['ctx']} ({ours['scored_tokens']:,} scored)",
+                    f"{ours['quantization']}, {ours['dtype']}",
+                    _ppl(ours),
+                    _ppl(peer),
+                    "yes" if same else "–",
+                ]
+            )
+    headers = ["model", "chunks", "sluice weights", "sluice ppl", "llama.cpp ppl", "same tokens"]
+    return _table(RUN_HEADERS + headers, rows) if rows else ""
+
+
+def _gguf_models(results: Sequence[Result]) -> str:
+    """Issue 13: memory, then decode speed per level, then perplexity (each when it ran)."""
+    tables = [t(results) for t in (_gguf_memory, _gguf_speed, _gguf_perplexity)]
+    return "\n".join(t for t in tables if t)
+
+
 RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "cpu_levels": _cpu_levels,
     "throughput": _throughput,
@@ -302,6 +397,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "serve": _serve,
     "prefix_cache": _prefix_cache,
     "quantization": _quantization,
+    "gguf_models": _gguf_models,
 }
 
 

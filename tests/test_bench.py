@@ -139,6 +139,52 @@ def _fake_results() -> dict[str, dict[str, Any]]:
     }
 
 
+def _fake_gguf_model() -> dict[str, Any]:
+    """One model of a gguf_models.py result: both memory sides, two levels, perplexity."""
+    mib = 2**20
+
+    def memory(peak: int, weights: int | None) -> dict[str, Any]:
+        base, kv = 300 * mib, 256 * mib
+        return {
+            "baseline_rss": base,
+            "peak_rss": peak * mib,
+            "peak_minus_baseline": peak * mib - base,
+            "kv_bytes": kv,
+            "kv_tokens": 11776,
+            "weight_bytes": weights,
+            "ratio_to_file": (peak * mib - base - kv) / (100 * mib),
+        }
+
+    def level(sluice: float, llama: float) -> list[dict[str, float]]:
+        one = {"sluice_tok_s": sluice, "llamacpp_tok_s": llama}
+        one["ratio_to_llamacpp"] = sluice / llama
+        return [one, one, one]
+
+    runs = {"avx512": level(150.0, 100.0), "avx2": level(90.0, 100.0)}
+    metrics = ["sluice_tok_s", "llamacpp_tok_s", "ratio_to_llamacpp"]
+
+    def ppl(p: float, se: float) -> dict[str, Any]:
+        return {"perplexity": p, "stderr": se, "scored_tokens": 5100, "tokens_sha256": "ab"}
+
+    return {
+        "gguf": "m.Q4_1.gguf",
+        "file_bytes": 100 * mib,
+        "memory": {"sluice": memory(690, 110 * mib), "llama.cpp": memory(700, None)},
+        "speed": {
+            "comparison": common.compare(runs, metrics, "avx512"),
+            "dtype": {"avx512": "bfloat16", "avx2": "float32"},
+        },
+        "perplexity": {
+            "chunks": 20,
+            "ctx": 512,
+            "systems": {
+                "sluice": {**ppl(20.512, 0.61), "quantization": "gguf", "dtype": "bfloat16"},
+                "llama.cpp": ppl(20.4, 0.6),
+            },
+        },
+    }
+
+
 # ---- common: interleaving, summaries, provenance ---------------------------------------------
 
 
@@ -355,8 +401,8 @@ def test_double_dash_keeps_its_meaning_elsewhere(monkeypatch: pytest.MonkeyPatch
 
 
 def test_comparison_scripts_take_rounds_and_output() -> None:
-    scripts = ["throughput", "single_stream", "serve", "prefix_cache"]
-    # One interpreter for all four: torch is imported once.
+    scripts = ["throughput", "single_stream", "serve", "prefix_cache", "gguf_models"]
+    # One interpreter for all of them: torch is imported once.
     code = (
         "import runpy, sys\n"
         "for script in sys.argv[1:]:\n"
@@ -435,8 +481,18 @@ def test_report_rows_name_their_run(tmp_path: Path) -> None:
     doc = report.DOC.read_text(encoding="utf-8")
     for key, name in (("prefix", "p.json"), ("single", "s.json"), ("quantization", "q.json")):
         (tmp_path / name).write_text(json.dumps(fake[key]))
+    gguf = {"smollm2-135m": _fake_gguf_model()}
+    (tmp_path / "g.json").write_text(
+        json.dumps({"benchmark": "gguf_models", "provenance": PROVENANCE, "models": gguf})
+    )
     full = report.render(doc, report.load_results(tmp_path))
     assert "1.20×" in full and "1/16" in full and "3.20×" in full
+    # gguf_models: a memory row per system, a speed row per level, a perplexity row
+    row = "| smollm2-135m (m.Q4_1.gguf) | sluice | 100 | 300 | 690 | 390 | 256 (11,776 tokens) "
+    assert row in full
+    assert "| 110 | 1.34 |" in full and "| – | 1.44 |" in full
+    assert "| smollm2-135m | avx2 (float32) | 90.0 (90.0–90.0) | 100.0 (100.0–100.0) |" in full
+    assert "| 20.512 ± 0.610 | 20.400 ± 0.600 | yes |" in full
     assert report.render(full, report.load_results(tmp_path)) == full
 
 
@@ -449,3 +505,22 @@ def test_report_refuses_results_it_cannot_place(tmp_path: Path) -> None:
     (tmp_path / "old.json").write_text(json.dumps({"benchmark": "serve", "levels": []}))
     with pytest.raises(report.ReportError, match="provenance"):
         report.load_results(tmp_path)
+
+
+def test_gguf_models_scoring_helpers() -> None:
+    from benchmarks import gguf_models
+
+    # llama-perplexity: ppl = exp(mean nll), stderr = ppl * sqrt(var / (n - 1))
+    s = gguf_models.nll_summary([1.0, 2.0, 3.0, 2.0])
+    assert s["perplexity"] == pytest.approx(math.exp(2.0))
+    assert s["stderr"] == pytest.approx(math.exp(2.0) * math.sqrt(0.5 / 3))
+    assert s["scored_tokens"] == 4
+    # Qwen2.5-0.5B: 24 layers, 2 KV heads of 64 (896 / 14), f16 K and V
+    meta = {
+        "general.architecture": "qwen2",
+        "qwen2.block_count": "24",
+        "qwen2.embedding_length": "896",
+        "qwen2.attention.head_count": "14",
+        "qwen2.attention.head_count_kv": "2",
+    }
+    assert gguf_models.llamacpp_kv_bytes(meta, 1000) == 24 * 1000 * 2 * 128 * 2
