@@ -20,6 +20,7 @@ also serves devices without our kernels.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,17 @@ class QuantizedTensor:
             self.scale[index].contiguous(),
             self.minimum[index].contiguous(),
             self.source,
+        )
+
+    def row_slice(self, start: int, stop: int) -> QuantizedTensor:
+        """Rows start..stop, as views (no copy)."""
+        hbits = self.hbits[start:stop] if self.hbits.numel() else self.hbits
+        return dataclasses.replace(
+            self,
+            packed=self.packed[start:stop],
+            hbits=hbits,
+            scale=self.scale[start:stop],
+            minimum=self.minimum[start:stop],
         )
 
     def widened(self, bits: int, group: int) -> QuantizedTensor:

@@ -6,8 +6,10 @@ import contextlib
 import ctypes
 import gc
 import logging
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from sluice.core.request import Request, RequestStatus
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.output import SequenceOutputState
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
+from sluice.layers.block_quant import weight_bytes
 from sluice.loader import load_model
 from sluice.outputs import CompletionOutput, Logprob, RequestMetricsOut, RequestOutput
 from sluice.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -26,6 +29,22 @@ from sluice.runner.sampler import Sampler
 from sluice.sampling_params import SamplingParams
 
 logger = logging.getLogger("sluice")
+
+
+def _file_bytes(path: Path) -> int:
+    """The model's size on disk (a file, or an HF directory's files)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident memory (Linux), None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _return_freed_memory() -> None:
@@ -111,15 +130,18 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
         self.startup_seconds = time.perf_counter() - t0
+        self.weight_bytes = weight_bytes(self.runner.model)
         # The instruction-set level of our CPU kernels ("off" on CUDA or without them).
         self.cpu_kernels = kernels.variant() if device.type == "cpu" else "off"
         logger.info(
-            "sluice ready in %.1fs: %s, %s, weights %s, CPU kernels %s, %d KV blocks of %d "
-            "tokens, max_model_len %d",
+            "sluice ready in %.1fs: %s, %s, weights %s (%.0f MiB in memory; the file: %.0f "
+            "MiB), CPU kernels %s, %d KV blocks of %d tokens, max_model_len %d",
             self.startup_seconds,
             mc.name,
             self.dtype,
             self.quantization,
+            self.weight_bytes / 2**20,
+            _file_bytes(self.model_path) / 2**20,
             self.cpu_kernels,
             num_blocks,
             config.block_size,
@@ -424,6 +446,8 @@ class LLMEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "quantization": self.quantization,
             "cpu_kernels": self.cpu_kernels,
+            "weight_bytes": self.weight_bytes,
+            "rss_bytes": _resident_bytes(),
         }
 
     def reset_prefix_cache(self) -> int:

@@ -39,11 +39,7 @@ def _dequantized_rows(
     lib: Library | None, qt: QuantizedTensor, start: int, stop: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Rows start..stop of W as a dense [rows, K] tensor in `dtype`."""
-    part = (
-        qt
-        if (start, stop) == (0, qt.shape[0])
-        else qt.rows(torch.arange(start, stop, device=qt.packed.device))
-    )
+    part = qt if (start, stop) == (0, qt.shape[0]) else qt.row_slice(start, stop)
     if lib is None:
         return dequantize(part, dtype)
     return qblock.qblock_dequantize(lib, *_kernel_args(part), dtype)

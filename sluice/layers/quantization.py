@@ -224,15 +224,17 @@ def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 @contextlib.contextmanager
 def quantized_kernels_only(model: torch.nn.Module) -> Iterator[None]:
     """Send every batch size through the weight-only kernels (prefills included), so an
-    accuracy measurement sees the weights that decoding multiplies by."""
+    accuracy measurement sees the weights and activations that decoding multiplies."""
     methods = [
         m.method
         for m in model.modules()
-        if isinstance(m, Linear) and isinstance(m.method, _WeightOnly)
+        if isinstance(m, Linear) and isinstance(m.method, _WeightOnly | BlockQuantized)
     ]
     saved = [m.dense_min_rows for m in methods]
     for m in methods:
-        if m.dense_min_rows:  # 0 marks a layer that must stay dense
+        # 0 marks a layer that must stay dense; a BlockQuantized layer without our
+        # kernels has only the dense path (1).
+        if m.dense_min_rows and not (isinstance(m, BlockQuantized) and m.lib is None):
             m.dense_min_rows = 1 << 30
     try:
         yield

@@ -84,6 +84,16 @@ class ServerMetrics:
                     "sluice_num_requests_pending",
                     "Requests not yet taken by the loop.",
                 ),
+                (
+                    "weight_bytes",
+                    "sluice_weight_bytes",
+                    "Bytes of the model's weights as held in memory (quantized or dense).",
+                ),
+                (
+                    "rss_bytes",
+                    "sluice_process_resident_bytes",
+                    "Resident memory of the engine's process (weights, KV pages in use, runtime).",
+                ),
             )
         }
 
