@@ -122,18 +122,20 @@ inline QbAcc qb_zero() { return 0.f; }
 // out[r] = sum_k W[k] x_r[k] for one weight row and R <= 4 pair-ordered fp32 rows.
 template <int BITS, int G, int R>
 inline void qbf_dot_rows(const QbRow& w, const float* const* xr, int np, float* out) {
-  QbAcc acc[2][R];
-  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = qb_zero();
+  QbAcc acc0[R], acc1[R];  // runs 0, 2 and runs 1, 3: two FMA chains a row
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = qb_zero();
   alignas(64) uint8_t buf[64];
   for (int p = 0; p < np; ++p) {
     const uint8_t* u = qb_pair_bytes<BITS>(w, p, buf);
-    for (int j = 0; j < 4; ++j) {
-      const int g = qb_run_group<G>(p, j);
-      qb_run_fma<R>(qb_run(u + 16 * j, qb_half(w.d[g]), qb_half(w.m[g])), xr, 64 * p + 16 * j,
-                    acc[j & 1]);
+    for (int j = 0; j < 4; j += 2) {
+      const int g0 = qb_run_group<G>(p, j), g1 = qb_run_group<G>(p, j + 1);
+      qb_run_fma<R>(qb_run(u + 16 * j, qb_half(w.d[g0]), qb_half(w.m[g0])), xr, 64 * p + 16 * j,
+                    acc0);
+      qb_run_fma<R>(qb_run(u + 16 * j + 16, qb_half(w.d[g1]), qb_half(w.m[g1])), xr,
+                    64 * p + 16 * j + 16, acc1);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = qb_sum(acc[0][r], acc[1][r]);
+  for (int r = 0; r < R; ++r) out[r] = qb_sum(acc0[r], acc1[r]);
 }
 
 template <int BITS, int G, typename T>
