@@ -47,9 +47,11 @@ inline float qb_half(uint16_t h) {
 // with one broadcast), and sx16, dx * sum(qx) per group of 16 in natural order.
 struct QBlockActivations : Q4Activations {
   std::vector<float> dx8, sx16;
+  // qblock: false skips dx8 and sx16, for rows only the int4 and int8 kernels read.
   template <typename T>
-  void quantize(const T* x, int M, int K) {
+  void quantize(const T* x, int M, int K, bool qblock = true) {
     Q4Activations::quantize(x, M, K);
+    if (!qblock) return;
     const int nb = K / 32;
     dx8.resize(static_cast<size_t>(M) * nb * 4);
     sx16.resize(static_cast<size_t>(M) * nb * 2);
