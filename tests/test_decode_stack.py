@@ -1,7 +1,8 @@
 """The one-call decoder stack for small CPU decode steps returns exactly what the
 Python model returns: the same tokens and bit-identical logprobs, whether it runs or
 not, with int4 and int8 weights, on the real model and on random Llama (head size 32,
-generic attention math) and Qwen2 (QKV biases) models."""
+generic attention math) and Qwen2 (QKV biases) models, and with the formats mixed per
+linear as GGUF files mix them (qblock layouts beside int4 and int8)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ from typing import Any
 import pytest
 import torch
 
-from sluice import LLM, SamplingParams
+from sluice import LLM, SamplingParams, kernels
 from sluice.attention.backend import AttentionMetadata
-from sluice.kernels import cpu
+from sluice.kernels import cpu, qblock
+from sluice.layers.linear import Linear, LinearMethod
+from sluice.layers.quantization import Int8WeightOnly
 from sluice.models import llama_decode_stack
+from sluice.models.llama_decode_stack import LlamaDecodeStack
 from tests.conftest import kernels_at
 from tests.test_architectures import build
+from tests.test_qblock_kernels import pack
 
 
 @pytest.fixture
@@ -95,7 +100,7 @@ def test_stack_equals_model_on_smollm2(level: str, quantization: str, dtype: str
 
 def assert_stack_equals_model_on_smollm2(quantization: str, dtype: str) -> None:
     llm = LLM(quantization=quantization, dtype=dtype, kv_cache_memory=0.05)
-    assert built_stack(llm).bits == int(quantization[-1])
+    assert built_stack(llm).formats == {int(quantization[-1])}  # FORMAT_INT4, FORMAT_INT8
     assert_stack_equals_model(llm, PROMPTS)
     llm = LLM(
         quantization=quantization, dtype=dtype, kv_cache_memory=0.05, max_num_batched_tokens=3
@@ -135,3 +140,68 @@ def test_stack_is_built_only_where_every_kernel_is_ours(
     assert llm.engine.runner.decode_stack is None
     monkeypatch.setattr(llama_decode_stack.kernels, "load", lambda: None)
     assert LLM(quantization="int4", kv_cache_memory=0.05).engine.runner.decode_stack is None
+
+
+class QBlockStub(LinearMethod):
+    """Stands in for the GGUF loader's BlockQuantized (the attributes the stack reads,
+    the tensors on the layer): a weight kept in a qblock layout, our kernel for fewer
+    than `dense_min_rows` rows and the dequantized weight for more."""
+
+    def __init__(self, layer: Linear, w: torch.Tensor, bits: int, group: int) -> None:
+        self.bits, self.group, self.lib, self.dense_min_rows = bits, group, kernels.load(), 4
+        n, k = w.shape
+        groups = w.float().view(n, k // group, group)
+        lo = groups.amin(-1)
+        d = ((groups.amax(-1) - lo) / (2**bits - 1)).clamp(min=1e-6).half()
+        m = lo.half()
+        u = ((groups - m.float()[..., None]) / d.float()[..., None]).round().clamp(0, 2**bits - 1)
+        weight = pack(u.view(n, k).long(), d, m, bits, group)
+        layer.qb_packed, layer.qb_hbits = weight.packed, weight.hbits
+        layer.qb_scale, layer.qb_min = weight.d, weight.m
+        self.dense = weight.dense()
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.lib is not None and x.shape[0] < self.dense_min_rows:
+            args = (layer.qb_packed, layer.qb_hbits, layer.qb_scale, layer.qb_min)
+            y = qblock.qblock_matmul(self.lib, x.contiguous(), *args, self.bits, self.group)
+        else:
+            y = torch.nn.functional.linear(x, self.dense.to(x.dtype))
+        return y if layer.bias is None else y + layer.bias
+
+
+def int4_weight(layer: Linear) -> torch.Tensor:
+    """The int4 layer's weight as its kernel sees it: q * scale + min per 32."""
+    lo, hi = layer.q4_packed & 15, layer.q4_packed >> 4
+    n = lo.shape[0]
+    q = torch.cat([lo.view(n, -1, 16), hi.view(n, -1, 16)], dim=-1).float()
+    return (q * layer.q4_scale[..., None].float() + layer.q4_min[..., None].float()).view(n, -1)
+
+
+def test_stack_equals_model_with_mixed_weight_formats(
+    tmp_path: Path, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, kernel_level: str
+) -> None:
+    # As a GGUF file mixes them: each linear its own format, qblock's beside int4 and
+    # int8, one format differing between layers (Q4_K_M's ffn_down).
+    monkeypatch.setattr(llama_decode_stack, "QBLOCK_METHODS", (QBlockStub,))
+    build("qwen2", tmp_path, smollm2_path)
+    llm = LLM(model=str(tmp_path), quantization="int4", dtype="float32", kv_cache_memory=0.02)
+    runner = llm.engine.runner
+    first, second = runner.model.layers[0], runner.model.layers[1]
+    formats: list[tuple[Linear, int, int]] = [
+        (first.self_attn.o_proj, 5, 32),
+        (first.mlp.gate_up_proj, 8, 16),
+        (first.mlp.down_proj, 4, 16),
+        (second.self_attn.qkv_proj, 5, 16),
+        (second.mlp.down_proj, 8, 32),
+    ]
+    for layer, bits, group in formats:
+        layer.method = QBlockStub(layer, int4_weight(layer), bits, group)
+    o = second.self_attn.o_proj
+    o.weight = torch.nn.Parameter(int4_weight(o), requires_grad=False)
+    o.method = Int8WeightOnly()
+    o.method.process_weight(o)
+    runner.decode_stack = LlamaDecodeStack.build(runner.model, runner.backend, runner.kv_caches)
+    assert built_stack(llm).formats == {4, 8, 532, 816, 416, 516, 832}
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 9, 17)]
+    assert_stack_equals_model(llm, prompts)

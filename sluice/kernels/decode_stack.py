@@ -5,13 +5,15 @@ The table's fields are defined once, in csrc/decode_stack_fields.h; the library 
 their names in order (`field_names`). A caller fills each layer as a mapping from those
 names to tensors, and `LayerTable` orders it by the library's names, so a field that is
 added, removed or moved on the C++ side cannot shift the table silently: a name the
-caller does not fill, or one the library does not know, is an error.
+caller does not fill, or one the library does not know, is an error. A field is a
+tensor (its address), None (null) or an int stored as is (a linear's format).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 
@@ -33,8 +35,8 @@ _FIELD = c_function("sluice_decode_stack_field", STRING, INT)
 _DECODE_STACK = c_function(
     "sluice_decode_stack",
     None,
-    # bf16, bits, the layer table
-    *(INT, INT, POINTER),
+    # bf16, the layer table
+    *(INT, POINTER),
     # layers, hidden, heads, kv_heads, head_dim, inter, block_size, eps, scale
     *(INT, INT, INT, INT, INT, INT, INT, FLOAT, FLOAT),
     # h, cos, sin, rows
@@ -42,6 +44,19 @@ _DECODE_STACK = c_function(
     # slots, block tables, max_blocks, query_start, ctx_end, seqs
     *(POINTER, POINTER, INT64, POINTER, POINTER, INT),
 )
+
+
+# A field's value: a tensor's address, null, or an integer such as a linear's format.
+Field: TypeAlias = torch.Tensor | int | None
+
+# A linear's format field (csrc/decode_stack_fields.h): which kernel reads its weight.
+FORMAT_INT4 = 4  # the int4 kernel (q4_matmul)
+FORMAT_INT8 = 8  # the per-channel int8 kernel (q8_matmul)
+
+
+def qblock_format(bits: int, group: int) -> int:
+    """The format field of a qblock weight (csrc/qblock.h)."""
+    return bits * 100 + group
 
 
 def field_names(lib: Library) -> tuple[str, ...]:
@@ -60,10 +75,10 @@ class LayerTable:
     It holds the tensors it points to, so none of them is freed while the table lives.
     """
 
-    def __init__(self, lib: Library, layers: Sequence[Mapping[str, torch.Tensor | None]]) -> None:
+    def __init__(self, lib: Library, layers: Sequence[Mapping[str, Field]]) -> None:
         self.names = field_names(lib)
         known = set(self.names)
-        self.tensors: list[list[torch.Tensor | None]] = []
+        self.tensors: list[list[Field]] = []
         for i, layer in enumerate(layers):
             unknown, missing = set(layer) - known, known - set(layer)
             if unknown or missing:
@@ -72,7 +87,7 @@ class LayerTable:
                     f"{sorted(unknown)}, fields it needs that are not filled {sorted(missing)}"
                 )
             self.tensors.append([layer[name] for name in self.names])
-        rows = [[ptr_or_null(t) for t in row] for row in self.tensors]
+        rows = [[t if isinstance(t, int) else ptr_or_null(t) for t in row] for row in self.tensors]
         self.pointers = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), len(self.names))
 
 
@@ -94,7 +109,6 @@ class StackShape:
 def decode_stack(
     lib: Library,
     table: LayerTable,
-    bits: int,  # of every linear's weights: 4 or 8
     shape: StackShape,
     h: torch.Tensor,  # [rows, hidden] contiguous: the embeddings in, the output out
     cos: torch.Tensor,  # [rows, head_dim / 2] contiguous, h's dtype
@@ -109,7 +123,6 @@ def decode_stack(
     _DECODE_STACK(
         lib,
         is_bf16(h),
-        bits,
         ptr(table.pointers),
         shape.layers,
         shape.hidden,

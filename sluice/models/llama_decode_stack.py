@@ -5,9 +5,11 @@ A 1-token step through the Python model spends about as long in per-op overhead
 arithmetic.
 `sluice_decode_stack` (sluice/kernels/csrc/decode_stack.cpp) runs all layers inside
 one parallel region with the same kernels, so it returns exactly what the model's
-forward would. It applies where every one of those kernels is ours: CPU, int4 or int8
-weights on our kernels, the paged attention kernel, no QK-norm; and to steps whose every
-token is a short-chunk query with at most as many rows as our int4 kernel takes.
+forward would. It applies where every one of those kernels is ours: CPU, every linear on one of our
+weight kernels (int4, per-channel int8, or a GGUF weight kept in a qblock layout; each
+linear has its own format, as GGUF files mix them per layer), the paged attention
+kernel, no QK-norm; and to steps whose every token is a short-chunk query with fewer
+rows than any of those linears hands to its dense path.
 Anything else goes through the model as usual.
 
 Each layer's pointers are filled by field name (`layer_fields`); the binding orders them
@@ -17,21 +19,52 @@ layout is defined once, in sluice/kernels/csrc/decode_stack_fields.h.
 
 from __future__ import annotations
 
-from typing import cast
+import importlib
+from typing import Protocol, cast
 
 import torch
 
 from sluice import kernels
 from sluice.attention.backend import AttentionBackend, AttentionMetadata
-from sluice.kernels import Library, decode_stack
+from sluice.kernels import Library, decode_stack, qblock
 from sluice.kernels import fused as fused_kernels
-from sluice.layers.linear import Linear
+from sluice.kernels.decode_stack import Field
+from sluice.layers.linear import Linear, LinearMethod
 from sluice.layers.quantization import Int4WeightOnly, Int8WeightOnly
 from sluice.models.llama import DecoderLayer, LlamaForCausalLM
 
 # A layer's row of the stack's table: field name (csrc/decode_stack_fields.h) -> tensor,
-# None for a null pointer.
-Fields = dict[str, torch.Tensor | None]
+# None for a null pointer, or an int (a linear's format).
+Fields = dict[str, Field]
+
+
+class _KernelMethod(Protocol):
+    """What the stack reads off a weight-only method on our kernels."""
+
+    lib: Library | None
+    dense_min_rows: int  # rows from which the eager layer runs its dense path instead
+
+
+class _QBlockMethod(_KernelMethod, Protocol):
+    @property
+    def bits(self) -> int: ...
+    @property
+    def group(self) -> int: ...
+
+
+def _qblock_methods() -> tuple[type[LinearMethod], ...]:
+    """The methods whose layers hold qblock weights (layer.qb_packed, qb_hbits, qb_scale,
+    qb_min): the GGUF loader's BlockQuantized, looked up by name so this module does not
+    depend on the loader being installed with it."""
+    try:
+        module = importlib.import_module("sluice.layers.block_quant")
+    except ImportError:
+        return ()
+    method: type[LinearMethod] = module.BlockQuantized
+    return (method,)
+
+
+QBLOCK_METHODS = _qblock_methods()
 
 
 def _tensor(layer: Linear, name: str) -> torch.Tensor:
@@ -41,29 +74,55 @@ def _tensor(layer: Linear, name: str) -> torch.Tensor:
     return t
 
 
+def _qblock_weights(layer: Linear) -> tuple[int, tuple[Field, ...]] | None:
+    """(format, (packed, hbits, scale, min)) of a layer on the qblock kernel."""
+    method = cast(_QBlockMethod, layer.method)
+    if method.lib is None or getattr(layer, "qb_packed", None) is None:
+        return None  # a weight the method keeps dense
+    if (method.bits, method.group) not in qblock.FORMATS:
+        return None
+    hbits = _tensor(layer, "qb_hbits")
+    weights = (
+        _tensor(layer, "qb_packed"),
+        hbits if hbits.numel() else None,
+        _tensor(layer, "qb_scale"),
+        _tensor(layer, "qb_min"),
+    )
+    return decode_stack.qblock_format(method.bits, method.group), weights
+
+
 def _linear_fields(name: str, layer: Linear, bias_allowed: bool) -> tuple[int, Fields] | None:
-    """(weight bits, the fields `name`_packed/_scale/_min of the kernel's weights) where
-    the layer runs on our int4 or int8 kernel; None otherwise."""
+    """(format, the fields `name`_packed/_hbits/_scale/_min/_format) where the layer
+    runs on one of our weight kernels; None otherwise."""
     method = layer.method
     if layer.bias is not None and not bias_allowed:
         return None
-    weights: tuple[torch.Tensor | None, ...]
+    found: tuple[int, tuple[Field, ...]] | None
     if isinstance(method, Int4WeightOnly) and method.lib is not None:
-        bits, weights = 4, tuple(_tensor(layer, w) for w in ("q4_packed", "q4_scale", "q4_min"))
+        w4 = tuple(_tensor(layer, w) for w in ("q4_packed", "q4_scale", "q4_min"))
+        found = decode_stack.FORMAT_INT4, (w4[0], None, w4[1], w4[2])
     elif isinstance(method, Int8WeightOnly) and method.lib is not None:
         # int8 has no minimum: a null pointer
-        bits, weights = 8, (_tensor(layer, "q8_packed"), _tensor(layer, "q8_scale"), None)
+        w8 = (_tensor(layer, "q8_packed"), None, _tensor(layer, "q8_scale"), None)
+        found = decode_stack.FORMAT_INT8, w8
+    elif isinstance(method, QBLOCK_METHODS):
+        found = _qblock_weights(layer)
     else:
+        found = None
+    if found is None:
         return None
-    names = (f"{name}_packed", f"{name}_scale", f"{name}_min")
-    return bits, dict(zip(names, weights, strict=True))
+    fmt, weights = found
+    names = [f"{name}_{field}" for field in ("packed", "hbits", "scale", "min")]
+    fields: Fields = dict(zip(names, weights, strict=True))
+    fields[f"{name}_format"] = fmt
+    return fmt, fields
 
 
 def layer_fields(
     layer: DecoderLayer, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype
 ) -> tuple[set[int], Fields] | None:
-    """(the weight bits of its linears, the layer's fields by name) where every part of
-    the layer runs on our kernels in `dtype`; None otherwise."""
+    """(the formats of its linears, the layer's fields by name) where every part of the
+    layer runs on our kernels in `dtype`; None otherwise."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = [
         _linear_fields("qkv", attn.qkv_proj, bias_allowed=True),
@@ -89,7 +148,7 @@ def layer_fields(
     }
     for _, linear in found:
         fields.update(linear)
-    return {bits for bits, _ in found}, fields
+    return {fmt for fmt, _ in found}, fields
 
 
 class LlamaDecodeStack:
@@ -99,13 +158,13 @@ class LlamaDecodeStack:
         self,
         lib: Library,
         model: LlamaForCausalLM,
-        bits: int,
+        formats: frozenset[int],
         table: decode_stack.LayerTable,
         max_rows: int,
         block_size: int,
     ) -> None:
         self.lib = lib
-        self.bits = bits  # of every linear's weights: 4 or 8
+        self.formats = formats  # of the linears' weights (decode_stack.FORMAT_*, qblock's)
         self.model = model
         self.table = table  # every layer's pointers; it holds the tensors they point to
         self.max_rows = max_rows
@@ -144,24 +203,24 @@ class LlamaDecodeStack:
         ):
             return None
         rows: list[Fields] = []
-        bits: set[int] = set()
+        formats: set[int] = set()
         max_rows = 1 << 30
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
             found = layer_fields(layer, k_cache, v_cache, dtype)
             if found is None:
                 return None
-            bits |= found[0]
+            formats |= found[0]
             rows.append(found[1])
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                # layer_fields returned fields, so every linear runs a weight-only method.
-                method = cast("Int4WeightOnly | Int8WeightOnly", linear.method)
+                # layer_fields returned fields, so every linear runs one of our kernels.
+                method = cast(_KernelMethod, linear.method)
                 max_rows = min(max_rows, method.dense_min_rows - 1)
-        if max_rows < 1 or len(bits) != 1:
-            return None  # one weight format throughout: the stack takes one `bits`
+        if max_rows < 1:
+            return None
         block_size = kv_caches[0][0].shape[2]  # pools are [blocks, kv_heads, block_size, d]
         table = decode_stack.LayerTable(lib, rows)  # in the library's field order
-        return cls(lib, model, bits.pop(), table, max_rows, block_size)
+        return cls(lib, model, frozenset(formats), table, max_rows, block_size)
 
     def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Steps whose tokens all go to the paged kernel and our weight-only kernels (and
@@ -180,7 +239,6 @@ class LlamaDecodeStack:
         return decode_stack.decode_stack(
             self.lib,
             self.table,
-            self.bits,
             self.shape,
             h,
             cos,

@@ -7,8 +7,9 @@
 // `omp for` loops, and the small elementwise steps run on one thread between barriers.
 //
 // It calls the same kernels, in the same order and with the same roundings, as the
-// eager model with int4 or int8 weights on our kernels (sluice/models/llama.py), so its
-// output is bit-identical to that path (tests/test_decode_stack.py checks it).
+// eager model with its weights on our kernels (int4, int8, or GGUF blocks kept in
+// qblock layouts, each linear in its own format; sluice/models/llama.py), so its output
+// is bit-identical to that path (tests/test_decode_stack.py checks it).
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "paged_attention.h"
 #include "q4_matmul.h"
 #include "q8_matmul.h"
+#include "qblock.h"
 
 namespace {
 
@@ -29,12 +31,20 @@ namespace {
 enum Field { SLUICE_DECODE_STACK_FIELDS(SLUICE_FIELD_ENUM) kLayerFields };
 #undef SLUICE_FIELD_ENUM
 
-// linear() finds a linear's scale and min right after its packed weight.
-static_assert(kQkvScale == kQkvPacked + 1 && kQkvMin == kQkvPacked + 2, "qkv fields");
-static_assert(kOScale == kOPacked + 1 && kOMin == kOPacked + 2, "o fields");
-static_assert(kGateUpScale == kGateUpPacked + 1 && kGateUpMin == kGateUpPacked + 2,
-              "gate_up fields");
-static_assert(kDownScale == kDownPacked + 1 && kDownMin == kDownPacked + 2, "down fields");
+// linear() finds a linear's hbits, scale, min and format right after its packed weight.
+#define SLUICE_LINEAR_FIELDS(p)                                                          \
+  static_assert(k##p##Hbits == k##p##Packed + 1 && k##p##Scale == k##p##Packed + 2 &&    \
+                    k##p##Min == k##p##Packed + 3 && k##p##Format == k##p##Packed + 4,   \
+                #p " fields");
+SLUICE_LINEAR_FIELDS(Qkv)
+SLUICE_LINEAR_FIELDS(O)
+SLUICE_LINEAR_FIELDS(GateUp)
+SLUICE_LINEAR_FIELDS(Down)
+#undef SLUICE_LINEAR_FIELDS
+
+// A linear's format field (decode_stack_fields.h): the int4 kernel, the per-channel
+// int8 kernel, or qblock's bits * 100 + group.
+constexpr int64_t kFormatInt4 = 4, kFormatInt8 = 8;
 
 #define SLUICE_FIELD_NAME(suffix, name) #name,
 constexpr const char* kFieldNames[] = {SLUICE_DECODE_STACK_FIELDS(SLUICE_FIELD_NAME)};
@@ -42,7 +52,6 @@ constexpr const char* kFieldNames[] = {SLUICE_DECODE_STACK_FIELDS(SLUICE_FIELD_N
 static_assert(sizeof(kFieldNames) / sizeof(kFieldNames[0]) == kLayerFields, "field names");
 
 struct Shape {
-  int bits;  // of every linear's weights: 4 or 8
   int layers, hidden, heads, kv_heads, head_dim, inter, block_size;
   float eps, scale;
 };
@@ -62,17 +71,29 @@ const T* at(const int64_t* layer, Field f) {
   return reinterpret_cast<const T*>(layer[f]);
 }
 
-// y [M, N] = x @ W.T for the linear whose fields start at `packed` (its kernel's
-// orphaned omp for, barrier at the end).
+// y [M, N] = x @ W.T for the linear whose fields start at `packed`, on the kernel its
+// format names (that kernel's orphaned omp for, barrier at the end).
 template <typename T>
-void linear(const Shape& s, const int64_t* layer, Field packed, const sluice::Q4Activations& xa,
-            int M, int K, int N, T* y) {
+void linear(const int64_t* layer, Field packed, const sluice::QBlockActivations& xa, int M,
+            int K, int N, T* y) {
   const auto* q = at<uint8_t>(layer, packed);
-  if (s.bits == 4)
-    sluice::q4_rows(xa, M, K, q, at<uint16_t>(layer, Field(packed + 1)),
-                    at<uint16_t>(layer, Field(packed + 2)), N, y);
+  const int64_t format = layer[packed + 4];
+  if (format == kFormatInt4)
+    sluice::q4_rows(xa, M, K, q, at<uint16_t>(layer, Field(packed + 2)),
+                    at<uint16_t>(layer, Field(packed + 3)), N, y);
+  else if (format == kFormatInt8)
+    sluice::q8_rows(xa, M, K, q, at<float>(layer, Field(packed + 2)), N, y);
   else
-    sluice::q8_rows(xa, M, K, q, at<float>(layer, Field(packed + 1)), N, y);
+    sluice::qblock_rows(xa, M, K, static_cast<int>(format / 100), static_cast<int>(format % 100),
+                        q, at<uint8_t>(layer, Field(packed + 1)),
+                        at<uint16_t>(layer, Field(packed + 2)),
+                        at<uint16_t>(layer, Field(packed + 3)), N, y);
+}
+
+// Whether the linear at `packed` needs qblock's extra activation sums.
+inline bool wants_qblock(const int64_t* layer, Field packed) {
+  const int64_t format = layer[packed + 4];
+  return format != kFormatInt4 && format != kFormatInt8;
 }
 
 template <typename T>
@@ -84,7 +105,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
   std::vector<T> residual(static_cast<size_t>(M) * H), x(residual.size());
   std::vector<T> qkv(static_cast<size_t>(M) * qkv_n), attn(static_cast<size_t>(M) * q_size);
   std::vector<T> gate_up(static_cast<size_t>(M) * 2 * s.inter), act(static_cast<size_t>(M) * s.inter);
-  sluice::Q4Activations xa;
+  sluice::QBlockActivations xa;
 #pragma omp parallel
   for (int l = 0; l < s.layers; ++l) {
     const int64_t* L = fields + static_cast<int64_t>(l) * kLayerFields;
@@ -97,9 +118,9 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
       } else {
         sluice::add_rms_norm<T>(h, residual.data(), at<T>(L, kInputNorm), x.data(), M, H, s.eps);
       }
-      xa.quantize(x.data(), M, H);
+      xa.quantize(x.data(), M, H, wants_qblock(L, kQkvPacked));
     }
-    linear(s, L, kQkvPacked, xa, M, H, qkv_n, qkv.data());
+    linear(L, kQkvPacked, xa, M, H, qkv_n, qkv.data());
 #pragma omp single
     {
       if (const T* bias = at<T>(L, kQkvBias))
@@ -119,20 +140,20 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
                          s.kv_heads, s.head_dim, s.block_size, s.scale,
                          static_cast<int64_t>(qkv_n));
 #pragma omp single
-    xa.quantize(attn.data(), M, q_size);
-    linear(s, L, kOPacked, xa, M, q_size, H, h);
+    xa.quantize(attn.data(), M, q_size, wants_qblock(L, kOPacked));
+    linear(L, kOPacked, xa, M, q_size, H, h);
 #pragma omp single
     {
       sluice::add_rms_norm<T>(h, residual.data(), at<T>(L, kPostNorm), x.data(), M, H, s.eps);
-      xa.quantize(x.data(), M, H);
+      xa.quantize(x.data(), M, H, wants_qblock(L, kGateUpPacked));
     }
-    linear(s, L, kGateUpPacked, xa, M, H, 2 * s.inter, gate_up.data());
+    linear(L, kGateUpPacked, xa, M, H, 2 * s.inter, gate_up.data());
 #pragma omp single
     {
       sluice::silu_and_mul(gate_up.data(), act.data(), M, s.inter);
-      xa.quantize(act.data(), M, s.inter);
+      xa.quantize(act.data(), M, s.inter, wants_qblock(L, kDownPacked));
     }
-    linear(s, L, kDownPacked, xa, M, s.inter, H, h);
+    linear(L, kDownPacked, xa, M, s.inter, H, h);
   }
   // The model's output is the last layer's MLP output plus the residual stream.
   for (int64_t i = 0; i < static_cast<int64_t>(M) * H; ++i)
@@ -152,12 +173,12 @@ const char* sluice_decode_stack_field(int i) {
 
 // h [rows, hidden]: the embeddings in, the stack's output (before the final norm) out.
 // cos/sin [rows, head_dim / 2]; slots, tables, q_start, ctx_end as for the paged kernel.
-void sluice_decode_stack(int bf16, int bits, const int64_t* fields, int layers, int hidden, int heads,
+void sluice_decode_stack(int bf16, const int64_t* fields, int layers, int hidden, int heads,
                          int kv_heads, int head_dim, int inter, int block_size, float eps,
                          float scale, void* h, const void* cos, const void* sin, int rows,
                          const int64_t* slots, const int64_t* tables, int64_t max_blocks,
                          const int64_t* q_start, const int64_t* ctx_end, int seqs) {
-  const Shape s{bits, layers, hidden, heads, kv_heads, head_dim, inter, block_size, eps, scale};
+  const Shape s{layers, hidden, heads, kv_heads, head_dim, inter, block_size, eps, scale};
   const Batch b{rows, slots, tables, max_blocks, q_start, ctx_end, seqs};
   if (bf16)
     run(s, fields, b, static_cast<uint16_t*>(h), static_cast<const uint16_t*>(cos),

@@ -47,9 +47,11 @@ inline float qb_half(uint16_t h) {
 // with one broadcast), and sx16, dx * sum(qx) per group of 16 in natural order.
 struct QBlockActivations : Q4Activations {
   std::vector<float> dx8, sx16;
+  // qblock: false skips dx8 and sx16, for rows only the int4 and int8 kernels read.
   template <typename T>
-  void quantize(const T* x, int M, int K) {
+  void quantize(const T* x, int M, int K, bool qblock = true) {
     Q4Activations::quantize(x, M, K);
+    if (!qblock) return;
     const int nb = K / 32;
     dx8.resize(static_cast<size_t>(M) * nb * 4);
     sx16.resize(static_cast<size_t>(M) * nb * 2);
@@ -110,9 +112,18 @@ inline float qb_half_dot(const uint16_t* h, const float* s, int n) {
 #endif
 }
 
-// ---- Integer dot products: out[r] = sum_p sum_runs d * dx * sum(u qx), for R <= 4
-// activation rows (xr[r]: pair-ordered int8, dx8r[r]: that row's dx8). The per-row
-// arithmetic does not depend on R, so a row's result is the same in any batch.
+// ---- Integer dot products: out[r] = sum_k W[k] x_r[k] for one weight row and R <= 4
+// activation rows, minimum terms included. The per-row arithmetic does not depend on
+// R, so a row's result is the same in any batch.
+
+// R activation rows: pair-ordered int8 values, dx8, and dx * sum(qx) per weight group.
+template <int R>
+struct QbActRows {
+  const int8_t* x[R];
+  const float* dx[R];
+  const float* dx8[R];
+  const float* sx[R];
+};
 
 #if defined(SLUICE_ISA_AVX512)
 // Pair p's 64 values u, byte i = position i.
@@ -149,22 +160,61 @@ inline __m512 qb_pair_d(const uint16_t* d, int p) {
   }
 }
 
-template <int BITS, int G, int R>
-inline void qb_dot_rows(const QbRow& w, const int8_t* const* xr, const float* const* dx8r,
-                        int np, float* out) {
-  __m512 acc[2][R];
-  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
-  for (int p = 0; p < np; ++p) {
-    const __m512i u = qb_unpack<BITS>(w, p);
-    const __m512 dv = qb_pair_d<G>(w.d, p);
-    for (int r = 0; r < R; ++r) {
-      const __m512i x = _mm512_loadu_si512(xr[r] + 64 * p);
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x));
-      const __m512 dx = _mm512_broadcast_f32x8(_mm256_loadu_ps(dx8r[r] + 8 * p));
-      acc[p & 1][r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, dx), acc[p & 1][r]);
-    }
+// Pair p's d * dx per lane, for one activation row (dx: its block scales).
+template <int G>
+inline __m512 qb_pair_scale(const uint16_t* d, const float* dx, int p) {
+  const __m128 dx2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dx + 2 * p)));
+  if constexpr (G == 32) {
+    int32_t d2;
+    std::memcpy(&d2, d + 2 * p, sizeof(d2));
+    const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m128 s = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d2)), dx2);
+    return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s));
+  } else {  // groups 4p..4p+3 belong to blocks 2p, 2p, 2p+1, 2p+1
+    const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0);
+    const __m128i d4 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + 4 * p));
+    const __m128 s = _mm_mul_ps(_mm_cvtph_ps(d4), _mm_permute_ps(dx2, _MM_SHUFFLE(1, 1, 0, 0)));
+    return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s));
   }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]));
+}
+
+// acc[r] += pair p's share of row r.
+template <int BITS, int G, int R>
+inline void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __m512* acc) {
+  const __m512i u = qb_unpack<BITS>(w, p);
+  if constexpr (R == 1) {  // decode: d * dx on 2 or 4 lanes, then spread (the same products)
+    const __m512 dot = _mm512_cvtepi32_ps(
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a.x[0] + 64 * p)));
+    acc[0] = _mm512_fmadd_ps(dot, qb_pair_scale<G>(w.d, a.dx[0], p), acc[0]);
+    return;
+  }
+  const __m512 dv = qb_pair_d<G>(w.d, p);
+  for (int r = 0; r < R; ++r) {
+    const __m512i x = _mm512_loadu_si512(a.x[r] + 64 * p);
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x));
+    const __m512 dx = _mm512_broadcast_f32x8(_mm256_loadu_ps(a.dx8[r] + 8 * p));
+    acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, dx), acc[r]);
+  }
+}
+
+template <int BITS, int G, int R>
+inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, float* out) {
+  // Two accumulators a row: consecutive pairs do not wait on each other's FMA.
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  int p = 0;
+  for (; p + 1 < np; p += 2) {
+    qb_pair_step<BITS, G, R>(w, a, p, acc0);
+    qb_pair_step<BITS, G, R>(w, a, p + 1, acc1);
+  }
+  if (p < np) qb_pair_step<BITS, G, R>(w, a, p, acc0);
+  // The minimum terms: sum_g m_g * sx_g, 16 groups at a time.
+  for (int g = 0; g < ng; g += 16) {
+    const __mmask16 k = ng - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (ng - g)) - 1);
+    const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, w.m + g));
+    for (int r = 0; r < R; ++r) acc1[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, a.sx[r] + g), acc1[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
 }
 #elif defined(SLUICE_ISA_AVX2)
 // Pair p's values as two halves: positions 0..31 (runs 0, 1) and 32..63 (runs 2, 3).
@@ -223,36 +273,58 @@ inline __m256i qb_maddubs(__m256i u, __m256i x) {
 }
 
 template <int BITS, int G, int R>
-inline void qb_dot_rows(const QbRow& w, const int8_t* const* xr, const float* const* dx8r,
-                        int np, float* out) {
+inline void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __m256* acc) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[2][R];
-  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
-  for (int p = 0; p < np; ++p) {
-    __m256i lo, hi;
-    __m256 dlo, dhi;
-    qb_unpack<BITS>(w, p, lo, hi);
-    qb_pair_d<G>(w.d, p, dlo, dhi);
-    for (int r = 0; r < R; ++r) {
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + 64 * p));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + 64 * p + 32));
-      const __m256i plo = qb_maddubs<BITS>(lo, x0), phi = qb_maddubs<BITS>(hi, x1);
-      const __m256 dx = _mm256_loadu_ps(dx8r[r] + 8 * p);
-      __m256 t;
-      if constexpr (G == 32 && BITS != 8) {  // both halves share their blocks' d
-        t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(plo, phi), ones)), dlo);
-      } else if constexpr (G == 32) {
-        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(plo, ones), _mm256_madd_epi16(phi, ones));
-        t = _mm256_mul_ps(_mm256_cvtepi32_ps(s), dlo);
-      } else {
-        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(plo, ones)), dlo,
-                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(phi, ones)), dhi));
-      }
-      acc[p & 1][r] = _mm256_fmadd_ps(t, dx, acc[p & 1][r]);
+  __m256i lo, hi;
+  __m256 dlo, dhi;
+  qb_unpack<BITS>(w, p, lo, hi);
+  qb_pair_d<G>(w.d, p, dlo, dhi);
+  for (int r = 0; r < R; ++r) {
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x[r] + 64 * p));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x[r] + 64 * p + 32));
+    const __m256i plo = qb_maddubs<BITS>(lo, x0), phi = qb_maddubs<BITS>(hi, x1);
+    const __m256 dx = _mm256_loadu_ps(a.dx8[r] + 8 * p);
+    __m256 t;
+    if constexpr (G == 32 && BITS != 8) {  // both halves share their blocks' d
+      t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(plo, phi), ones)), dlo);
+    } else if constexpr (G == 32) {
+      const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(plo, ones), _mm256_madd_epi16(phi, ones));
+      t = _mm256_mul_ps(_mm256_cvtepi32_ps(s), dlo);
+    } else {
+      t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(plo, ones)), dlo,
+                          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(phi, ones)), dhi));
     }
+    acc[r] = _mm256_fmadd_ps(t, dx, acc[r]);
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc[0][r], acc[1][r]));
 }
+
+template <int BITS, int G, int R>
+inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, float* out) {
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  int p = 0;
+  for (; p + 1 < np; p += 2) {
+    qb_pair_step<BITS, G, R>(w, a, p, acc0);
+    qb_pair_step<BITS, G, R>(w, a, p + 1, acc1);
+  }
+  if (p < np) qb_pair_step<BITS, G, R>(w, a, p, acc0);
+  // The minimum terms sum_g m_g * sx_g; for 8 bits also the sign trick's offset,
+  // 128 * d_g * sx_g.
+  int g = 0;
+  for (; g + 8 <= ng; g += 8) {
+    __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.m + g)));
+    if constexpr (BITS == 8)
+      mv = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + g))),
+                           _mm256_set1_ps(128.f), mv);
+    for (int r = 0; r < R; ++r) acc1[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(a.sx[r] + g), acc1[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+  for (; g < ng; ++g) {
+    const float mg = qb_half(w.m[g]) + (BITS == 8 ? 128.f * qb_half(w.d[g]) : 0.f);
+    for (int r = 0; r < R; ++r) out[r] += mg * a.sx[r][g];
+  }
+}
+
 #else
 // Pair p's 64 values u in position order.
 template <int BITS>
@@ -286,17 +358,21 @@ __attribute__((noinline)) inline float qb_pair_dot(const uint8_t* u, const float
   return sum;
 }
 
+__attribute__((noinline)) inline float qb_min_dot(const uint16_t* m, const float* sx, int ng) {
+  return qb_half_dot(m, sx, ng);
+}
+
 template <int BITS, int G, int R>
-inline void qb_dot_rows(const QbRow& w, const int8_t* const* xr, const float* const* dx8r,
-                        int np, float* out) {
+inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, float* out) {
   for (int r = 0; r < R; ++r) out[r] = 0.f;
   uint8_t u[64];
   for (int p = 0; p < np; ++p) {
     qb_unpack<BITS>(w, p, u);
     float d[4];
     for (int j = 0; j < 4; ++j) d[j] = half_to_float(w.d[qb_run_group<G>(p, j)]);
-    for (int r = 0; r < R; ++r) out[r] += qb_pair_dot(u, d, xr[r] + 64 * p, dx8r[r] + 8 * p);
+    for (int r = 0; r < R; ++r) out[r] += qb_pair_dot(u, d, a.x[r] + 64 * p, a.dx8[r] + 8 * p);
   }
+  for (int r = 0; r < R; ++r) out[r] += qb_min_dot(w.m, a.sx[r], ng);
 }
 #endif
 
@@ -306,40 +382,57 @@ inline void qb_dot_rows(const QbRow& w, const int8_t* const* xr, const float* co
 // within ~384 KiB of L2 while every weight row of the thread passes over them.
 inline int qb_row_tile(int K) { return std::max(4, (384 * 1024 / (K + K / 2)) / 4 * 4); }
 
+template <int G, int R>
+QbActRows<R> qb_act_rows(const QBlockActivations& xa, int r0, int K) {
+  QbActRows<R> a;
+  const float* sx = G == 16 ? xa.sx16.data() : xa.sx.data();
+  for (int r = 0; r < R; ++r) {
+    a.x[r] = xa.q.data() + static_cast<int64_t>(r0 + r) * K;
+    a.dx[r] = xa.dx.data() + static_cast<int64_t>(r0 + r) * (K / 32);
+    a.dx8[r] = xa.dx8.data() + static_cast<int64_t>(r0 + r) * (K / 8);
+    a.sx[r] = sx + static_cast<int64_t>(r0 + r) * (K / G);
+  }
+  return a;
+}
+
 template <int BITS, int G, int R>
 inline void qb_dot_block(const QbRow& w, const QBlockActivations& xa, int r0, int K,
                          float* out) {
-  const int8_t* xr[R];
-  const float* dx8r[R];
-  for (int r = 0; r < R; ++r) {
-    xr[r] = xa.q.data() + static_cast<int64_t>(r0 + r) * K;
-    dx8r[r] = xa.dx8.data() + static_cast<int64_t>(r0 + r) * (K / 8);
+  qb_dot_rows<BITS, G, R>(w, qb_act_rows<G, R>(xa, r0, K), K / 64, K / G, out);
+}
+
+// Decode (M = R <= 4): every weight row times all rows, in one orphaned `omp for`.
+template <int BITS, int G, int R, typename T>
+void qb_rows_small(const QBlockActivations& xa, int K, const uint8_t* packed,
+                   const uint8_t* hbits, const uint16_t* d, const uint16_t* m, int N, T* y) {
+  const QbActRows<R> a = qb_act_rows<G, R>(xa, 0, K);
+#pragma omp for schedule(static)
+  for (int n = 0; n < N; ++n) {
+    float out[R];
+    qb_dot_rows<BITS, G, R>(qb_row<BITS, G>(packed, hbits, d, m, K, n), a, K / 64, K / G, out);
+    for (int r = 0; r < R; ++r) {
+      T* dst = y + static_cast<int64_t>(r) * N + n;
+      *dst = round_to(dst, out[r]);
+    }
   }
-  qb_dot_rows<BITS, G, R>(w, xr, dx8r, K / 64, out);
 }
 
 // y[r0..r1, n] for one weight row.
 template <int BITS, int G, typename T>
 void qb_row_times_tile(const QbRow& w, const QBlockActivations& xa, int r0, int r1, int K,
                        int N, int64_t n, T* y) {
-  const int ng = K / G;
-  const float* sx = G == 16 ? xa.sx16.data() : xa.sx.data();
   for (int r = r0; r < r1; r += 4) {
     float out[4];
-    switch (std::min(4, r1 - r)) {
+    const int R = std::min(4, r1 - r);
+    switch (R) {
       case 4: qb_dot_block<BITS, G, 4>(w, xa, r, K, out); break;
       case 3: qb_dot_block<BITS, G, 3>(w, xa, r, K, out); break;
       case 2: qb_dot_block<BITS, G, 2>(w, xa, r, K, out); break;
       default: qb_dot_block<BITS, G, 1>(w, xa, r, K, out); break;
     }
-    for (int i = 0; i < std::min(4, r1 - r); ++i) {
-      const float* sxr = sx + static_cast<int64_t>(r + i) * ng;
-      float v = out[i] + qb_half_dot(w.m, sxr, ng);
-#if defined(SLUICE_ISA_AVX2)
-      if constexpr (BITS == 8) v += 128.f * qb_half_dot(w.d, sxr, ng);  // the sign trick's offset
-#endif
+    for (int i = 0; i < R; ++i) {
       T* dst = y + static_cast<int64_t>(r + i) * N + n;
-      *dst = round_to(dst, v);
+      *dst = round_to(dst, out[i]);
     }
   }
 }
@@ -347,6 +440,13 @@ void qb_row_times_tile(const QbRow& w, const QBlockActivations& xa, int r0, int 
 template <int BITS, int G, typename T>
 void qblock_rows_t(const QBlockActivations& xa, int M, int K, const uint8_t* packed,
                    const uint8_t* hbits, const uint16_t* d, const uint16_t* m, int N, T* y) {
+  switch (M) {
+    case 1: return qb_rows_small<BITS, G, 1>(xa, K, packed, hbits, d, m, N, y);
+    case 2: return qb_rows_small<BITS, G, 2>(xa, K, packed, hbits, d, m, N, y);
+    case 3: return qb_rows_small<BITS, G, 3>(xa, K, packed, hbits, d, m, N, y);
+    case 4: return qb_rows_small<BITS, G, 4>(xa, K, packed, hbits, d, m, N, y);
+    default: break;
+  }
   const int tile = qb_row_tile(K);
   for (int r0 = 0; r0 < M; r0 += tile) {
     const int r1 = std::min(M, r0 + tile);

@@ -20,12 +20,13 @@ namespace sluice {
 // bits are unpacked into `buf`.
 template <int BITS>
 inline const uint8_t* qb_pair_bytes(const QbRow& w, int p, uint8_t* buf) {
+#if defined(SLUICE_ISA_AVX512)
+  return nullptr;  // qb_run reads the row itself
+#else
   if constexpr (BITS == 8) {
     return w.w + 64 * p;
   } else {
-#if defined(SLUICE_ISA_AVX512)
-    _mm512_storeu_si512(buf, qb_unpack<BITS>(w, p));
-#elif defined(SLUICE_ISA_AVX2)
+#if defined(SLUICE_ISA_AVX2)
     __m256i lo, hi;
     qb_unpack<BITS>(w, p, lo, hi);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf), lo);
@@ -35,14 +36,29 @@ inline const uint8_t* qb_pair_bytes(const QbRow& w, int p, uint8_t* buf) {
 #endif
     return buf;
   }
+#endif
 }
 
 // ---- 16 values of a run -> fp32 weights, kept in registers (matmul) or stored.
 #if defined(SLUICE_ISA_AVX512)
 using QbRun = __m512;
-inline QbRun qb_run(const uint8_t* u, float d, float m) {
-  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u))));
-  return _mm512_fmadd_ps(v, _mm512_set1_ps(d), _mm512_set1_ps(m));
+// Run j of pair p straight from the packed row, widened to 16 int32 lanes: 4 and 5
+// bits read bytes 16 * (j & 1).. of the pair, low nibbles for runs 0, 1, high for 2, 3.
+template <int BITS>
+inline QbRun qb_run(const QbRow& w, int p, int j, const uint8_t*, float d, float m) {
+  __m512i v;
+  if constexpr (BITS == 8) {
+    v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.w + 64 * p + 16 * j)));
+  } else {
+    v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.w + 32 * p + 16 * (j & 1))));
+    v = j < 2 ? _mm512_and_si512(v, _mm512_set1_epi32(15)) : _mm512_srli_epi32(v, 4);
+    if constexpr (BITS == 5) {
+      uint16_t hb;
+      std::memcpy(&hb, w.h + 8 * p + 2 * j, sizeof(hb));
+      v = _mm512_mask_add_epi32(v, static_cast<__mmask16>(hb), v, _mm512_set1_epi32(16));
+    }
+  }
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d), _mm512_set1_ps(m));
 }
 inline void qb_store(const QbRun& v, float* dst) { _mm512_storeu_ps(dst, v); }
 inline void qb_store(const QbRun& v, uint16_t* dst) {  // bf16, round to nearest even
@@ -66,7 +82,10 @@ inline __m256 qb_run8(const uint8_t* u, float d, float m) {
   const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
   return _mm256_fmadd_ps(v, _mm256_set1_ps(d), _mm256_set1_ps(m));
 }
-inline QbRun qb_run(const uint8_t* u, float d, float m) { return {qb_run8(u, d, m), qb_run8(u + 8, d, m)}; }
+template <int BITS>
+inline QbRun qb_run(const QbRow&, int, int j, const uint8_t* u, float d, float m) {
+  return {qb_run8(u + 16 * j, d, m), qb_run8(u + 16 * j + 8, d, m)};
+}
 inline void qb_store(const QbRun& v, float* dst) {
   _mm256_storeu_ps(dst, v.a);
   _mm256_storeu_ps(dst + 8, v.b);
@@ -95,9 +114,10 @@ inline QbAcc qb_zero() { return _mm256_setzero_ps(); }
 struct QbRun {
   float v[16];
 };
-inline QbRun qb_run(const uint8_t* u, float d, float m) {
+template <int BITS>
+inline QbRun qb_run(const QbRow&, int, int j, const uint8_t* u, float d, float m) {
   QbRun out;
-  for (int i = 0; i < 16; ++i) out.v[i] = d * static_cast<float>(u[i]) + m;
+  for (int i = 0; i < 16; ++i) out.v[i] = d * static_cast<float>(u[16 * j + i]) + m;
   return out;
 }
 template <typename T>
@@ -119,21 +139,48 @@ using QbAcc = float;
 inline QbAcc qb_zero() { return 0.f; }
 #endif
 
+// d and m of pair p's runs 0..3 as fp32.
+template <int G>
+inline void qb_pair_dm(const QbRow& w, int p, float* d, float* m) {
+#if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
+  if constexpr (G == 32) {  // runs: groups 2p, 2p+1, 2p, 2p+1
+    int32_t d2, m2;
+    std::memcpy(&d2, w.d + 2 * p, sizeof(d2));
+    std::memcpy(&m2, w.m + 2 * p, sizeof(m2));
+    const __m128 dv = _mm_cvtph_ps(_mm_cvtsi32_si128(d2)), mv = _mm_cvtph_ps(_mm_cvtsi32_si128(m2));
+    _mm_storeu_ps(d, _mm_movelh_ps(dv, dv));
+    _mm_storeu_ps(m, _mm_movelh_ps(mv, mv));
+  } else {  // runs: groups 4p, 4p+2, 4p+1, 4p+3
+    const __m128 dv = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.d + 4 * p)));
+    const __m128 mv = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.m + 4 * p)));
+    _mm_storeu_ps(d, _mm_shuffle_ps(dv, dv, _MM_SHUFFLE(3, 1, 2, 0)));
+    _mm_storeu_ps(m, _mm_shuffle_ps(mv, mv, _MM_SHUFFLE(3, 1, 2, 0)));
+  }
+#else
+  for (int j = 0; j < 4; ++j) {
+    d[j] = half_to_float(w.d[qb_run_group<G>(p, j)]);
+    m[j] = half_to_float(w.m[qb_run_group<G>(p, j)]);
+  }
+#endif
+}
+
 // out[r] = sum_k W[k] x_r[k] for one weight row and R <= 4 pair-ordered fp32 rows.
 template <int BITS, int G, int R>
 inline void qbf_dot_rows(const QbRow& w, const float* const* xr, int np, float* out) {
-  QbAcc acc[2][R];
-  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = qb_zero();
+  QbAcc acc0[R], acc1[R];  // runs 0, 2 and runs 1, 3: two FMA chains a row
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = qb_zero();
   alignas(64) uint8_t buf[64];
   for (int p = 0; p < np; ++p) {
     const uint8_t* u = qb_pair_bytes<BITS>(w, p, buf);
-    for (int j = 0; j < 4; ++j) {
-      const int g = qb_run_group<G>(p, j);
-      qb_run_fma<R>(qb_run(u + 16 * j, qb_half(w.d[g]), qb_half(w.m[g])), xr, 64 * p + 16 * j,
-                    acc[j & 1]);
+    float d[4], m[4];
+    qb_pair_dm<G>(w, p, d, m);
+    for (int j = 0; j < 4; j += 2) {
+      qb_run_fma<R>(qb_run<BITS>(w, p, j, u, d[j], m[j]), xr, 64 * p + 16 * j, acc0);
+      qb_run_fma<R>(qb_run<BITS>(w, p, j + 1, u, d[j + 1], m[j + 1]), xr, 64 * p + 16 * j + 16,
+                    acc1);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = qb_sum(acc[0][r], acc[1][r]);
+  for (int r = 0; r < R; ++r) out[r] = qb_sum(acc0[r], acc1[r]);
 }
 
 template <int BITS, int G, typename T>
@@ -167,10 +214,9 @@ inline void qb_dequantize_row(const QbRow& w, int K, T* out) {
   alignas(64) uint8_t buf[64];
   for (int p = 0; p < K / 64; ++p) {
     const uint8_t* u = qb_pair_bytes<BITS>(w, p, buf);
-    for (int j = 0; j < 4; ++j) {
-      const int g = qb_run_group<G>(p, j);
-      qb_store(qb_run(u + 16 * j, qb_half(w.d[g]), qb_half(w.m[g])), out + qb_run_k(p, j));
-    }
+    float d[4], m[4];
+    qb_pair_dm<G>(w, p, d, m);
+    for (int j = 0; j < 4; ++j) qb_store(qb_run<BITS>(w, p, j, u, d[j], m[j]), out + qb_run_k(p, j));
   }
 }
 
