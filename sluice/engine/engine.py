@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 import logging
 import os
@@ -21,7 +19,7 @@ from sluice.core.request import Request, RequestStatus
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.output import SequenceOutputState
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
-from sluice.layers.block_quant import weight_bytes
+from sluice.kernels import release_freed_heap
 from sluice.loader import load_model
 from sluice.outputs import CompletionOutput, Logprob, RequestMetricsOut, RequestOutput
 from sluice.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -45,15 +43,6 @@ def _resident_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap the load freed (the file-layout copies of the weights) back to the
-    OS: glibc keeps freed chunks below its mmap threshold, which rises as large
-    buffers are freed, so several hundred MB would stay resident for nothing."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @dataclass
@@ -117,7 +106,9 @@ class LLMEngine:
             config.compile,
         )
         del loaded
-        _return_freed_memory()
+        # The file-layout copies of the weights the load freed go back to the OS.
+        gc.collect()
+        release_freed_heap()
         self.sampler = Sampler(mc.vocab_size, config.seed, device)
         self.groups: dict[str, _Group] = {}
         self._seqs: dict[str, Request] = {}
@@ -130,7 +121,7 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
         self.startup_seconds = time.perf_counter() - t0
-        self.weight_bytes = weight_bytes(self.runner.model)
+        self.weight_bytes = self.runner.weight_bytes()
         # The instruction-set level of our CPU kernels ("off" on CUDA or without them).
         self.cpu_kernels = kernels.variant() if device.type == "cpu" else "off"
         logger.info(

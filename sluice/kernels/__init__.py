@@ -45,7 +45,13 @@ from sluice import settings
 # The binding modules, one per kernel: importing them declares their C functions, which
 # `_build` applies to every library it loads.
 from sluice.kernels import attention, cpu, decode_stack, fused, matmul, qblock
-from sluice.kernels._ffi import STRING, Library, apply_declarations, c_function
+from sluice.kernels._ffi import (
+    STRING,
+    Library,
+    apply_declarations,
+    c_function,
+    release_freed_heap,
+)
 from sluice.settings import cache_dir
 
 __all__ = [
@@ -58,6 +64,7 @@ __all__ = [
     "load",
     "matmul",
     "qblock",
+    "release_freed_heap",
     "use_variant",
     "variant",
 ]

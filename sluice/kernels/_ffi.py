@@ -83,3 +83,14 @@ def ptr_or_null(t: torch.Tensor | None) -> int:
 def is_bf16(t: torch.Tensor) -> int:
     """The kernels' dtype flag: 1 for bf16, 0 for fp32 (the only two they take)."""
     return int(t.dtype == torch.bfloat16)
+
+
+def release_freed_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc's malloc_trim; a no-op elsewhere).
+    glibc keeps freed chunks below its mmap threshold, which rises as large buffers
+    are freed, so after a load several hundred MB of freed weight copies would stay
+    resident."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -161,16 +161,15 @@ def weight_bytes(model: nn.Module) -> int:
     for module in model.modules():
         if not isinstance(module, Linear | Embedding) and not hasattr(module, "eps"):
             continue  # RMSNorm has eps; rotary tables and containers are skipped
-        tensors = list(module.parameters(recurse=False))
+        tensors: list[torch.Tensor] = list(module.parameters(recurse=False))
         # Kernel layouts are plain tensor attributes (q4_packed, qb_scale, ...).
         tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
         if isinstance(module, Embedding) and module.quantized is not None:
             q = module.quantized
             tensors += [q.packed, q.hbits, q.scale, q.minimum]
         for t in tensors:
-            # oneDNN-packed weights are opaque (no data pointer); they are never shared.
-            key = id(t) if t.is_mkldnn else t.data_ptr()
-            if t.numel() and key not in seen:
-                seen.add(key)
+            # A shared weight (the tied head) is the same tensor object in both places.
+            if t.numel() and id(t) not in seen:
+                seen.add(id(t))
                 total += t.numel() * t.element_size()
     return total

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import torch
@@ -159,19 +160,21 @@ def tensor_entries(reader: GGUFReader) -> list[TensorEntry]:
     ]
 
 
-def _read(f: BinaryIO, entry: TensorEntry, start: int = 0, size: int | None = None) -> np.ndarray:
+def _read(
+    f: io.BufferedReader, entry: TensorEntry, start: int = 0, size: int | None = None
+) -> np.ndarray:
     """Bytes start..start+size of a tensor, read from the file into a buffer of their
     own: reading through a memory map would leave every page of the file resident
     (counted in RSS) until the map closes, doubling the peak memory of a load."""
     size = entry.nbytes - start if size is None else size
     buf = np.empty(size, dtype=np.uint8)
     f.seek(entry.offset + start)
-    if f.readinto(memoryview(buf)) != buf.nbytes:
+    if f.readinto(buf.data) != buf.nbytes:
         raise ValueError(f"GGUF file is truncated in tensor {entry.name!r}")
     return buf
 
 
-def _to_weight(f: BinaryIO, entry: TensorEntry, keep_quantized: bool) -> Weight:
+def _to_weight(f: io.BufferedReader, entry: TensorEntry, keep_quantized: bool) -> Weight:
     """Quantized types we have a layout for stay quantized (sluice/loader/gguf_blocks.py),
     read a few MB of rows at a time; floats stay as stored; any other type is
     dequantized to float32."""

@@ -14,7 +14,9 @@ from sluice.attention import AttentionMetadata, PrefillSpan, select_backend
 from sluice.attention.step import StepContext, step_context
 from sluice.config import ModelConfig
 from sluice.core.choices import WeightQuantization
+from sluice.core.quantized_tensor import QuantizedTensor
 from sluice.core.request import Request
+from sluice.layers.block_quant import weight_bytes
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import make_linear_method
 from sluice.models import model_class
@@ -66,7 +68,7 @@ class ModelRunner:
     def __init__(
         self,
         config: ModelConfig,
-        tensors: dict[str, torch.Tensor],
+        tensors: dict[str, torch.Tensor | QuantizedTensor],
         dtype: torch.dtype,
         device: torch.device,
         block_size: int,
@@ -113,6 +115,10 @@ class ModelRunner:
         ]
         # Small decode steps skip the Python model where all of it runs on our kernels.
         self.decode_stack = LlamaDecodeStack.build(self.model, self.backend, self.kv_caches)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights as held in memory (see block_quant.weight_bytes)."""
+        return weight_bytes(self.model)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
