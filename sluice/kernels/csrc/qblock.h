@@ -1,5 +1,5 @@
 // Kernels of the qblock layouts: GGUF block-quantized weights kept quantized in memory
-// (/work/wt/SPEC_qblock.md). W[n, k] = d[n, g] * u[n, k] + m[n, g], g = k / G, with u
+// (issue 13). W[n, k] = d[n, g] * u[n, k] + m[n, g], g = k / G, with u
 // 4, 5 or 8 bits, fp16 d and m per group of G = 16 or 32 values.
 //
 // Along K the values sit in pairs of 32-blocks, 64 positions per pair, in four runs of
