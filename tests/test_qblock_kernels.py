@@ -1,6 +1,6 @@
 """The qblock kernels (sluice/kernels/csrc/qblock*.h) at every instruction-set level
 this CPU has, against a pure-torch packer and dequantizer written from the layout spec
-(/work/wt/SPEC_qblock.md): dequantization and embedding rows exact, the unquantized
+(issue 13, csrc/qblock.h): dequantization and embedding rows exact, the unquantized
 matmul to fp32 rounding, the int8-activation matmul on activations its int8 blocks hold
 exactly, for every format and a spread of row counts in fp32 and bf16."""
 

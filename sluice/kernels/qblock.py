@@ -1,5 +1,5 @@
 """Bindings of the qblock kernels (csrc/qblock.cpp): GGUF block-quantized weights kept
-quantized in memory, in the three layouts of /work/wt/SPEC_qblock.md.
+quantized in memory, in the three layouts of issue 13 (restated in csrc/qblock.h).
 
 A weight is (packed, hbits, scale, minimum, bits, group): W[n, k] = scale[n, k // group]
 * u[n, k] + minimum[n, k // group], u of `bits` bits (4, 5 or 8) in pair-permuted

@@ -90,10 +90,11 @@ void linear(const int64_t* layer, Field packed, const sluice::QBlockActivations&
                         at<uint16_t>(layer, Field(packed + 3)), N, y);
 }
 
-// Whether the linear at `packed` needs qblock's extra activation sums.
-inline bool wants_qblock(const int64_t* layer, Field packed) {
+// What the linear at `packed` needs of its activations (QBlockActivations::quantize):
+// 0 for the int4 and int8 kernels, else its qblock group.
+inline int activation_group(const int64_t* layer, Field packed) {
   const int64_t format = layer[packed + 4];
-  return format != kFormatInt4 && format != kFormatInt8;
+  return format == kFormatInt4 || format == kFormatInt8 ? 0 : static_cast<int>(format % 100);
 }
 
 template <typename T>
@@ -118,7 +119,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
       } else {
         sluice::add_rms_norm<T>(h, residual.data(), at<T>(L, kInputNorm), x.data(), M, H, s.eps);
       }
-      xa.quantize(x.data(), M, H, wants_qblock(L, kQkvPacked));
+      xa.quantize(x.data(), M, H, activation_group(L, kQkvPacked));
     }
     linear(L, kQkvPacked, xa, M, H, qkv_n, qkv.data());
 #pragma omp single
@@ -140,18 +141,18 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
                          s.kv_heads, s.head_dim, s.block_size, s.scale,
                          static_cast<int64_t>(qkv_n));
 #pragma omp single
-    xa.quantize(attn.data(), M, q_size, wants_qblock(L, kOPacked));
+    xa.quantize(attn.data(), M, q_size, activation_group(L, kOPacked));
     linear(L, kOPacked, xa, M, q_size, H, h);
 #pragma omp single
     {
       sluice::add_rms_norm<T>(h, residual.data(), at<T>(L, kPostNorm), x.data(), M, H, s.eps);
-      xa.quantize(x.data(), M, H, wants_qblock(L, kGateUpPacked));
+      xa.quantize(x.data(), M, H, activation_group(L, kGateUpPacked));
     }
     linear(L, kGateUpPacked, xa, M, H, 2 * s.inter, gate_up.data());
 #pragma omp single
     {
       sluice::silu_and_mul(gate_up.data(), act.data(), M, s.inter);
-      xa.quantize(act.data(), M, s.inter, wants_qblock(L, kDownPacked));
+      xa.quantize(act.data(), M, s.inter, activation_group(L, kDownPacked));
     }
     linear(L, kDownPacked, xa, M, s.inter, H, h);
   }

@@ -13,7 +13,7 @@ template <typename T>
 void matmul(const T* x, int M, int K, int bits, int group, const uint8_t* packed,
             const uint8_t* hbits, const uint16_t* d, const uint16_t* m, int N, T* y) {
   sluice::QBlockActivations xa;
-  xa.quantize(x, M, K);
+  xa.quantize(x, M, K, group);
 #pragma omp parallel
   sluice::qblock_rows(xa, M, K, bits, group, packed, hbits, d, m, N, y);
 }

@@ -1,5 +1,5 @@
 // Kernels of the qblock layouts: GGUF block-quantized weights kept quantized in memory
-// (/work/wt/SPEC_qblock.md). W[n, k] = d[n, g] * u[n, k] + m[n, g], g = k / G, with u
+// (issue 13). W[n, k] = d[n, g] * u[n, k] + m[n, g], g = k / G, with u
 // 4, 5 or 8 bits, fp16 d and m per group of G = 16 or 32 values.
 //
 // Along K the values sit in pairs of 32-blocks, 64 positions per pair, in four runs of
@@ -47,27 +47,31 @@ inline float qb_half(uint16_t h) {
 // with one broadcast), and sx16, dx * sum(qx) per group of 16 in natural order.
 struct QBlockActivations : Q4Activations {
   std::vector<float> dx8, sx16;
-  // qblock: false skips dx8 and sx16, for rows only the int4 and int8 kernels read.
+  // group: that of the qblock weight these rows meet (16 or 32), which of the extras
+  // to make: sx16 only for 16, dx8 only for more than one row (one row scales by dx);
+  // 0 for rows only the int4 and int8 kernels read.
   template <typename T>
-  void quantize(const T* x, int M, int K, bool qblock = true) {
+  void quantize(const T* x, int M, int K, int group = 16) {
     Q4Activations::quantize(x, M, K);
-    if (!qblock) return;
     const int nb = K / 32;
-    dx8.resize(static_cast<size_t>(M) * nb * 4);
-    sx16.resize(static_cast<size_t>(M) * nb * 2);
-    for (int64_t r = 0; r < M; ++r)
-      for (int b = 0; b < nb; ++b) {
-        const float s = dx[r * nb + b];
-        for (int i = 0; i < 4; ++i) dx8[r * nb * 4 + (b / 2) * 8 + (b % 2) * 4 + i] = s;
-        const int8_t* qb = q.data() + r * K + (b / 2) * 64 + (b % 2) * 16;
+    if (group != 0 && M > 1) {
+      dx8.resize(static_cast<size_t>(M) * nb * 4);
+      for (int64_t i = 0; i < static_cast<int64_t>(dx8.size()); ++i) dx8[i] = dx[i / 4];
+    }
+    if (group == 16) {
+      sx16.resize(static_cast<size_t>(M) * nb * 2);
+      for (int64_t b = 0; b < static_cast<int64_t>(M) * nb; ++b) {
+        // Block b's low 16 values, then its high 16, in pair order.
+        const int8_t* qb = q.data() + (b / 2) * 64 + (b % 2) * 16;
         int lo = 0, hi = 0;
         for (int i = 0; i < 16; ++i) {
           lo += qb[i];
           hi += qb[32 + i];
         }
-        sx16[r * nb * 2 + 2 * b] = s * static_cast<float>(lo);
-        sx16[r * nb * 2 + 2 * b + 1] = s * static_cast<float>(hi);
+        sx16[2 * b] = dx[b] * static_cast<float>(lo);
+        sx16[2 * b + 1] = dx[b] * static_cast<float>(hi);
       }
+    }
   }
 };
 
@@ -283,7 +287,10 @@ inline void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __m256* a
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x[r] + 64 * p));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x[r] + 64 * p + 32));
     const __m256i plo = qb_maddubs<BITS>(lo, x0), phi = qb_maddubs<BITS>(hi, x1);
-    const __m256 dx = _mm256_loadu_ps(a.dx8[r] + 8 * p);
+    // One row has no dx8 (QBlockActivations): spread its two block scales here.
+    const __m256 dx =
+        R == 1 ? pair_lanes(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(a.dx[r] + 2 * p))))
+               : _mm256_loadu_ps(a.dx8[r] + 8 * p);
     __m256 t;
     if constexpr (G == 32 && BITS != 8) {  // both halves share their blocks' d
       t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(plo, phi), ones)), dlo);
@@ -348,12 +355,12 @@ inline void qb_unpack(const QbRow& w, int p, uint8_t* u) {
 // One row's share of a pair: out of line, so that fast-math cannot vectorize or
 // reorder it differently for different R (a row's result must not depend on R).
 __attribute__((noinline)) inline float qb_pair_dot(const uint8_t* u, const float* d,
-                                                   const int8_t* x, const float* dx8) {
+                                                   const int8_t* x, const float* dx) {
   float sum = 0.f;
   for (int j = 0; j < 4; ++j) {
     int32_t dot = 0;
     for (int i = 0; i < 16; ++i) dot += u[16 * j + i] * x[16 * j + i];
-    sum += d[j] * dx8[4 * (j & 1)] * static_cast<float>(dot);
+    sum += d[j] * dx[j & 1] * static_cast<float>(dot);
   }
   return sum;
 }
@@ -370,7 +377,7 @@ inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, f
     qb_unpack<BITS>(w, p, u);
     float d[4];
     for (int j = 0; j < 4; ++j) d[j] = half_to_float(w.d[qb_run_group<G>(p, j)]);
-    for (int r = 0; r < R; ++r) out[r] += qb_pair_dot(u, d, a.x[r] + 64 * p, a.dx8[r] + 8 * p);
+    for (int r = 0; r < R; ++r) out[r] += qb_pair_dot(u, d, a.x[r] + 64 * p, a.dx[r] + 2 * p);
   }
   for (int r = 0; r < R; ++r) out[r] += qb_min_dot(w.m, a.sx[r], ng);
 }
