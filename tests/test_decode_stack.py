@@ -15,14 +15,15 @@ import torch
 
 from sluice import LLM, SamplingParams, kernels
 from sluice.attention.backend import AttentionMetadata
-from sluice.kernels import cpu, qblock
-from sluice.layers.linear import Linear, LinearMethod
+from sluice.core.quantized_tensor import pack
+from sluice.kernels import cpu
+from sluice.layers.block_quant import DENSE_MIN_ROWS, BlockQuantized
+from sluice.layers.linear import Linear
 from sluice.layers.quantization import Int8WeightOnly
 from sluice.models import llama_decode_stack
 from sluice.models.llama_decode_stack import LlamaDecodeStack
 from tests.conftest import kernels_at
 from tests.test_architectures import build
-from tests.test_qblock_kernels import pack
 
 
 @pytest.fixture
@@ -71,9 +72,9 @@ def run(llm: LLM, prompts: list[Any], use_stack: bool) -> tuple[list[Any], int]:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], calls
 
 
-def assert_stack_equals_model(llm: LLM, prompts: list[Any]) -> None:
+def assert_stack_equals_model(llm: LLM, prompts: list[Any], max_rows: int = 3) -> None:
     stack = built_stack(llm)
-    assert stack.max_rows == 3
+    assert stack.max_rows == max_rows
     eager, none = run(llm, prompts, use_stack=False)
     fused, calls = run(llm, prompts, use_stack=True)
     assert none == 0 and calls > 0
@@ -82,11 +83,19 @@ def assert_stack_equals_model(llm: LLM, prompts: list[Any]) -> None:
 
 # Every weight format and dtype at the best level this CPU runs; the AVX2 machines'
 # default (int4 weights, fp32 activations) at each lower level too.
-CONFIGS = [("int4", "bfloat16"), ("int4", "float32"), ("int8", "bfloat16")]
+CONFIGS = [
+    ("int4", "bfloat16"),
+    ("int4", "float32"),
+    ("int8", "bfloat16"),
+    ("gguf", "bfloat16"),
+    ("gguf", "float32"),
+]
 CASES = [
     (level, quantization, dtype)
     for level in cpu.available_levels()
-    for quantization, dtype in (CONFIGS if level == cpu.level() else CONFIGS[1:2])
+    for quantization, dtype in (
+        CONFIGS if level == cpu.level() else [("int4", "float32"), ("gguf", "float32")]
+    )
 ]
 
 
@@ -100,12 +109,16 @@ def test_stack_equals_model_on_smollm2(level: str, quantization: str, dtype: str
 
 def assert_stack_equals_model_on_smollm2(quantization: str, dtype: str) -> None:
     llm = LLM(quantization=quantization, dtype=dtype, kv_cache_memory=0.05)
-    assert built_stack(llm).formats == {int(quantization[-1])}  # FORMAT_INT4, FORMAT_INT8
-    assert_stack_equals_model(llm, PROMPTS)
+    # FORMAT_INT4, FORMAT_INT8; the GGUF's Q4_1 linears are qblock 4 bits / 32 (432),
+    # run by the stack up to the rows where the eager layers switch to dense tiles.
+    formats = {432} if quantization == "gguf" else {int(quantization[-1])}
+    assert built_stack(llm).formats == formats
+    rows = DENSE_MIN_ROWS[kernels.variant()] - 1 if quantization == "gguf" else 3
+    assert_stack_equals_model(llm, PROMPTS, rows)
     llm = LLM(
         quantization=quantization, dtype=dtype, kv_cache_memory=0.05, max_num_batched_tokens=3
     )
-    assert_stack_equals_model(llm, PROMPTS[:1])
+    assert_stack_equals_model(llm, PROMPTS[:1], rows)
 
 
 @pytest.mark.parametrize(
@@ -142,31 +155,19 @@ def test_stack_is_built_only_where_every_kernel_is_ours(
     assert LLM(quantization="int4", kv_cache_memory=0.05).engine.runner.decode_stack is None
 
 
-class QBlockStub(LinearMethod):
-    """Stands in for the GGUF loader's BlockQuantized (the attributes the stack reads,
-    the tensors on the layer): a weight kept in a qblock layout, our kernel for fewer
-    than `dense_min_rows` rows and the dequantized weight for more."""
-
-    def __init__(self, layer: Linear, w: torch.Tensor, bits: int, group: int) -> None:
-        self.bits, self.group, self.lib, self.dense_min_rows = bits, group, kernels.load(), 4
-        n, k = w.shape
-        groups = w.float().view(n, k // group, group)
-        lo = groups.amin(-1)
-        d = ((groups.amax(-1) - lo) / (2**bits - 1)).clamp(min=1e-6).half()
-        m = lo.half()
-        u = ((groups - m.float()[..., None]) / d.float()[..., None]).round().clamp(0, 2**bits - 1)
-        weight = pack(u.view(n, k).long(), d, m, bits, group)
-        layer.qb_packed, layer.qb_hbits = weight.packed, weight.hbits
-        layer.qb_scale, layer.qb_min = weight.d, weight.m
-        self.dense = weight.dense()
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.lib is not None and x.shape[0] < self.dense_min_rows:
-            args = (layer.qb_packed, layer.qb_hbits, layer.qb_scale, layer.qb_min)
-            y = qblock.qblock_matmul(self.lib, x.contiguous(), *args, self.bits, self.group)
-        else:
-            y = torch.nn.functional.linear(x, self.dense.to(x.dtype))
-        return y if layer.bias is None else y + layer.bias
+def block_quantized(layer: Linear, w: torch.Tensor, bits: int, group: int) -> BlockQuantized:
+    """The layer on the GGUF path's method, with `w` quantized to a qblock layout: our
+    kernel below `dense_min_rows` rows, dequantized tiles from there."""
+    n, k = w.shape
+    groups = w.float().view(n, k // group, group)
+    lo = groups.amin(-1)
+    d = ((groups.amax(-1) - lo) / (2**bits - 1)).clamp(min=1e-6).half()
+    m = lo.half()
+    u = ((groups - m.float()[..., None]) / d.float()[..., None]).round().clamp(0, 2**bits - 1)
+    method = BlockQuantized()
+    method.load_quantized(layer, pack(u.view(n, k).to(torch.uint8), d, m, bits, group))
+    method.dense_min_rows = 4
+    return method
 
 
 def int4_weight(layer: Linear) -> torch.Tensor:
@@ -182,7 +183,6 @@ def test_stack_equals_model_with_mixed_weight_formats(
 ) -> None:
     # As a GGUF file mixes them: each linear its own format, qblock's beside int4 and
     # int8, one format differing between layers (Q4_K_M's ffn_down).
-    monkeypatch.setattr(llama_decode_stack, "QBLOCK_METHODS", (QBlockStub,))
     build("qwen2", tmp_path, smollm2_path)
     llm = LLM(model=str(tmp_path), quantization="int4", dtype="float32", kv_cache_memory=0.02)
     runner = llm.engine.runner
@@ -195,7 +195,7 @@ def test_stack_equals_model_with_mixed_weight_formats(
         (second.mlp.down_proj, 8, 32),
     ]
     for layer, bits, group in formats:
-        layer.method = QBlockStub(layer, int4_weight(layer), bits, group)
+        layer.method = block_quantized(layer, int4_weight(layer), bits, group)
     o = second.self_attn.o_proj
     o.weight = torch.nn.Parameter(int4_weight(o), requires_grad=False)
     o.method = Int8WeightOnly()

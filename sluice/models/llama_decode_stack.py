@@ -19,7 +19,6 @@ layout is defined once, in sluice/kernels/csrc/decode_stack_fields.h.
 
 from __future__ import annotations
 
-import importlib
 from typing import Protocol, cast
 
 import torch
@@ -29,7 +28,8 @@ from sluice.attention.backend import AttentionBackend, AttentionMetadata
 from sluice.kernels import Library, decode_stack, qblock
 from sluice.kernels import fused as fused_kernels
 from sluice.kernels.decode_stack import Field
-from sluice.layers.linear import Linear, LinearMethod
+from sluice.layers.block_quant import BlockQuantized
+from sluice.layers.linear import Linear
 from sluice.layers.quantization import Int4WeightOnly, Int8WeightOnly
 from sluice.models.llama import DecoderLayer, LlamaForCausalLM
 
@@ -50,21 +50,6 @@ class _QBlockMethod(_KernelMethod, Protocol):
     def bits(self) -> int: ...
     @property
     def group(self) -> int: ...
-
-
-def _qblock_methods() -> tuple[type[LinearMethod], ...]:
-    """The methods whose layers hold qblock weights (layer.qb_packed, qb_hbits, qb_scale,
-    qb_min): the GGUF loader's BlockQuantized, looked up by name so this module does not
-    depend on the loader being installed with it."""
-    try:
-        module = importlib.import_module("sluice.layers.block_quant")
-    except ImportError:
-        return ()
-    method: type[LinearMethod] = module.BlockQuantized
-    return (method,)
-
-
-QBLOCK_METHODS = _qblock_methods()
 
 
 def _tensor(layer: Linear, name: str) -> torch.Tensor:
@@ -105,7 +90,7 @@ def _linear_fields(name: str, layer: Linear, bias_allowed: bool) -> tuple[int, F
         # int8 has no minimum: a null pointer
         w8 = (_tensor(layer, "q8_packed"), None, _tensor(layer, "q8_scale"), None)
         found = decode_stack.FORMAT_INT8, w8
-    elif isinstance(method, QBLOCK_METHODS):
+    elif isinstance(method, BlockQuantized):
         found = _qblock_weights(layer)
     else:
         found = None
