@@ -139,10 +139,16 @@ def qblock_dequantize(
     bits: int,
     group: int,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """W [N, K] in natural order, in `dtype` (float32 or bfloat16)."""
+    """W [N, K] in natural order, in `dtype` (float32 or bfloat16); into `out` (a
+    contiguous [N, K] tensor of that dtype) when given, so a caller can reuse one
+    scratch buffer instead of faulting in fresh pages on every call."""
     n, k, weight = _weight_args(packed, hbits, scale, minimum, bits, group)
-    out = torch.empty(n, k, dtype=dtype)
+    if out is None:
+        out = torch.empty(n, k, dtype=dtype)
+    elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} [{n}, {k}] tensor")
     _DEQUANTIZE(lib, bits, group, *weight, k, n, ptr(out), _out_dtype(dtype))
     return out
 

@@ -19,6 +19,8 @@ Without our kernels (CUDA, or SLUICE_CPU_KERNELS=0) the same layouts run on torc
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,18 +33,39 @@ from sluice.layers.linear import Linear, LinearMethod
 # Rows at or above which dequantized tiles + the dense GEMM beat the block kernel, per
 # kernel level (see the module docstring).
 DENSE_MIN_ROWS = {"avx512": 16, "avx2": 16, "generic": 4}
-# Elements of a dequantized tile: 1M (2 MB in bf16) stays in the L2/L3 caches.
-TILE_ELEMENTS = 1 << 20
+# Elements of a dequantized tile: 4M (8 MB in bf16) stays in L3 and holds every
+# decoder weight of the packaged models' smaller layers in one tile.
+TILE_ELEMENTS = 1 << 22
+
+
+class _Scratch:
+    """One reusable buffer per dtype for dequantized tiles: a fresh multi-MB tensor per
+    call faulted in its pages every time (~0.1 ms a tile, half the dequantization).
+    Tiles are used one at a time by the thread that runs the model."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def tile(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self.buffers.get(dtype)
+        if buf is None or buf.numel() < rows * cols:
+            buf = self.buffers[dtype] = torch.empty(max(rows * cols, TILE_ELEMENTS), dtype=dtype)
+        return buf[: rows * cols].view(rows, cols)
+
+
+_SCRATCH = _Scratch()
 
 
 def _dequantized_rows(
     lib: Library | None, qt: QuantizedTensor, start: int, stop: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Rows start..stop of W as a dense [rows, K] tensor in `dtype`."""
+    """Rows start..stop of W as a dense [rows, K] tensor in `dtype` (in the scratch
+    buffer with our kernels: valid until the next call)."""
     part = qt if (start, stop) == (0, qt.shape[0]) else qt.row_slice(start, stop)
     if lib is None:
         return dequantize(part, dtype)
-    return qblock.qblock_dequantize(lib, *_kernel_args(part), dtype)
+    out = _SCRATCH.tile(stop - start, qt.shape[1], dtype)
+    return qblock.qblock_dequantize(lib, *_kernel_args(part), dtype, out=out)
 
 
 def _kernel_args(
@@ -98,28 +121,71 @@ class BlockQuantized(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None:
             return super().apply(layer, x)
-        if self.lib is not None and x.shape[0] < self.dense_min_rows:
-            args = (x.contiguous(), *_kernel_args(self.weight))
-            if self.output_head:
-                y = qblock.qblock_matmul_float(self.lib, *args)
-            else:
-                y = qblock.qblock_matmul(self.lib, *args)
+        w = self.weight
+        if torch.compiler.is_compiling():  # our kernels are opaque to the compiler
+            args = (w.packed, w.hbits, w.scale, w.minimum, w.bits, w.group)
+            y = cast(
+                torch.Tensor, _qblock_linear_op(x, *args, self.output_head, self.dense_min_rows)
+            )
         else:
-            y = self._dense_tiles(x)
+            y = _linear(self.lib, w, x, self.output_head, self.dense_min_rows)
         return y if layer.bias is None else y + layer.bias
 
-    def _dense_tiles(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.weight is not None
-        n, k = self.weight.shape
-        rows = max(64, TILE_ELEMENTS // k)
-        if rows >= n:
-            return F.linear(x, _dequantized_rows(self.lib, self.weight, 0, n, x.dtype))
-        y = x.new_empty(x.shape[0], n)
-        for start in range(0, n, rows):
-            stop = min(n, start + rows)
-            tile = _dequantized_rows(self.lib, self.weight, start, stop, x.dtype)
-            y[:, start:stop] = F.linear(x, tile)
-        return y
+
+def _linear(
+    lib: Library | None,
+    w: QuantizedTensor,
+    x: torch.Tensor,
+    output_head: bool,
+    dense_min_rows: int,
+) -> torch.Tensor:
+    """x @ W.T: the block kernel for few rows, dequantized tiles + dense GEMM for many."""
+    if lib is not None and x.shape[0] < dense_min_rows:
+        args = (x.contiguous(), *_kernel_args(w))
+        if output_head:
+            return qblock.qblock_matmul_float(lib, *args)
+        return qblock.qblock_matmul(lib, *args)
+    n, k = w.shape
+    rows = max(64, TILE_ELEMENTS // k)
+    if rows >= n:  # the common case: one tile
+        return F.linear(x, _dequantized_rows(lib, w, 0, n, x.dtype))
+    y = x.new_empty(x.shape[0], n)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        y[:, start:stop] = F.linear(x, _dequantized_rows(lib, w, start, stop, x.dtype))
+    return y
+
+
+@torch.library.custom_op("sluice::qblock_linear", mutates_args=())
+def _qblock_linear_op(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    hbits: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bits: int,
+    group: int,
+    output_head: bool,
+    dense_min_rows: int,
+) -> torch.Tensor:
+    w = QuantizedTensor(bits, group, packed, hbits, scale, minimum)
+    lib = kernels.load() if x.device.type == "cpu" else None
+    return _linear(lib, w, x, output_head, dense_min_rows)
+
+
+@_qblock_linear_op.register_fake
+def _(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    hbits: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bits: int,
+    group: int,
+    output_head: bool,
+    dense_min_rows: int,
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], scale.shape[0])
 
 
 class Embedding(nn.Module):
@@ -147,9 +213,43 @@ class Embedding(nn.Module):
         if self.quantized is None:
             return F.embedding(ids, self.weight)
         if self.lib is not None and self.weight.dtype in (torch.float32, torch.bfloat16):
-            args = _kernel_args(self.quantized)
-            return qblock.qblock_embedding(self.lib, ids, *args, self.weight.dtype)
+            q = self.quantized
+            if torch.compiler.is_compiling():  # opaque to the compiler, as above
+                args = (q.packed, q.hbits, q.scale, q.minimum, q.bits, q.group)
+                out = _qblock_embedding_op(ids, *args, self.weight.new_empty(0))
+                return cast(torch.Tensor, out)
+            return qblock.qblock_embedding(self.lib, ids, *_kernel_args(q), self.weight.dtype)
         return dequantize(self.quantized.rows(ids), self.weight.dtype)
+
+
+@torch.library.custom_op("sluice::qblock_embedding", mutates_args=())
+def _qblock_embedding_op(
+    ids: torch.Tensor,
+    packed: torch.Tensor,
+    hbits: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bits: int,
+    group: int,
+    like: torch.Tensor,  # empty, of the output dtype (an op's arguments are tensors)
+) -> torch.Tensor:
+    lib = kernels.load()
+    assert lib is not None
+    return qblock.qblock_embedding(lib, ids, packed, hbits, scale, minimum, bits, group, like.dtype)
+
+
+@_qblock_embedding_op.register_fake
+def _(
+    ids: torch.Tensor,
+    packed: torch.Tensor,
+    hbits: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bits: int,
+    group: int,
+    like: torch.Tensor,
+) -> torch.Tensor:
+    return like.new_empty(ids.numel(), scale.shape[1] * group)
 
 
 def weight_bytes(model: nn.Module) -> int:
