@@ -214,10 +214,10 @@ def test_our_int8_kernel_on_model_shapes(k: int, dtype: torch.dtype, kernel_leve
 
 
 def test_default_weights_answer_a_plain_chat_question() -> None:
-    # The defaults (auto: int4 for the bundled Q4_1 file, bf16) on a newcomer's first
-    # question. With int8 activations in the output head the first token flipped here.
+    # The defaults (auto: the bundled Q4_1/Q8_0 file as stored, bf16) on a newcomer's
+    # first question. With int8 activations in the output head the first token flipped.
     llm = LLM(kv_cache_memory=0.05)
-    assert llm.engine.quantization == "int4"  # on every CPU, whatever auto's dtype
+    assert llm.engine.quantization == "gguf"  # on every CPU, whatever auto's dtype
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     (out,) = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12))
     assert "Paris" in out.outputs[0].text
