@@ -296,6 +296,29 @@ def _cpu_levels(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _weight_paths(results: Sequence[Result]) -> str:
+    """Many streams per weight path: GGUF blocks as stored against a dense copy."""
+    rows = []
+    for name, d in results:
+        cmp = d["comparison"]
+        base = cmp["baseline"]
+        for side in cmp["sides"]:
+            vs = 1.0 if side == base else _rmed(cmp, side, "tokens_per_s")
+            rows.append(
+                [
+                    *_run_cells(name, d),
+                    side,
+                    d["dtype"][side],
+                    _mib(d["weight_bytes"][side]),
+                    _spread(cmp, side, "tokens_per_s"),
+                    f"{_ratio(vs)} of {base}",
+                    str(cmp["rounds"]),
+                ]
+            )
+    headers = ["weights", "dtype", "weight MiB", "output tok/s", "ratio", "rounds"]
+    return _table(RUN_HEADERS + headers, rows)
+
+
 def _mib(x: float | None) -> str:
     return "–" if x is None else f"{x / 2**20:,.0f}"
 
@@ -398,6 +421,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "prefix_cache": _prefix_cache,
     "quantization": _quantization,
     "gguf_models": _gguf_models,
+    "weight_paths": _weight_paths,
 }
 
 

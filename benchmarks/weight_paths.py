@@ -56,8 +56,7 @@ def main() -> None:
     args = parse_args()
     methods = args.methods.split(",")
     engines = {
-        m: LLM(args.model, quantization=m, kv_cache_memory=args.kv_cache_memory)
-        for m in methods
+        m: LLM(args.model, quantization=m, kv_cache_memory=args.kv_cache_memory) for m in methods
     }
     _, ids = render_prompts(engines[methods[0]], args)
     for llm in engines.values():  # warm-up: kernels built, first shapes seen

@@ -485,7 +485,17 @@ def test_report_rows_name_their_run(tmp_path: Path) -> None:
     (tmp_path / "g.json").write_text(
         json.dumps({"benchmark": "gguf_models", "provenance": PROVENANCE, "models": gguf})
     )
+    paths = {"gguf": [{"tokens_per_s": 350.0}], "int4": [{"tokens_per_s": 400.0}]}
+    weight_paths = {
+        "benchmark": "weight_paths",
+        "provenance": PROVENANCE,
+        "comparison": common.compare(paths, ["tokens_per_s"], "int4"),
+        "weight_bytes": {"gguf": 94 * 2**20, "int4": 401 * 2**20},
+        "dtype": {"gguf": "bfloat16", "int4": "bfloat16"},
+    }
+    (tmp_path / "w.json").write_text(json.dumps(weight_paths))
     full = report.render(doc, report.load_results(tmp_path))
+    assert "| gguf | bfloat16 | 94 | 350.0 | 0.88× of int4 | 1 |" in full
     assert "1.20×" in full and "1/16" in full and "3.20×" in full
     # gguf_models: a memory row per system, a speed row per level, a perplexity row
     row = "| smollm2-135m (m.Q4_1.gguf) | sluice | 100 | 300 | 690 | 390 | 256 (11,776 tokens) "

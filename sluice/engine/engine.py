@@ -13,13 +13,13 @@ from typing import Any
 import torch
 
 from sluice import kernels
-from sluice.config import EngineConfig, resolve_dtype, resolve_quantization
+from sluice.config import EngineConfig, ModelConfig, resolve_dtype, resolve_quantization
 from sluice.core.errors import RequestError
 from sluice.core.request import Request, RequestStatus
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.output import SequenceOutputState
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
-from sluice.kernels import release_freed_heap
+from sluice.kernels import large_allocations_mapped
 from sluice.loader import load_model
 from sluice.outputs import CompletionOutput, Logprob, RequestMetricsOut, RequestOutput
 from sluice.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -73,42 +73,9 @@ class LLMEngine:
         device = config.torch_device()
         if device.type == "cpu":
             torch.set_num_threads(config.threads())
-        loaded = load_model(config.model)
-        self.model_path = loaded.path
-        self.model_config = mc = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.dtype = resolve_dtype(config.dtype, device)
-        self.quantization = resolve_quantization(
-            config.quantization, device, self.dtype, loaded.quantized, config.dtype
-        )
-
-        per_block = kv_bytes_per_block(mc, config.block_size, self.dtype)
-        num_blocks = int(config.kv_cache_memory * 2**30) // per_block
-        if num_blocks < 2:
-            raise ValueError(
-                f"kv_cache_memory={config.kv_cache_memory} GiB holds fewer than 2 blocks "
-                f"of {config.block_size} tokens ({per_block} bytes each)"
-            )
-        self.max_model_len = min(
-            config.max_model_len or mc.max_position_embeddings, num_blocks * config.block_size
-        )
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
-        self.runner = ModelRunner(
-            mc,
-            loaded.tensors,
-            self.dtype,
-            device,
-            config.block_size,
-            num_blocks,
-            self.max_model_len,
-            self.quantization,
-            config.compile,
-        )
-        del loaded
-        # The file-layout copies of the weights the load freed go back to the OS.
-        gc.collect()
-        release_freed_heap()
+        with large_allocations_mapped():  # a load's peak memory stays near its end state
+            mc, num_blocks = self._load(config, device)
+        self.sampler = Sampler(mc.vocab_size, config.seed, device)
         self.sampler = Sampler(mc.vocab_size, config.seed, device)
         self.groups: dict[str, _Group] = {}
         self._seqs: dict[str, Request] = {}
@@ -138,6 +105,44 @@ class LLMEngine:
             config.block_size,
             self.max_model_len,
         )
+
+    def _load(self, config: EngineConfig, device: torch.device) -> tuple[ModelConfig, int]:
+        """Load the model, size the KV pool and build the scheduler and the runner;
+        (the model's config, the number of KV blocks)."""
+        loaded = load_model(config.model)
+        self.model_path = loaded.path
+        self.model_config = mc = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.dtype = resolve_dtype(config.dtype, device)
+        self.quantization = resolve_quantization(
+            config.quantization, device, self.dtype, loaded.quantized, config.dtype
+        )
+        per_block = kv_bytes_per_block(mc, config.block_size, self.dtype)
+        num_blocks = int(config.kv_cache_memory * 2**30) // per_block
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory} GiB holds fewer than 2 blocks "
+                f"of {config.block_size} tokens ({per_block} bytes each)"
+            )
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, num_blocks * config.block_size
+        )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.runner = ModelRunner(
+            mc,
+            loaded.tensors,  # consumed: each weight is freed once its layer holds it
+            self.dtype,
+            device,
+            config.block_size,
+            num_blocks,
+            self.max_model_len,
+            self.quantization,
+            config.compile,
+        )
+        del loaded
+        gc.collect()
+        return mc, num_blocks
 
     # ---- requests in ----------------------------------------------------------
 

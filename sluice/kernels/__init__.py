@@ -50,6 +50,7 @@ from sluice.kernels._ffi import (
     Library,
     apply_declarations,
     c_function,
+    large_allocations_mapped,
     release_freed_heap,
 )
 from sluice.settings import cache_dir
@@ -61,6 +62,7 @@ __all__ = [
     "cpu",
     "decode_stack",
     "fused",
+    "large_allocations_mapped",
     "load",
     "matmul",
     "qblock",
