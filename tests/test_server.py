@@ -659,13 +659,15 @@ def test_metrics_parse_and_move(server: Server) -> None:
 def test_queue_full_is_503_on_streaming_and_chat_requests() -> None:
     # One seat and one waiting place: with one request running and one waiting, every
     # new request, streamed or not, completion or chat, finds the queue full.
-    long = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    # Long enough that it cannot finish while the refused requests are sent (400 tokens
+    # took ~3 s on the GGUF path's decode stack: once, the seat freed mid-test).
+    long = {"prompt": PROMPT, "max_tokens": 1800, "ignore_eos": True, "stream": True}
     refused = [
         (C, {"prompt": PROMPT, "max_tokens": 2, "stream": True}),
         (CHAT, {"messages": _MSG, "max_tokens": 2, "stream": True}),
         (CHAT, {"messages": _MSG, "max_tokens": 2}),
     ]
-    args = ("--max-num-seqs", "1", "--max-waiting-requests", "1", "--max-model-len", "512",
+    args = ("--max-num-seqs", "1", "--max-waiting-requests", "1", "--max-model-len", "2048",
             "--kv-cache-memory", "0.1")  # fmt: skip
     with serve(*args) as srv, httpx.Client(headers=srv.headers, timeout=60) as http:
         with http.stream("POST", f"{srv.url}{C}", json=long) as running:
