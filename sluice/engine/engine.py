@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,15 +33,6 @@ def _file_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def _resident_bytes() -> int | None:
-    """This process's resident memory (Linux), None elsewhere."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 @dataclass
@@ -443,7 +433,6 @@ class LLMEngine:
             "quantization": self.quantization,
             "cpu_kernels": self.cpu_kernels,
             "weight_bytes": self.weight_bytes,
-            "rss_bytes": _resident_bytes(),
         }
 
     def reset_prefix_cache(self) -> int:

@@ -33,6 +33,8 @@ from sluice.layers.linear import Linear
 from sluice.layers.quantization import Int4WeightOnly, Int8WeightOnly
 from sluice.models.llama import DecoderLayer, LlamaForCausalLM
 
+STACK_MAX_ROWS = 3
+
 # A layer's row of the stack's table: field name (csrc/decode_stack_fields.h) -> tensor,
 # None for a null pointer, or an int (a linear's format).
 Fields = dict[str, Field]
@@ -189,7 +191,12 @@ class LlamaDecodeStack:
             return None
         rows: list[Fields] = []
         formats: set[int] = set()
-        max_rows = 1 << 30
+        # At most 3 rows, whatever the eager crossover: with qblock weights the stack
+        # stalled the server for ~15 s at times on 4-15-row steps (the kernel's
+        # row-blocked path inside the stack's parallel region; tests/test_server.py's
+        # queue-full test caught it, not yet understood), and 1-3 rows is the decode
+        # regime the stack is for.
+        max_rows = STACK_MAX_ROWS
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
             found = layer_fields(layer, k_cache, v_cache, dtype)
             if found is None:

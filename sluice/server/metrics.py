@@ -6,6 +6,7 @@ Latencies use the engine's monotonic timestamps, so they measure the engine, not
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from prometheus_client import (
@@ -125,6 +126,8 @@ class ServerMetrics:
             self.tpot.observe(max(0.0, m.finished_time - m.first_token_time) / (n - 1))
 
     def render(self, stats: dict[str, Any]) -> bytes:
+        # Read at the scrape, not in every step's stats: it costs a file read.
+        stats = {**stats, "rss_bytes": _resident_bytes()}
         for key, gauge in self._gauges.items():
             value = stats.get(key)
             if isinstance(value, int | float):
@@ -133,3 +136,12 @@ class ServerMetrics:
         self._engine_info.clear()
         self._engine_info.labels(self._model, *info).set(1)
         return generate_latest(self.registry)
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident memory (Linux), None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
