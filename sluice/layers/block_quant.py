@@ -74,6 +74,14 @@ def _kernel_args(
     return qt.packed, qt.hbits, qt.scale, qt.minimum, qt.bits, qt.group
 
 
+def _cpu_kernels(weight: torch.Tensor) -> Library | None:
+    """Our kernels for a layer whose compute tensor is `weight`: on CPU, in fp32 or
+    bf16 (what they read and write); None means the torch-ops path."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return kernels.load()
+
+
 class BlockQuantized(LinearMethod):
     """A Linear whose weight stays in its GGUF block quantization. A weight the file
     stores as floats (or in a type we have no layout for) stays dense: this method
@@ -107,12 +115,10 @@ class BlockQuantized(LinearMethod):
         # The kernel and the decode stack find the tensors on the layer by name.
         layer.qb_packed, layer.qb_hbits = weight.packed, weight.hbits
         layer.qb_scale, layer.qb_min = weight.scale, weight.minimum
-        dtype = layer.weight.dtype
+        self.lib = _cpu_kernels(layer.weight)
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
-        on_cpu = layer.weight.device.type == "cpu"
-        self.lib = kernels.load() if on_cpu and dtype in (torch.float32, torch.bfloat16) else None
-        level = kernels.variant() if self.lib is not None else "generic"
-        self.dense_min_rows = DENSE_MIN_ROWS.get(level, 4) if self.lib is not None else 1
+        # Without our kernels the dense path is the only one.
+        self.dense_min_rows = DENSE_MIN_ROWS.get(kernels.variant(), 4) if self.lib else 1
 
     def process_weight(self, layer: Linear) -> None:
         if self.weight is None:
@@ -123,9 +129,9 @@ class BlockQuantized(LinearMethod):
             return super().apply(layer, x)
         w = self.weight
         if torch.compiler.is_compiling():  # our kernels are opaque to the compiler
-            args = (w.packed, w.hbits, w.scale, w.minimum, w.bits, w.group)
             y = cast(
-                torch.Tensor, _qblock_linear_op(x, *args, self.output_head, self.dense_min_rows)
+                torch.Tensor,
+                _qblock_linear_op(x, *_kernel_args(w), self.output_head, self.dense_min_rows),
             )
         else:
             y = _linear(self.lib, w, x, self.output_head, self.dense_min_rows)
@@ -204,21 +210,19 @@ class Embedding(nn.Module):
                 f"shape mismatch: expected {tuple(self.weight.shape)}, got {weight.shape}"
             )
         self.quantized = weight
-        on_cpu = self.weight.device.type == "cpu"
-        self.lib = kernels.load() if on_cpu else None
+        self.lib = _cpu_kernels(self.weight)
         # Empty, but keeps the compute dtype and device that callers read off it.
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quantized is None:
             return F.embedding(ids, self.weight)
-        if self.lib is not None and self.weight.dtype in (torch.float32, torch.bfloat16):
-            q = self.quantized
+        if self.lib is not None:
+            args = _kernel_args(self.quantized)
             if torch.compiler.is_compiling():  # opaque to the compiler, as above
-                args = (q.packed, q.hbits, q.scale, q.minimum, q.bits, q.group)
                 out = _qblock_embedding_op(ids, *args, self.weight.new_empty(0))
                 return cast(torch.Tensor, out)
-            return qblock.qblock_embedding(self.lib, ids, *_kernel_args(q), self.weight.dtype)
+            return qblock.qblock_embedding(self.lib, ids, *args, self.weight.dtype)
         return dequantize(self.quantized.rows(ids), self.weight.dtype)
 
 
