@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from sluice.core.choices import FinishReason
 from sluice.core.outputs import Logprob
@@ -46,6 +46,8 @@ class OutputState(Protocol):
     def append(self, token_id: int, max_tokens: int) -> bool: ...
 
     def take_delta(self) -> str: ...
+
+    def finish_complete(self) -> bool: ...
 
 
 @dataclass
@@ -100,6 +102,9 @@ class Request:
     # Other sequences of an n > 1 request that fork from this one once its prompt is in.
     pending_forks: list[Request] = field(init=False, default_factory=list)
     output: OutputState | None = field(init=False, default=None)
+    # The grammar matcher of a constrained request (an llguidance LLMatcher, owned by
+    # sluice.structured); None when unconstrained.
+    grammar: Any = field(init=False, default=None)
     # Per output token: the sampled token's and the top-N tokens' logprobs (when asked).
     logprobs: list[dict[int, Logprob]] | None = field(init=False, default=None)
     cumulative_logprob: float = field(init=False, default=0.0)

@@ -14,6 +14,7 @@ from numbers import Integral, Real
 from typing import Any, TypeGuard
 
 from sluice.core.errors import SamplingParamsError
+from sluice.core.structured_output import StructuredOutput
 
 # Below this the softmax is numerically a one-hot, so sample with argmax instead.
 _GREEDY_EPS = 1e-5
@@ -99,6 +100,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # The output must match this (a StructuredOutput; a dict of its fields is
+    # converted to one).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Checked in field order so the first bad field is the one reported.
@@ -155,6 +159,7 @@ class SamplingParams:
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        self.structured_output = self._normalise_structured_output(self.structured_output)
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:
@@ -213,6 +218,26 @@ class SamplingParams:
                 )
             result[token_id] = b
         return result
+
+    @staticmethod
+    def _normalise_structured_output(value: object) -> StructuredOutput | None:
+        if value is None or isinstance(value, StructuredOutput):
+            return value
+        if not isinstance(value, dict):
+            raise SamplingParamsError(
+                "structured_output",
+                f"structured_output must be a StructuredOutput or a dict, got "
+                f"{type(value).__name__}",
+            )
+        fields = {"json", "json_object", "regex", "choice", "grammar"}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise SamplingParamsError(
+                f"structured_output.{unknown[0]}",
+                f"structured_output has no field {unknown[0]!r} (it takes "
+                f"{', '.join(sorted(fields))})",
+            )
+        return StructuredOutput(**value)
 
     @property
     def greedy(self) -> bool:

@@ -217,6 +217,11 @@ class AsyncLLM:
         if not self._accepting or not self.is_running:
             raise EngineShutdownError("the engine is shutting down")
         rid = request_id or self.new_request_id()
+        grammars = getattr(self.engine, "grammars", None)
+        if params.structured_output is not None and grammars is not None:
+            # Off the engine loop (the library releases the GIL while it compiles); the
+            # engine then finds it in the cache. A rejected grammar raises here.
+            await asyncio.to_thread(grammars.compile, params.structured_output)
         with self._lock:
             waiting = int(self._stats.get("num_waiting", 0)) + self._pending_adds
             if waiting >= self.max_waiting_requests:

@@ -24,6 +24,7 @@ from sluice.outputs import CompletionOutput, Logprob, RequestMetricsOut, Request
 from sluice.runner.model_runner import ModelRunner, kv_bytes_per_block
 from sluice.runner.sampler import Sampler
 from sluice.sampling_params import SamplingParams
+from sluice.structured import ConstraintMasks, GrammarCompiler, advance, forced_tokens
 
 logger = logging.getLogger("sluice")
 
@@ -66,7 +67,11 @@ class LLMEngine:
         with large_allocations_mapped():  # a load's peak memory stays near its end state
             mc, num_blocks = self._load(config, device)
         self.sampler = Sampler(mc.vocab_size, config.seed, device)
-        self.sampler = Sampler(mc.vocab_size, config.seed, device)
+        self.grammars = GrammarCompiler(
+            self.tokenizer.backend, mc.vocab_size, self.tokenizer.eos_token_ids
+        )
+        self.constraint_masks = ConstraintMasks(mc.vocab_size)
+        self.num_forced_tokens = 0
         self.groups: dict[str, _Group] = {}
         self._seqs: dict[str, Request] = {}
         self.waste = _WasteCounter()
@@ -184,6 +189,10 @@ class LLMEngine:
                 f"{self.max_model_len} tokens (prompt and output together)",
             )
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        constraint = params.structured_output
+        # Compiled (or found in the cache) before anything is queued: a bad grammar is
+        # this request's error, never the engine's.
+        template = self.grammars.compile(constraint) if constraint is not None else None
         seqs = []
         for i in range(params.n):
             seq = Request(
@@ -199,6 +208,8 @@ class LLMEngine:
                 seed=None if params.seed is None else params.seed + i,
             )
             seq.output = SequenceOutputState(self.tokenizer, ids, params)
+            if template is not None:
+                seq.grammar = template.deep_copy()
             if params.logprobs is not None:
                 seq.logprobs = []
             seqs.append(seq)
@@ -272,7 +283,7 @@ class LLMEngine:
         if len(rows) != len(result.sampling_requests):
             logits = logits[torch.tensor(row_src, device=logits.device)]
         stop_ids = [self._stop_token_ids(r) for r in rows]
-        sampled = self.sampler(logits, rows, stop_ids)
+        sampled = self.sampler(logits, rows, stop_ids, self.constraint_masks(rows))
 
         finished_at = time.monotonic()
         touched: dict[str, _Group] = {}
@@ -282,29 +293,43 @@ class LLMEngine:
                     self.kv.fork(req, child)
                     self.scheduler.add_running(child)
                 req.pending_forks = []
-            req.append_token(tok)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = finished_at
             if lp is not None and req.logprobs is not None:
                 self._add_logprobs(req, tok, lp)
-            assert req.output is not None
-            params = req.sampling_params
-            max_tokens = min(
-                params.max_tokens if params.max_tokens is not None else self.max_model_len,
-                self.max_model_len - req.num_prompt_tokens,
-            )
-            if req.output.append(tok, max_tokens):
-                status = (
-                    RequestStatus.FINISHED_LENGTH
-                    if req.output.finish_reason == "length"
-                    else RequestStatus.FINISHED_STOPPED
-                )
-                req.metrics.finished_time = finished_at
-                self.scheduler.finish(req, status)
+            if not self._append(req, tok, finished_at):
+                # Tokens the grammar forces go in without a step each: the scheduler
+                # computes them next step as one short chunk.
+                for forced in forced_tokens(req):
+                    self.num_forced_tokens += 1
+                    if self._append(req, forced, finished_at, consumed=True):
+                        break
             touched[req.group_id] = self.groups[req.group_id]
         self.num_steps += 1
         self.num_generated_tokens += len(rows)
         return [self._make_output(g) for g in touched.values()]
+
+    def _append(self, req: Request, tok: int, now: float, consumed: bool = False) -> bool:
+        """Add one output token and apply the stop rules (and the grammar's end); True
+        if the sequence finished. consumed: the grammar's matcher has the token already."""
+        req.append_token(tok)
+        assert req.output is not None
+        params = req.sampling_params
+        max_tokens = min(
+            params.max_tokens if params.max_tokens is not None else self.max_model_len,
+            self.max_model_len - req.num_prompt_tokens,
+        )
+        complete = advance(req, tok, consumed)
+        if not (req.output.append(tok, max_tokens) or (complete and req.output.finish_complete())):
+            return False
+        status = (
+            RequestStatus.FINISHED_LENGTH
+            if req.output.finish_reason == "length"
+            else RequestStatus.FINISHED_STOPPED
+        )
+        req.metrics.finished_time = now
+        self.scheduler.finish(req, status)
+        return True
 
     # ---- helpers -------------------------------------------------------------------
 
@@ -427,6 +452,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
+            "num_forced_tokens": self.num_forced_tokens,
             "block_size": self.config.block_size,
             "max_model_len": self.max_model_len,
             "dtype": str(self.dtype).removeprefix("torch."),

@@ -186,6 +186,12 @@ class SequenceOutputState:
             return self.finished or self._finish("length", None)
         return False
 
+    def finish_complete(self) -> bool:
+        """The output's grammar is complete (nothing may follow): stop as at EOS."""
+        if not self.finished:
+            self._add_text(self._detok.flush())
+        return self.finished or self._finish("stop", None)
+
     def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> bool:
         self.finish_reason = reason
         self.stop_reason = stop_reason

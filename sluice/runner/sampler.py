@@ -37,10 +37,17 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]]
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        stop_ids: list[list[int]],
+        allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplerOutput:
         """logits: [S, V] fp32, one row per request. stop_ids[i]: tokens that would end
-        request i (blocked while it is below min_tokens)."""
+        request i (blocked while it is below min_tokens). allowed: (row indices, bool
+        [rows, V]) the tokens a constrained row's grammar allows; applied after bias and
+        penalties, before temperature and top-k/top-p, so those renormalize over what the
+        grammar allows. Logprobs stay the model's own (before any of this)."""
         s = logits.shape[0]
         params = [r.sampling_params for r in requests]
         want_logprobs = [p.logprobs is not None for p in params]
@@ -50,7 +57,7 @@ class Sampler:
         if any(
             p.logit_bias or (p.min_tokens and r.num_output_tokens < p.min_tokens) or _has_penalty(p)
             for r, p in zip(requests, params, strict=True)
-        ):
+        ) or allowed is not None:
             logits = logits.clone()
 
         for i, (r, p) in enumerate(zip(requests, params, strict=True)):
@@ -58,11 +65,22 @@ class Sampler:
                 ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
                 vals = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
                 logits[i, ids] += vals.to(logits.device)
-            if p.min_tokens and r.num_output_tokens < p.min_tokens and stop_ids[i]:
+            # A grammar that is complete may allow nothing but the end: it wins over
+            # min_tokens (the masked row would otherwise have nothing left to sample).
+            if (
+                p.min_tokens
+                and r.num_output_tokens < p.min_tokens
+                and stop_ids[i]
+                and r.grammar is None
+            ):
                 logits[i, torch.tensor(stop_ids[i], device=logits.device)] = float("-inf")
 
         if any(_has_penalty(p) for p in params):
             self._apply_penalties(logits, requests)
+        if allowed is not None:
+            rows, mask = allowed
+            rows = rows.to(logits.device)
+            logits[rows] = logits[rows].masked_fill(~mask.to(logits.device), float("-inf"))
 
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         greedy = temps < _GREEDY_EPS

@@ -1,0 +1,97 @@
+"""What a constrained request's output must match: a JSON Schema, any JSON object, a
+regular expression, one of a list of strings, or a grammar.
+
+Only the shape is checked here (exactly one kind, the right types), so a bad value
+fails at the API boundary with the field's name. Whether the grammar library can
+compile it is the structured-output package's job (`sluice.structured`), which the
+engine calls when the request is added.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.core.errors import SamplingParamsError
+
+_FIELD = "structured_output"
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one of the fields is set.
+
+    - ``json``: a JSON Schema (a dict, or its JSON text);
+    - ``json_object``: True for any JSON object (OpenAI's ``{"type": "json_object"}``);
+    - ``regex``: a regular expression the whole output must match;
+    - ``choice``: the output is exactly one of these strings;
+    - ``grammar``: a Lark grammar (llguidance's dialect, which may embed JSON Schemas
+      with ``%json {...}``) or a llama.cpp GBNF grammar.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if not isinstance(self.json_object, bool):
+            raise SamplingParamsError(
+                f"{_FIELD}.json_object",
+                f"{_FIELD}.json_object must be a bool, got {type(self.json_object).__name__}",
+            )
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise SamplingParamsError(
+                _FIELD,
+                f"{_FIELD} needs exactly one of json, json_object, regex, choice, grammar; "
+                f"got {', '.join(kinds) if kinds else 'none'}",
+            )
+        self._check(kinds[0])
+
+    def _check(self, kind: str) -> None:
+        where = f"{_FIELD}.{kind}"
+        if kind == "json":
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise SamplingParamsError(where, f"{where} is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict | bool):
+                raise SamplingParamsError(
+                    where, f"{where} must be a JSON Schema object, got {type(schema).__name__}"
+                )
+        elif kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if not isinstance(value, str) or not value:
+                raise SamplingParamsError(where, f"{where} must be a non-empty string")
+        elif kind == "choice":
+            choice = self.choice
+            if not isinstance(choice, list | tuple) or not choice:
+                raise SamplingParamsError(where, f"{where} must be a non-empty list of strings")
+            if not all(isinstance(c, str) and c for c in choice):
+                raise SamplingParamsError(where, f"{where} must contain only non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints compile once."""
+        kind = self.kind
+        if kind == "json":
+            schema = self.json if isinstance(self.json, dict | bool) else json.loads(self.json)  # type: ignore[arg-type]
+            return kind, json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return kind, json.dumps(list(self.choice or []))
+        if kind == "json_object":
+            return kind, ""
+        return kind, str(getattr(self, kind))

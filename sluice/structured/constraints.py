@@ -1,0 +1,81 @@
+"""The engine's side of constrained decoding: per step, the token masks of the
+constrained rows; after sampling, advancing each matcher and the tokens it forces.
+
+A sequence's matcher lives on its `Request` (``grammar``) and only ever sees tokens
+the sequence keeps, so it survives preemption: recompute replays the KV, not the
+matcher. The masks go to the sampler as llguidance's packed bitmask (one bit per
+vocabulary entry), computed for all constrained rows in parallel off the GIL.
+"""
+
+from __future__ import annotations
+
+import llguidance
+import llguidance.torch as llg_torch
+import torch
+
+from sluice.core.request import Request
+
+
+class ConstraintMasks:
+    """Computes the masks of a step's constrained rows."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._executor = llguidance.LLExecutor(num_threads=2)
+        self._bitmask = llg_torch.allocate_token_bitmask(1, vocab_size)
+        self.num_masks = 0
+
+    def __call__(self, rows: list[Request]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(row indices, bool mask [len(indices), vocab]) of the constrained rows, or
+        None when no row is constrained."""
+        idx = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not idx:
+            return None
+        if self._bitmask.shape[0] < len(idx):
+            self._bitmask = llg_torch.allocate_token_bitmask(len(idx), self.vocab_size)
+        bitmask = self._bitmask[: len(idx)]
+        if len(idx) == 1:
+            llg_torch.fill_next_token_bitmask(rows[idx[0]].grammar, bitmask, 0)
+        else:
+            llg_torch.fill_next_token_bitmask_par(
+                self._executor, [(rows[i].grammar, j) for j, i in enumerate(idx)], bitmask
+            )
+        self.num_masks += len(idx)
+        return torch.tensor(idx, dtype=torch.long), unpack_bitmask(bitmask, self.vocab_size)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, ceil(V/32)] int32 bit words -> [R, V] bool (bit j of word w is token 32w + j)."""
+    bits = (bitmask[:, :, None] >> _BITS) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def advance(req: Request, token_id: int, consumed: bool = False) -> bool:
+    """Feed a sampled token to the sequence's matcher (unless it has it already: a
+    forced token); True when the grammar is complete (nothing but the end may
+    follow), so the sequence can stop without another step."""
+    matcher = req.grammar
+    if matcher is None:
+        return False
+    if not consumed and not matcher.consume_token(token_id):
+        # Cannot happen for a masked sample; if it does, stop rather than emit text the
+        # grammar does not allow.
+        return True
+    return bool(matcher.is_stopped())
+
+
+def forced_tokens(req: Request) -> list[int]:
+    """Tokens the grammar allows as the only continuation, already consumed by the
+    matcher: the engine appends them without sampling (they cost one prefill chunk,
+    not one forward pass each). None for requests that want logprobs, whose every
+    token needs the model's own distribution."""
+    matcher = req.grammar
+    if matcher is None or req.sampling_params.logprobs is not None:
+        return []
+    tokens = list(matcher.compute_ff_tokens())
+    if tokens and not matcher.consume_tokens(tokens):
+        return []
+    return tokens
