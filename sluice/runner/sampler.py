@@ -54,10 +54,15 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         # Bias, min_tokens and penalties edit logits in place: copy only when one applies
         # (a [rows, vocab] copy per step is not free at large batches).
-        if any(
-            p.logit_bias or (p.min_tokens and r.num_output_tokens < p.min_tokens) or _has_penalty(p)
-            for r, p in zip(requests, params, strict=True)
-        ) or allowed is not None:
+        if (
+            any(
+                p.logit_bias
+                or (p.min_tokens and r.num_output_tokens < p.min_tokens)
+                or _has_penalty(p)
+                for r, p in zip(requests, params, strict=True)
+            )
+            or allowed is not None
+        ):
             logits = logits.clone()
 
         for i, (r, p) in enumerate(zip(requests, params, strict=True)):

@@ -94,8 +94,6 @@ def check_chat_unsupported(req: ChatCompletionRequest) -> None:
         raise unsupported("tool_choice", "tool calling")
     if req.function_call not in (None, "none"):
         raise unsupported("function_call", "function calling")
-    if req.response_format is not None and req.response_format != {"type": "text"}:
-        raise unsupported("response_format", "a response_format other than {'type': 'text'}")
     if req.audio is not None:
         raise unsupported("audio", "audio output")
     if req.modalities is not None and req.modalities != ["text"]:

@@ -17,6 +17,7 @@ from sluice.server.logprobs import chat_logprobs
 from sluice.server.messages import check_chat_unsupported, render_chat
 from sluice.server.protocol import ChatCompletionRequest
 from sluice.server.streaming import streamed_response
+from sluice.server.structured import constrained
 from sluice.server.validation import (
     check_length,
     check_model,
@@ -85,6 +86,7 @@ async def chat_completions(request: Request) -> Response | dict[str, Any]:
     ctx = server_context(request)
     req = await parse(request, ChatCompletionRequest)
     params, ids = _validate(ctx, req)
+    params = await constrained(ctx, req, params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tracked = await submit(ctx, [ids], params, rid, req.priority, "messages")
     if req.stream:

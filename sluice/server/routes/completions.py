@@ -16,6 +16,7 @@ from sluice.server.generation import collect, submit, until_disconnected, usage
 from sluice.server.logprobs import completion_logprobs
 from sluice.server.protocol import CompletionRequest
 from sluice.server.streaming import streamed_response
+from sluice.server.structured import constrained
 from sluice.server.validation import (
     check_length,
     check_model,
@@ -97,6 +98,7 @@ async def completions(request: Request) -> Response | dict[str, Any]:
     ctx = server_context(request)
     req = await parse(request, CompletionRequest)
     params, prompts = _validate(ctx, req)
+    params = await constrained(ctx, req, params)
     rid = f"cmpl-{uuid.uuid4().hex}"
     tracked = await submit(ctx, prompts, params, rid, req.priority, "prompt")
     if req.stream:
