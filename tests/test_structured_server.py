@@ -237,3 +237,12 @@ def test_openai_errors_surface_in_the_client(server: Server) -> None:
             response_format={"type": "json_schema", "json_schema": BAD},
         )
     assert info.value.status_code == 400
+
+
+def test_metrics_count_forced_tokens_and_grammars(server: Server) -> None:
+    before = server.metrics()
+    r = _post(server, {"structured_outputs": {"choice": ["forty-two is the answer"]}})
+    assert r.json()["choices"][0]["message"]["content"] == "forty-two is the answer"
+    after = server.metrics()
+    assert after["sluice_structured_forced_tokens"] > before["sluice_structured_forced_tokens"]
+    assert after["sluice_structured_grammars_compiled"] >= 1

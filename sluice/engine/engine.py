@@ -460,6 +460,7 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "num_forced_tokens": self.num_forced_tokens,
+            "grammars_compiled": self.grammars.num_compiled,
             "block_size": self.config.block_size,
             "max_model_len": self.max_model_len,
             "dtype": str(self.dtype).removeprefix("torch."),

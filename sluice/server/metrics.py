@@ -91,6 +91,17 @@ class ServerMetrics:
                     "Bytes of the model's weights as held in memory (quantized or dense).",
                 ),
                 (
+                    "num_forced_tokens",
+                    "sluice_structured_forced_tokens",
+                    "Output tokens a grammar forced, appended without a decode step each "
+                    "(since start).",
+                ),
+                (
+                    "grammars_compiled",
+                    "sluice_structured_grammars_compiled",
+                    "Distinct constraints compiled by the grammar library (since start).",
+                ),
+                (
                     "rss_bytes",
                     "sluice_process_resident_bytes",
                     "Resident memory of the engine's process (weights, KV pages in use, runtime).",
