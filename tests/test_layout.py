@@ -27,8 +27,10 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"core", "settings", "config", "kernels", "attention", "layers"},
     "loader": {"core", "settings", "config"},
     "runner": {"core", "settings", "config", "kernels", "attention", "layers", "models"},
+    # Constrained decoding: constraints to grammar matchers, masks, forced tokens.
+    "structured": {"core"},
     # The engine reports which CPU kernel level it runs.
-    "engine": {"core", "settings", "config", "kernels", "loader", "runner"},
+    "engine": {"core", "settings", "config", "kernels", "loader", "runner", "structured"},
     "server": {"core", "settings", "config", "loader", "engine"},
     # The front doors: LLM (and the package's __init__), the CLI, `sluice bench`.
     "api": {"core", "settings", "config", "engine"},
