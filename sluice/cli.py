@@ -32,6 +32,9 @@ _OPTION_HELP = {
     "quantization": "weight-only quantization on CPU (default: auto, a 4/8-bit GGUF "
     "stays int4/int8 in bf16)",
     "compile": "torch.compile the model (first steps compile; cached on disk)",
+    "chat_template": "a Jinja chat template to use instead of the model's: a file, the "
+    "template text, or a bundled one (hermes_tools: Hermes-style tool calling for ChatML "
+    "models; default: the model's own)",
 }
 
 

@@ -133,6 +133,10 @@ class EngineConfig:
     # compile at the first steps of each shape class (cached on disk across runs).
     compile: bool = False
     num_threads: int | None = None
+    # A Jinja chat template instead of the model's own (vLLM's --chat-template): a
+    # file, the template text, or a bundled name ("hermes_tools": tool calling for
+    # ChatML models). The loader resolves and compiles it at start-up.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -156,6 +160,13 @@ class EngineConfig:
             "quantization", self.quantization, QUANTIZATIONS, ConfigError
         )
         self.dtype = parse_choice("dtype", self.dtype, DTYPES, ConfigError)
+        if self.chat_template is not None and (
+            not isinstance(self.chat_template, str) or not self.chat_template.strip()
+        ):
+            raise ConfigError(
+                "chat_template",
+                f"chat_template must be a non-empty string, got {self.chat_template!r}",
+            )
         if not is_device(self.device):
             raise ConfigError(
                 "device",

@@ -19,7 +19,7 @@ from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.output import SequenceOutputState
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.kernels import large_allocations_mapped
-from sluice.loader import load_model
+from sluice.loader import load_model, resolve_chat_template
 from sluice.outputs import CompletionOutput, Logprob, RequestMetricsOut, RequestOutput
 from sluice.runner.model_runner import ModelRunner, kv_bytes_per_block
 from sluice.runner.sampler import Sampler
@@ -104,10 +104,14 @@ class LLMEngine:
     def _load(self, config: EngineConfig, device: torch.device) -> tuple[ModelConfig, int]:
         """Load the model, size the KV pool and build the scheduler and the runner;
         (the model's config, the number of KV blocks)."""
+        # Before the model: a chat template that does not resolve fails at once.
+        template = resolve_chat_template(config.chat_template) if config.chat_template else None
         loaded = load_model(config.model)
         self.model_path = loaded.path
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
+        if template is not None:
+            self.tokenizer.set_chat_template(template)
         self.dtype = resolve_dtype(config.dtype, device)
         self.quantization = resolve_quantization(
             config.quantization, device, self.dtype, loaded.quantized, config.dtype

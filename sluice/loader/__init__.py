@@ -12,6 +12,7 @@ from sluice.core.errors import ModelNotFoundError
 from sluice.core.quantized_tensor import QuantizedTensor
 from sluice.settings import cache_dir
 
+from .chat_template import bundled_templates, resolve_chat_template
 from .gguf_loader import load_gguf
 from .gguf_tokenizer import tokenizer_from_gguf
 from .hf_loader import load_hf_dir
@@ -23,8 +24,10 @@ __all__ = [
     "LoadedModel",
     "ModelNotFoundError",
     "Tokenizer",
+    "bundled_templates",
     "cache_dir",
     "load_model",
+    "resolve_chat_template",
     "resolve_model_path",
     "tokenizer_from_gguf",
 ]

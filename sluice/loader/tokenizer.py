@@ -14,6 +14,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -73,6 +74,24 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The Jinja environment chat templates run in: transformers' settings and helpers."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationTag],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def compile_chat_template(template: str) -> jinja2.Template:
+    """A chat template ready to render; jinja2.TemplateSyntaxError if it is not one."""
+    return _environment().from_string(template)
+
+
 class Tokenizer:
     """Text <-> token ids, plus the model's special ids and chat template."""
 
@@ -100,6 +119,7 @@ class Tokenizer:
         self.special_token_ids: set[int] = set(special_token_ids)
         self.vocab_size: int = max(vocab_size or 0, backend.get_vocab_size(with_added_tokens=True))
         self._template: jinja2.Template | None = None
+        self._takes_tools: bool | None = None
 
     # -- basic API -------------------------------------------------------------------------
 
@@ -134,25 +154,37 @@ class Tokenizer:
     def _token_text(self, i: int | None) -> str:
         return "" if i is None else self._backend.decode([i], skip_special_tokens=False)
 
+    def set_chat_template(self, template: str | None) -> None:
+        """Use `template` instead of the model's own (EngineConfig.chat_template)."""
+        self.chat_template = template
+        self._template = None
+        self._takes_tools = None
+
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (renders tool definitions);
+        one that does not would silently drop them."""
+        if self._takes_tools is None:
+            names = (
+                jinja2.meta.find_undeclared_variables(_environment().parse(self.chat_template))
+                if self.chat_template is not None
+                else set()
+            )
+            self._takes_tools = "tools" in names
+        return self._takes_tools
+
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
-        """Render `messages` with the model's Jinja chat template, as transformers does."""
+        """Render `messages` with the model's Jinja chat template, as transformers does
+        (keywords such as ``tools=[...]`` become template variables)."""
         if self.chat_template is None:
             raise ValueError(
                 "this model has no chat template (it is probably a base model); "
                 "pass a plain prompt instead of chat messages"
             )
         if self._template is None:
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True,
-                lstrip_blocks=True,
-                extensions=[jinja2.ext.loopcontrols, _GenerationTag],
-            )
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = _strftime_now
-            self._template = env.from_string(self.chat_template)
+            self._template = compile_chat_template(self.chat_template)
         variables: dict[str, Any] = {
             "bos_token": self._token_text(self.bos_token_id),
             "eos_token": self._token_text(self.eos_token_id),
