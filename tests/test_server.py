@@ -492,8 +492,8 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("chat-missing-role", CHAT, {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
     ("chat-unknown-role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400,
      "messages[0].role"),
-    ("chat-tool-role", CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400,
-     "messages[0].role"),
+    ("chat-tool-without-id", CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400,
+     "messages[0].tool_call_id"),
     ("chat-missing-content", CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
     ("chat-content-number", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400,
      "messages[0].content"),
@@ -509,7 +509,8 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
      400, "top_logprobs"),
     ("chat-top-logprobs-alone", CHAT, {"messages": _MSG, "top_logprobs": 2}, 400,
      "top_logprobs"),
-    ("chat-tools", CHAT, {"messages": _MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat-tools", CHAT, {"messages": _MSG, "tools": [{"type": "function"}]}, 400,
+     "tools[0].function"),
     ("chat-unknown-model", CHAT, {"model": "nope", "messages": _MSG}, 404, "model"),
 ]  # fmt: skip
 

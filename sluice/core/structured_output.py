@@ -17,6 +17,15 @@ from sluice.core.errors import SamplingParamsError
 
 _FIELD = "structured_output"
 
+# How constrained JSON is laid out (llguidance's JSON compile options): Python's
+# ``json.dumps`` separators and no free whitespace (sluice.structured.compiler says why).
+# Here, in core, because the server embeds JSON Schemas in tool-call grammars too.
+JSON_FORMAT: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
 
 @dataclass(frozen=True)
 class StructuredOutput:

@@ -85,15 +85,16 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    # Accepted only at their "off" values; anything else is a 400 that says so.
+    # Checked field by field in tools.py, so errors can name tools[0].function.name.
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # Accepted only at their "off" values; anything else is a 400 that says so.
     functions: Any = None
     function_call: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
-    parallel_tool_calls: Any = None
 
 
 class TokenizeRequest(_Strict):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from sluice.server.errors import error_body
 from sluice.server.generation import Tracked, merge, usage
 from sluice.server.logprobs import chat_logprobs, completion_logprobs
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
+from sluice.server.tool_calls import ToolCallParser, stream_delta
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -50,6 +51,8 @@ class StreamSpec:
     n: int
     include_usage: bool
     top_n: int | None
+    # Chat with tools: each choice's text goes through its own parser (tool_calls.py).
+    tool_parser: Callable[[], ToolCallParser] | None = None
 
 
 class _Chunks:
@@ -64,6 +67,8 @@ class _Chunks:
         self.lp_sent = [0] * n_choices
         self.offsets = [0] * n_choices
         self.finals: list[CompletionOutput | None] = [None] * n_choices
+        new_parser = spec.tool_parser
+        self.parsers = [new_parser() for _ in range(n_choices)] if new_parser else None
 
     def event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         body: dict[str, Any] = {
@@ -78,7 +83,9 @@ class _Chunks:
         return sse(body)
 
     def role(self, index: int) -> str:
-        delta = {"role": "assistant", "content": ""}
+        # With tools, content starts as null, as OpenAI sends it: a reply that only
+        # calls reassembles to content null, as the non-streamed message has it.
+        delta = {"role": "assistant", "content": None if self.parsers else ""}
         return self.event(
             [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]
         )
@@ -89,19 +96,28 @@ class _Chunks:
         if self.done[idx]:
             return None
         lp_obj, n_new = self._logprobs(idx, c)
-        if not c.delta_text and c.finish_reason is None and not n_new:
-            return None
         choice: dict[str, Any] = {"index": idx}
         if self.spec.chat:
-            choice["delta"] = {"content": c.delta_text} if c.delta_text else {}
+            choice["delta"], reason = self._delta(idx, c)
+            news = bool(choice["delta"])
         else:
-            choice["text"] = c.delta_text
+            choice["text"], reason = c.delta_text, c.finish_reason
+            news = bool(c.delta_text)
+        if not news and reason is None and not n_new:
+            return None
         choice["logprobs"] = lp_obj
-        choice["finish_reason"] = c.finish_reason
+        choice["finish_reason"] = reason
         if c.finish_reason is not None:
             self.done[idx] = True
             self.finals[idx] = c
         return self.event([choice])
+
+    def _delta(self, idx: int, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        """A chat chunk's delta and finish_reason: the new text, or with tools what it
+        adds to the content and the calls (text that may start a call waits)."""
+        if self.parsers is None:
+            return ({"content": c.delta_text} if c.delta_text else {}), c.finish_reason
+        return stream_delta(self.parsers[idx], c.delta_text, c.finish_reason)
 
     def _logprobs(self, idx: int, c: CompletionOutput) -> tuple[dict[str, Any] | None, int]:
         """Logprobs of the tokens this choice was not sent yet (None if not asked for), and
@@ -159,13 +175,16 @@ def streamed_response(
     params: SamplingParams,
     tracked: list[Tracked],
     prompts: list[list[int]],
+    tool_parser: Callable[[], ToolCallParser] | None = None,
 ) -> StreamingResponse:
-    """The streamed answer to a submitted completion or chat request."""
+    """The streamed answer to a submitted completion or chat request (with tools, parsed
+    for calls by `tool_parser`'s parsers)."""
     spec = StreamSpec(
         request_id,
         chat=isinstance(req, ChatCompletionRequest),
         n=params.n,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         top_n=params.logprobs,
+        tool_parser=tool_parser,
     )
     return event_stream(stream_events(ctx, tracked, prompts, spec))

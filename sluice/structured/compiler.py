@@ -24,13 +24,10 @@ import llguidance
 import tokenizers
 
 from sluice.core.errors import RequestError
-from sluice.core.structured_output import StructuredOutput
+from sluice.core.structured_output import JSON_FORMAT, StructuredOutput
 
-JSON_OPTIONS: Any = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-}
+# Defined in core: the server's tool-call grammars embed JSON Schemas with the same format.
+JSON_OPTIONS: Any = JSON_FORMAT
 # Compiled grammars kept (each is a matcher in its start state, a few KB to a few MB).
 CACHE_SIZE = 256
 FIELD = "structured_output"

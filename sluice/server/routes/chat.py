@@ -1,4 +1,9 @@
-"""POST /v1/chat/completions: a reply to a conversation, through the chat template."""
+"""POST /v1/chat/completions: a reply to a conversation, through the chat template.
+
+With tools, ``tools.tool_plan`` decides what the template renders and what the grammar
+enforces, and ``tool_calls`` turns each choice's text into content and tool_calls;
+``structured.constrained`` adds a response_format / structured_outputs constraint.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ from sluice.server.messages import check_chat_unsupported, render_chat
 from sluice.server.protocol import ChatCompletionRequest
 from sluice.server.streaming import streamed_response
 from sluice.server.structured import constrained
+from sluice.server.tool_calls import message_fields
+from sluice.server.tools import ToolPlan, tool_plan, with_tool_constraint
 from sluice.server.validation import (
     check_length,
     check_model,
@@ -29,9 +36,12 @@ from sluice.server.validation import (
 router = APIRouter()
 
 
-def _validate(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[SamplingParams, list[int]]:
+def _validate(
+    ctx: ServerContext, req: ChatCompletionRequest
+) -> tuple[SamplingParams, list[int], ToolPlan]:
     check_model(ctx, req.model)
     check_chat_unsupported(req)
+    plan = tool_plan(ctx, req)
     check_stream_options(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs", "top_logprobs requires logprobs to be true")
@@ -49,27 +59,30 @@ def _validate(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[SamplingP
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         logprobs_param="top_logprobs",
     )
-    ids = render_chat(ctx, req.messages, req.add_generation_prompt)
+    ids = render_chat(ctx, req.messages, req.add_generation_prompt, plan.tools)
     check_length(ctx, len(ids), params.max_tokens, "messages", mt_param)
-    return params, ids
+    return params, ids, plan
 
 
 def _response(
-    ctx: ServerContext, rid: str, ids: list[int], final: RequestOutput, params: SamplingParams
+    ctx: ServerContext,
+    rid: str,
+    ids: list[int],
+    final: RequestOutput,
+    params: SamplingParams,
+    plan: ToolPlan,
 ) -> dict[str, Any]:
     choices = []
     for c in final.outputs:
         lp_obj = None
         if params.logprobs is not None and c.logprobs is not None:
             lp_obj = chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, params.logprobs)
-        message = {"role": "assistant", "content": c.text}
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        reason: str | None = c.finish_reason
+        if plan.new_parser is not None:  # each choice parsed on its own
+            message, reason = message_fields(plan.new_parser(), c.text, reason)
         choices.append(
-            {
-                "index": c.index,
-                "message": message,
-                "logprobs": lp_obj,
-                "finish_reason": c.finish_reason,
-            }
+            {"index": c.index, "message": message, "logprobs": lp_obj, "finish_reason": reason}
         )
     return {
         "id": rid,
@@ -85,11 +98,11 @@ def _response(
 async def chat_completions(request: Request) -> Response | dict[str, Any]:
     ctx = server_context(request)
     req = await parse(request, ChatCompletionRequest)
-    params, ids = _validate(ctx, req)
-    params = await constrained(ctx, req, params)
+    params, ids, plan = _validate(ctx, req)
+    params = await with_tool_constraint(ctx, await constrained(ctx, req, params), plan)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tracked = await submit(ctx, [ids], params, rid, req.priority, "messages")
     if req.stream:
-        return streamed_response(ctx, req, rid, params, tracked, [ids])
+        return streamed_response(ctx, req, rid, params, tracked, [ids], plan.new_parser)
     (final,) = await until_disconnected(request, collect(tracked))
-    return _response(ctx, rid, ids, final, params)
+    return _response(ctx, rid, ids, final, params, plan)
