@@ -320,7 +320,16 @@ PARSER_CASES = [
     # A second call before the first was closed.
     ('<tool_call>{"name": "f", "arguments": {}}\n<tool_call>{"name": "g", "arguments": {}}',
      None, [("f", "{}"), ("g", "{}")]),
+    # Calls without the tags (Qwen2.5-Coder's habit), only at the reply's start and only
+    # of the request's functions.
+    ('{"name": "f", "arguments": {"x": "}"}}\n{"name": "g", "arguments": {}}\n', None,
+     [("f", '{"x": "}"}'), ("g", "{}")]),
+    ('{"name": "f", "arguments": {}} and then text', "and then text", [("f", "{}")]),
+    ('{"name": "other", "arguments": {}}', '{"name": "other", "arguments": {}}', []),
+    ('{"answer": {"name": "f"}}', '{"answer": {"name": "f"}}', []),
+    ('Sure: {"name": "f", "arguments": {}}', 'Sure: {"name": "f", "arguments": {}}', []),
 ]  # fmt: skip
+NAMES = frozenset({"f", "g", "get_weather", "add"})
 
 
 def _feed(parser: HermesParser, pieces: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
@@ -341,7 +350,7 @@ def _feed(parser: HermesParser, pieces: list[str]) -> tuple[str | None, list[tup
 def test_parser_on_whole_and_streamed_text(
     text: str, content: str | None, calls: list[tuple[str, str]]
 ) -> None:
-    got_content, got_calls = parse_all(HermesParser(), text)
+    got_content, got_calls = parse_all(HermesParser(names=NAMES), text)
     assert got_content == content
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] == calls
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in got_calls)
@@ -349,8 +358,8 @@ def test_parser_on_whole_and_streamed_text(
     for _ in range(50):  # any cut of the text gives the same reply
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12))))
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-        assert _feed(HermesParser(), pieces) == (content, calls), pieces
-    assert _feed(HermesParser(), list(text)) == (content, calls)
+        assert _feed(HermesParser(names=NAMES), pieces) == (content, calls), pieces
+    assert _feed(HermesParser(names=NAMES), list(text)) == (content, calls)
 
 
 def test_parser_holds_back_what_may_start_a_call() -> None:
@@ -365,6 +374,8 @@ def test_parser_holds_back_what_may_start_a_call() -> None:
 def test_parser_keeps_max_calls() -> None:
     content, calls = parse_all(HermesParser(max_calls=1), TWO_CALLS)
     assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["get_weather"]
+    bare = '{"name": "f", "arguments": {}}'  # without the request's names: just text
+    assert parse_all(HermesParser(), bare) == (bare, [])
 
 
 def test_grammar_compiles_with_refs_in_parameters() -> None:

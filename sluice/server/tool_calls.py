@@ -17,6 +17,12 @@ arguments are then passed on as the model writes them, as OpenAI streams them, s
 unconstrained model that breaks off may leave arguments that are not JSON (OpenAI's
 caveat too). With ``tool_choice`` ``required`` or a named function the grammar makes
 every call complete and its arguments valid against the function's schema.
+
+Some models drop the tags: Qwen2.5-Coder answers a weather question with a bare
+``{"name": "get_weather", "arguments": {...}}``. A reply that *opens* with such an
+object, naming one of the request's functions, is read as calls too (so a reply that
+opens with ``{`` waits until it is known not to be one); JSON later in a reply, or with
+another name, stays content.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -73,8 +80,9 @@ class ToolCallParser(Protocol):
 class ToolCallFormat(Protocol):
     name: str
 
-    def parser(self, max_calls: int | None) -> ToolCallParser:
-        """A parser for one output; calls past `max_calls` are dropped."""
+    def parser(self, max_calls: int | None, names: Set[str]) -> ToolCallParser:
+        """A parser for one output; calls past `max_calls` are dropped; `names` are the
+        request's functions (a format may use them to recognise calls)."""
         ...
 
     def grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
@@ -191,8 +199,34 @@ class _JsonValue:
 
 HERMES_START = "<tool_call>"
 HERMES_END = "</tool_call>"
-# A call's header, up to where its arguments start; the name is a JSON string.
-_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+# A call's header, up to where its arguments start: whitespace, literals and the name
+# (a JSON string). _HEADER matches a whole one; _HEADER_START every text that may still
+# become one, so a reply that opens with "{" waits only as long as it might be a call.
+_WS, _STRING = r"\s*", r'"(?:[^"\\]|\\.)*"'
+_PARTS = [_WS, "{", _WS, '"name"', _WS, ":", _WS, _STRING, _WS, ",", _WS, '"arguments"', _WS, ":"]
+
+
+def _full(part: str) -> str:
+    return part if part in (_WS, _STRING) else re.escape(part)
+
+
+def _partial(part: str) -> str:
+    """Any proper prefix of `part` (the empty one included)."""
+    if part == _WS:
+        return _WS
+    if part == _STRING:
+        return r'(?:"(?:[^"\\]|\\.)*\\?)?'
+    return "(?:" + "|".join(re.escape(part[:i]) for i in range(len(part))) + ")"
+
+
+def _prefixes(parts: list[str]) -> str:
+    if not parts:
+        return ""
+    return f"(?:{_partial(parts[0])}|{_full(parts[0])}{_prefixes(parts[1:])})"
+
+
+_HEADER = re.compile("".join(_full(p) if p != _STRING else f"({p})" for p in _PARTS) + _WS)
+_HEADER_START = re.compile(_prefixes(_PARTS))
 
 
 def _json_string(quoted: str) -> str | None:
@@ -225,17 +259,24 @@ def _call_of(body: str) -> tuple[str, str] | None:
 
 class HermesParser:
     """Hermes calls in one output: ``<tool_call>\\n{"name": ..., "arguments": ...}
-    \\n</tool_call>`` blocks among plain text (see the module's docstring)."""
+    \\n</tool_call>`` blocks among plain text (see the module's docstring).
 
-    def __init__(self, max_calls: int | None = None) -> None:
+    With `names`, a reply may also open with calls written without the tags (bare
+    ``{"name": ..., "arguments": ...}`` objects, name first, one of `names`):
+    Qwen2.5-Coder writes its calls that way.
+    """
+
+    def __init__(self, max_calls: int | None = None, names: Set[str] = frozenset()) -> None:
         self._text = ""
         self._pos = 0  # everything before it is decided
         self._body: int | None = None  # where the open block's body starts
         self._args: _JsonValue | None = None  # the open block's arguments, once committed
+        self._bare = False  # the open call has no tags
         self._index = -1  # the open call's index (-1: dropped, past max_calls)
         self._content = _Content()
         self._calls = 0
         self._max_calls = max_calls
+        self._names = names
 
     @property
     def num_calls(self) -> int:
@@ -258,6 +299,10 @@ class HermesParser:
 
     def _in_text(self, out: ParsedDelta, final: bool) -> bool:
         text, pos = self._text, self._pos
+        if self._names and not self._content.started:  # only calls so far
+            bare = self._bare_call(out, final)
+            if bare is not None:
+                return bare
         k = text.find(HERMES_START, pos)
         if k < 0:
             end = len(text) - (0 if final else _partial_suffix(text, pos, HERMES_START))
@@ -268,6 +313,26 @@ class HermesParser:
         self._pos = self._body = k + len(HERMES_START)
         return True
 
+    def _bare_call(self, out: ParsedDelta, final: bool) -> bool | None:
+        """A call without tags at the reply's start: committed (True), undecided (False:
+        wait for more text), or not one (None: the text is content)."""
+        m = _HEADER.match(self._text, self._pos)
+        if m is None:
+            undecided = not final and _HEADER_START.fullmatch(self._text, self._pos)
+            return False if undecided else None
+        name = _json_string(m.group(1))
+        if name not in self._names:
+            return None
+        assert name is not None
+        self._body, self._bare = self._pos, True
+        self._open(out, name, m.end())
+        return True
+
+    def _open(self, out: ParsedDelta, name: str, args_start: int) -> None:
+        self._args = _JsonValue(HERMES_END)
+        self._pos = args_start
+        self._index = self._new_call(out, name)
+
     def _in_header(self, out: ParsedDelta, final: bool) -> bool:
         text, body = self._text, self._body
         assert body is not None
@@ -275,9 +340,7 @@ class HermesParser:
         m = _HEADER.match(text, body)
         name = _json_string(m.group(1)) if m else None
         if m and name is not None and (end < 0 or end >= m.end()):
-            self._args = _JsonValue(HERMES_END)
-            self._pos = m.end()
-            self._index = self._new_call(out, name)
+            self._open(out, name, m.end())
             return True
         if end < 0 and not final:
             return False  # the header may still complete
@@ -306,16 +369,32 @@ class HermesParser:
         self._pos = end
         if not (args.done or final):
             return False
-        close = text.find(HERMES_END, end)
-        after = text.find(HERMES_START, end)
-        if 0 <= after and (close < 0 or after < close):
-            self._pos = after  # a new call before this one was closed
-        elif close >= 0 or final:
-            self._pos = close + len(HERMES_END) if close >= 0 else len(text)
-        else:
-            return False  # wait for the closing tag
-        self._body = self._args = None
+        close = self._bare_end(end, final) if self._bare else self._block_end(end, final)
+        if close is None:
+            return False
+        self._pos = close
+        self._body, self._args, self._bare = None, None, False
         return True
+
+    def _block_end(self, i: int, final: bool) -> int | None:
+        """Where the text after a tagged call's arguments resumes (None: not known yet)."""
+        text = self._text
+        close = text.find(HERMES_END, i)
+        after = text.find(HERMES_START, i)
+        if 0 <= after and (close < 0 or after < close):
+            return after  # a new call before this one was closed
+        if close >= 0:
+            return close + len(HERMES_END)
+        return len(text) if final else None
+
+    def _bare_end(self, i: int, final: bool) -> int | None:
+        """Past the "}" that closes a bare call (None: not known yet)."""
+        text = self._text
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i == len(text):
+            return i if final else None
+        return i + 1 if text[i] == "}" else i
 
     def _new_call(self, out: ParsedDelta, name: str) -> int:
         if self._max_calls is not None and self._calls >= self._max_calls:
@@ -337,8 +416,8 @@ def with_json_format(schema: dict[str, Any]) -> dict[str, Any]:
 class HermesFormat:
     name = "hermes"
 
-    def parser(self, max_calls: int | None = None) -> HermesParser:
-        return HermesParser(max_calls)
+    def parser(self, max_calls: int | None, names: Set[str]) -> HermesParser:
+        return HermesParser(max_calls, names)
 
     def grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
         """Each call's text as the template renders it, its arguments the function's

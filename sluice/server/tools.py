@@ -198,6 +198,8 @@ def tool_plan(ctx: ServerContext, req: ChatCompletionRequest) -> ToolPlan:
     parallel = req.parallel_tool_calls is not False
     return ToolPlan(
         tools=list(req.tools),
-        new_parser=functools.partial(FORMAT.parser, None if parallel else 1),
+        new_parser=functools.partial(
+            FORMAT.parser, None if parallel else 1, frozenset(f.name for f in functions)
+        ),
         constraint=None if choice == "auto" else _grammar(functions, choice, parallel),
     )
