@@ -222,6 +222,8 @@ BAD = [
      "tool_choice.function.name"),
     ("choice-without-tools", {"tools": None, "tool_choice": "required"}, "tool_choice"),
     ("parallel-type", {"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ("choice-and-response-format",
+     {"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ("arguments-not-json", {"messages": [*ASK, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{a: 1"}}]}]},
      "messages[1].tool_calls[0].function.arguments"),
