@@ -300,18 +300,23 @@ class LLMEngine:
             if not self._append(req, tok, finished_at):
                 # Tokens the grammar forces go in without a step each: the scheduler
                 # computes them next step as one short chunk.
-                for forced in forced_tokens(req):
+                forced = forced_tokens(req)
+                for i, tok_f in enumerate(forced):
                     self.num_forced_tokens += 1
-                    if self._append(req, forced, finished_at, consumed=True):
+                    last = i == len(forced) - 1
+                    if self._append(req, tok_f, finished_at, consumed=True, last=last):
                         break
             touched[req.group_id] = self.groups[req.group_id]
         self.num_steps += 1
         self.num_generated_tokens += len(rows)
         return [self._make_output(g) for g in touched.values()]
 
-    def _append(self, req: Request, tok: int, now: float, consumed: bool = False) -> bool:
+    def _append(
+        self, req: Request, tok: int, now: float, consumed: bool = False, last: bool = True
+    ) -> bool:
         """Add one output token and apply the stop rules (and the grammar's end); True
-        if the sequence finished. consumed: the grammar's matcher has the token already."""
+        if the sequence finished. consumed: the grammar's matcher has the token already
+        (forced tokens, consumed all at once: its end counts only at the `last`)."""
         req.append_token(tok)
         assert req.output is not None
         params = req.sampling_params
@@ -319,7 +324,7 @@ class LLMEngine:
             params.max_tokens if params.max_tokens is not None else self.max_model_len,
             self.max_model_len - req.num_prompt_tokens,
         )
-        complete = advance(req, tok, consumed)
+        complete = advance(req, tok, consumed) and last
         if not (req.output.append(tok, max_tokens) or (complete and req.output.finish_complete())):
             return False
         status = (
