@@ -302,6 +302,24 @@ def test_forced_tokens_save_steps_on_fixed_keys(llm: LLM) -> None:
     assert sampled < len(o.token_ids) and steps < len(o.token_ids), (steps, len(o.token_ids))
 
 
+def test_keys_come_in_each_schemas_own_order(llm: LLM) -> None:
+    # The two schemas differ only in the order of their properties: each output follows
+    # its own (the compile cache once took them for one and reused the first's grammar).
+    props = list(FIXED_KEYS["properties"].items())
+    reordered = {**FIXED_KEYS, "properties": dict(reversed(props))}
+    outs = llm.chat(
+        [chat("Invent a person.")] * 2,
+        [
+            SamplingParams(temperature=0, max_tokens=120, structured_output={"json": s})
+            for s in (FIXED_KEYS, reordered)
+        ],
+        use_tqdm=False,
+    )
+    for schema, out in zip((FIXED_KEYS, reordered), outs, strict=True):
+        assert list(json.loads(out.outputs[0].text)) == list(schema["properties"])
+    assert StructuredOutput(json=FIXED_KEYS).key() != StructuredOutput(json=reordered).key()
+
+
 def test_min_tokens_gives_way_to_a_complete_grammar(llm: LLM) -> None:
     (out,) = llm.chat(
         chat(KINDS["choice"][2]), params("choice", min_tokens=8, max_tokens=16), use_tqdm=False
