@@ -1,8 +1,8 @@
 """Constrained decoding on the real bundled model: every kind of constraint holds,
 greedy and sampled, through the paths that could break a grammar's state (n > 1 forks,
 stop strings, logprobs, the prefix cache, preemption, max_tokens, forced tokens, a
-batch mixed with unconstrained requests), and bad constraints are the request's error
-and leak nothing.
+batch mixed with unconstrained requests), bad constraints are the request's error and
+leak nothing, and a sample of real-world JSON Schemas (JSONSchemaBench) is followed.
 
 Why these: the matcher lives on the request and must see exactly the tokens the
 sequence keeps, whatever the scheduler does around it (a preempted request is
@@ -15,8 +15,10 @@ test checks the output against the constraint with an independent checker (`json
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -430,3 +432,144 @@ def test_constraints_the_compiler_rejects_leak_nothing(
     # ... and the engine keeps serving.
     (out,) = llm.chat(chat(KINDS["choice"][2]), good, use_tqdm=False)
     assert_follows("choice", out.outputs[0])
+
+
+# ---- JSONSchemaBench -------------------------------------------------------------------------
+
+SCHEMAS_ENV = "SLUICE_JSON_SCHEMAS"
+# How much of a schema's text goes into the prompt: the largest are 150 KB, beyond the
+# model's context; the constraint is always the whole schema.
+PROMPT_SCHEMA_CHARS = 2000
+# Schemas llguidance 1.9 rejects: 12 of the 180 (oneOf, not, if/then/else,
+# dependencies, minProperties with optional keys, unknown formats).
+MAX_REJECTED_FRACTION = 0.10
+
+
+def schema_file() -> Path:
+    """$SLUICE_JSON_SCHEMAS, else shared/data/json_schemas.jsonl in a parent of the
+    checkout; the tests that need it are skipped where there is none."""
+    if SCHEMAS_ENV in os.environ:
+        return Path(os.environ[SCHEMAS_ENV])
+    for parent in Path(__file__).resolve().parents:
+        path = parent / "shared" / "data" / "json_schemas.jsonl"
+        if path.is_file():
+            return path
+    pytest.skip(f"no JSONSchemaBench sample (shared/data/json_schemas.jsonl or ${SCHEMAS_ENV})")
+
+
+@pytest.fixture(scope="module")
+def schemas() -> list[dict[str, Any]]:
+    """The JSONSchemaBench sample: rows of id, group and schema, in file order."""
+    with schema_file().open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def schema_llm() -> LLM:
+    """Room for a batch of schema prompts (up to ~700 tokens each) and their outputs,
+    without preemptions. The fastest dense dtype (bf16 where the CPU has AVX512-BF16:
+    3x fp32's decode steps here), not the GGUF blocks, which dequantize every step."""
+    return LLM(quantization="none", kv_cache_memory=1.0)
+
+
+def schema_prompt(schema: Any) -> list[Message]:
+    text = json.dumps(schema, separators=(",", ":"))
+    if len(text) > PROMPT_SCHEMA_CHARS:
+        text = text[:PROMPT_SCHEMA_CHARS] + " ..."
+    return chat(
+        "Reply with a JSON object that matches this JSON Schema, and nothing else.\n\n"
+        f"Schema:\n{text}"
+    )
+
+
+def schema_errors(schema: Any, text: str) -> list[str]:
+    """What is wrong with `text` against `schema`, by the validator of the schema's own
+    draft ($schema; 2020-12 when absent), formats not checked."""
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        instance = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return [f"not JSON: {exc}"]
+    return [e.message[:200] for e in cls(schema).iter_errors(instance)]
+
+
+def compiled(llm: LLM, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """(the rows whose schema compiles, {id: why} for the others)."""
+    accepted, rejected = [], {}
+    for row in rows:
+        try:
+            llm.engine.grammars.compile(StructuredOutput(json=row["schema"]))
+        except RequestError as exc:
+            assert exc.param == "structured_output"
+            rejected[row["id"]] = str(exc)
+            continue
+        accepted.append(row)
+    return accepted, rejected
+
+
+def generate_for_schemas(
+    llm: LLM, rows: list[dict[str, Any]], sampled: bool, max_tokens: int
+) -> dict[str, list[str]]:
+    """All rows in one batch; the ids of the outputs that are valid, that finished by
+    length (not checked: cut off), and that finished by the grammar but do not validate."""
+    sps = [
+        SamplingParams(
+            max_tokens=max_tokens,
+            structured_output=StructuredOutput(json=row["schema"]),
+            **({"temperature": 0.7, "seed": i} if sampled else {"temperature": 0}),
+        )
+        for i, row in enumerate(rows)
+    ]
+    outs = llm.chat([schema_prompt(row["schema"]) for row in rows], sps, use_tqdm=False)
+    result: dict[str, list[str]] = {"valid": [], "length": [], "invalid": []}
+    for row, out in zip(rows, outs, strict=True):
+        o = out.outputs[0]
+        if o.finish_reason == "length":
+            result["length"].append(row["id"])
+        elif errors := schema_errors(row["schema"], o.text):
+            result["invalid"].append(f"{row['id']}: {errors[0]} in {o.text[:300]!r}")
+        else:
+            result["valid"].append(row["id"])
+    print(
+        f"\n{len(rows)} schemas, {'sampled' if sampled else 'greedy'}, max_tokens "
+        f"{max_tokens}: {len(result['valid'])} valid, {len(result['length'])} cut off by "
+        f"max_tokens, {len(result['invalid'])} invalid"
+    )
+    for line in result["length"]:
+        print(f"  max_tokens: {line}")
+    return result
+
+
+def test_json_schema_bench_compiles(schema_llm: LLM, schemas: list[dict[str, Any]]) -> None:
+    _, rejected = compiled(schema_llm, schemas)
+    print(f"\n{len(rejected)} of {len(schemas)} schemas rejected:")
+    for sid, why in rejected.items():
+        print(f"  {sid}: {why}")
+    assert len(rejected) <= MAX_REJECTED_FRACTION * len(schemas), rejected
+
+
+def test_json_schema_bench_subset(schema_llm: LLM, schemas: list[dict[str, Any]]) -> None:
+    """24 of the schemas that compile, every 7th in file order (all five groups),
+    greedy. max_tokens 128 keeps it fast: about half the outputs finish inside it (11
+    of 24 here), the others are cut off (the slow test below gives them 1,024 tokens;
+    this model then loops in about half of them) and are not checked."""
+    accepted, _ = compiled(schema_llm, schemas)
+    rows = accepted[::7][:24]
+    assert len(rows) == 24 and len({r["group"] for r in rows}) == 5
+    result = generate_for_schemas(schema_llm, rows, sampled=False, max_tokens=128)
+    assert not result["invalid"], result["invalid"]
+    assert len(result["valid"]) >= 9, result
+    assert_engine_idle(schema_llm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_json_schema_bench_all(
+    schema_llm: LLM, schemas: list[dict[str, Any]], sampled: bool
+) -> None:
+    """Every schema that compiles, in one batch, max_tokens 1,024."""
+    accepted, _ = compiled(schema_llm, schemas)
+    result = generate_for_schemas(schema_llm, accepted, sampled, max_tokens=1024)
+    assert not result["invalid"], result["invalid"]
+    assert len(result["valid"]) >= 0.45 * len(accepted), result
+    assert_engine_idle(schema_llm)
