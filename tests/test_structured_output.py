@@ -181,7 +181,8 @@ def test_unpack_bitmask_matches_a_real_matcher(llm_fp32: LLM) -> None:
     llg_torch.fill_next_token_bitmask(matcher, words, 0)
     allowed = unpack_bitmask(words, vocab)[0].nonzero().flatten().tolist()
     assert allowed, "a choice must allow some first token"
-    assert matcher.validate_tokens(allowed) == 1  # each allowed token is accepted alone
+    # The mask holds exactly the tokens the matcher accepts next.
+    assert allowed == [t for t in range(vocab) if matcher.validate_tokens([t]) == 1]
     first = {llm_fp32.tokenizer.encode(c, add_special_tokens=False)[0] for c in CAPITALS}
     assert first <= set(allowed)
     assert not unpack_bitmask(words, vocab)[0, llm_fp32.tokenizer.eos_token_ids].any()
