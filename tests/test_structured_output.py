@@ -564,13 +564,17 @@ def test_json_schema_bench_subset(schema_llm: LLM, schemas: list[dict[str, Any]]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_json_schema_bench_all(
     schema_llm: LLM, schemas: list[dict[str, Any]], sampled: bool
 ) -> None:
-    """Every schema that compiles, in one batch, max_tokens 1,024."""
+    """Every schema that compiles, in one batch, max_tokens 1,024: 87 of the 168 greedy
+    outputs were valid and 81 cut off, 128 and 40 sampled (the model loops, mostly
+    inside strings, more often greedy). Greedy's batch runs the full 1,024 steps: ~7
+    minutes on 2 quiet cores, over 10 on busy ones (hence the hour's timeout)."""
     accepted, _ = compiled(schema_llm, schemas)
     result = generate_for_schemas(schema_llm, accepted, sampled, max_tokens=1024)
     assert not result["invalid"], result["invalid"]
-    assert len(result["valid"]) >= 0.45 * len(accepted), result
+    assert len(result["valid"]) >= (0.65 if sampled else 0.45) * len(accepted), result
     assert_engine_idle(schema_llm)
