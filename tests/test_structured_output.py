@@ -525,8 +525,8 @@ def generate_for_schemas(
     result: dict[str, list[str]] = {"valid": [], "length": [], "invalid": []}
     for row, out in zip(rows, outs, strict=True):
         o = out.outputs[0]
-        if o.finish_reason == "length":
-            result["length"].append(row["id"])
+        if o.finish_reason == "length":  # with the tail, to see where the model looped
+            result["length"].append(f"{row['id']}: ...{o.text[-80:]!r}")
         elif errors := schema_errors(row["schema"], o.text):
             result["invalid"].append(f"{row['id']}: {errors[0]} in {o.text[:300]!r}")
         else:
