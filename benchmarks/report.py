@@ -8,10 +8,10 @@ docs/benchmarks.md is hand-written prose around generated blocks:
 
 The name after `results:` is a benchmark kind (the `benchmark` field that
 `common.write_result` stores): throughput, single_stream, serve, prefix_cache,
-quantization, cpu_levels, gguf_models. Every row names its result file, machine (CPU
-model, threads), kernel variant, commit and date, so no figure in the doc stands without
-the run behind it; tests/test_bench.py checks that the committed doc equals what this
-script generates.
+quantization, cpu_levels, gguf_models, weight_paths, structured. Every row names its
+result file, machine (CPU model, threads), kernel variant, commit and date, so no
+figure in the doc stands without the run behind it; tests/test_bench.py checks that
+the committed doc equals what this script generates.
 
 Run from the repo root:
     .venv/bin/python benchmarks/report.py            # rewrite docs/benchmarks.md
@@ -413,6 +413,71 @@ def _gguf_models(results: Sequence[Result]) -> str:
     return "\n".join(t for t in tables if t)
 
 
+def _structured(results: Sequence[Result]) -> str:
+    """Schema compliance, then TPOT constrained against free per level, then forced tokens."""
+    compliance, tpot, forced = [], [], []
+    for name, d in results:
+        c = d.get("compliance")
+        if c:
+            cp = c["compile"]
+            compliance.append(
+                [
+                    *_run_cells(name, d),
+                    f"{c['valid']} / {c['compiled']} / {c['total']}",
+                    f"{c['length']} (max_tokens {c['max_tokens']})",
+                    str(c["invalid"]),
+                    f"{cp['p50_ms']:.2f} / {cp['p99_ms']:.1f}",
+                ]
+            )
+        for lvl in d.get("tpot", []):
+            cmp = lvl["comparison"]
+            tpot.append(
+                [
+                    *_run_cells(name, d),
+                    f"{lvl['concurrency']} ({lvl['num_prompts']} requests)",
+                    _spread(cmp, "constrained", "tpot_p50_ms", digits=2),
+                    _spread(cmp, "free", "tpot_p50_ms", digits=2),
+                    _ratio(_rmed(cmp, "constrained", "tpot_p50_ms")),
+                    _ratio(_rmed(cmp, "constrained", "decode_step_p50_ms")),
+                    str(cmp["rounds"]),
+                ]
+            )
+        f = d.get("forced")
+        if f:
+            forced.append(
+                [
+                    *_run_cells(name, d),
+                    f"{len(f['requests'])}",
+                    f"{f['tokens']} ({f['forced']} forced)",
+                    str(f["steps"]),
+                    f"{f['tokens_per_step']:.2f}",
+                ]
+            )
+    tables = []
+    if compliance:
+        headers = [
+            "valid / compiled / schemas",
+            "hit max_tokens",
+            "invalid",
+            "compile ms p50 / p99",
+        ]
+        tables.append(_table(RUN_HEADERS + headers, compliance))
+    if tpot:
+        headers = [
+            "streams",
+            "TPOT p50 ms constrained",
+            "TPOT p50 ms free",
+            "ratio",
+            "decode step p50, ratio",
+            "rounds",
+        ]
+        tables.append(_table(RUN_HEADERS + headers, tpot))
+    if forced:
+        headers = ["requests", "output tokens", "steps", "tokens per forward pass"]
+        tables.append(_table(RUN_HEADERS + headers, forced))
+    return "\n".join(tables)
+
+
 RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "cpu_levels": _cpu_levels,
     "throughput": _throughput,
@@ -422,6 +487,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "quantization": _quantization,
     "gguf_models": _gguf_models,
     "weight_paths": _weight_paths,
+    "structured": _structured,
 }
 
 

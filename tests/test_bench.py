@@ -401,7 +401,7 @@ def test_double_dash_keeps_its_meaning_elsewhere(monkeypatch: pytest.MonkeyPatch
 
 
 def test_comparison_scripts_take_rounds_and_output() -> None:
-    scripts = ["throughput", "single_stream", "serve", "prefix_cache", "gguf_models"]
+    scripts = ["throughput", "single_stream", "serve", "prefix_cache", "gguf_models", "structured"]
     # One interpreter for all of them: torch is imported once.
     code = (
         "import runpy, sys\n"
@@ -534,3 +534,50 @@ def test_gguf_models_scoring_helpers() -> None:
         "qwen2.attention.head_count_kv": "2",
     }
     assert gguf_models.llamacpp_kv_bytes(meta, 1000) == 24 * 1000 * 2 * 128 * 2
+
+
+def test_report_renders_structured(tmp_path: Path) -> None:
+    """benchmarks/structured.py's three parts, each a table of its own."""
+    level = {
+        "constrained": [{"tpot_p50_ms": v, "decode_step_p50_ms": 30.0} for v in (22, 20, 24)],
+        "free": [{"tpot_p50_ms": v, "decode_step_p50_ms": 25.0} for v in (20, 21, 19)],
+    }
+    metrics = ["tpot_p50_ms", "decode_step_p50_ms"]
+    data = {
+        "benchmark": "structured",
+        "provenance": PROVENANCE,
+        "compliance": {
+            "total": 180,
+            "compiled": 168,
+            "valid": 150,
+            "length": 18,
+            "invalid": 0,
+            "max_tokens": 1024,
+            "compile": {"p50_ms": 0.71, "p99_ms": 25.5, "max_ms": 263.0, "n": 180},
+        },
+        "tpot": [
+            {
+                "concurrency": 16,
+                "num_prompts": 32,
+                "max_tokens": 128,
+                "comparison": common.compare(level, metrics, baseline="free"),
+            }
+        ],
+        "forced": {
+            "requests": [{}] * 8,
+            "tokens": 260,
+            "forced": 110,
+            "steps": 150,
+            "tokens_per_step": 260 / 150,
+        },
+    }
+    (tmp_path / "structured.json").write_text(json.dumps(data))
+    doc = "<!-- results: structured -->\n<!-- /results -->\n"
+    out = report.render(doc, report.load_results(tmp_path))
+    assert "| 150 / 168 / 180 | 18 (max_tokens 1024) | 0 | 0.71 / 25.5 |" in out
+    assert (
+        "| 16 (32 requests) | 22.00 (20.00–24.00) | 20.00 (19.00–21.00) | 1.10× | 1.20× | 3 |"
+        in out
+    )
+    assert "| 8 | 260 (110 forced) | 150 | 1.73 |" in out
+    assert report.render(out, report.load_results(tmp_path)) == out

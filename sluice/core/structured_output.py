@@ -94,11 +94,16 @@ class StructuredOutput:
         return "json_object"
 
     def key(self) -> tuple[str, str]:
-        """(kind, canonical text): equal constraints compile once."""
+        """(kind, canonical text): equal constraints compile once.
+
+        A schema's keys keep their order: the grammar writes an object's properties in
+        the order the schema lists them, so two schemas that differ only in that order
+        are different constraints (sorted keys once gave the second the first's order).
+        """
         kind = self.kind
         if kind == "json":
             schema = self.json if isinstance(self.json, dict | bool) else json.loads(self.json)  # type: ignore[arg-type]
-            return kind, json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            return kind, json.dumps(schema, separators=(",", ":"))
         if kind == "choice":
             return kind, json.dumps(list(self.choice or []))
         if kind == "json_object":
