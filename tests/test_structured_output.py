@@ -31,6 +31,7 @@ from sluice.core.errors import RequestError, SamplingParamsError
 from sluice.core.structured_output import StructuredOutput
 from sluice.outputs import CompletionOutput, RequestOutput
 from sluice.structured import unpack_bitmask
+from sluice.structured.compiler import close_objects
 
 Message = dict[str, str]
 
@@ -578,3 +579,27 @@ def test_json_schema_bench_all(
     assert not result["invalid"], result["invalid"]
     assert len(result["valid"]) >= (0.65 if sampled else 0.45) * len(accepted), result
     assert_engine_idle(schema_llm)
+
+
+def test_close_objects_forbids_unlisted_keys_only_where_the_schema_is_silent() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "b": {"type": "array", "items": {"properties": {"y": {}}}},
+            "c": {"type": "object", "properties": {"z": {}}, "additionalProperties": True},
+            "d": {"allOf": [{"properties": {"p": {}}}, {"properties": {"q": {}}}]},
+            "e": {"properties": {"r": {}}, "required": ["s"]},
+        },
+        "$defs": {"f": {"properties": {"t": {}}}},
+    }
+    closed = close_objects(schema)
+    assert closed["additionalProperties"] is False
+    props = closed["properties"]
+    assert props["a"]["additionalProperties"] is False
+    assert props["b"]["items"]["additionalProperties"] is False
+    assert props["c"]["additionalProperties"] is True  # said: left as said
+    assert "additionalProperties" not in props["d"]["allOf"][0]  # allOf branches untouched
+    assert "additionalProperties" not in props["e"]  # requires a key it does not list
+    assert closed["$defs"]["f"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # a copy: the caller's schema is intact

@@ -109,7 +109,9 @@ def grammar_text(constraint: StructuredOutput) -> str:
             schema = json.loads(schema)
         if schema is True or schema == {}:  # "anything": still JSON
             schema = {"type": ["object", "array", "string", "number", "boolean", "null"]}
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            close_objects(schema), defaults=JSON_OPTIONS
+        )
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(str(constraint.regex))
     if kind == "choice":
@@ -117,3 +119,45 @@ def grammar_text(constraint: StructuredOutput) -> str:
         return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
     # A grammar: GBNF (llama.cpp's "::=" rules) or Lark.
     return llguidance.grammar_from("grammar", str(constraint.grammar))
+
+
+# Keywords whose values are one subschema, or a list or a name -> subschema map of them.
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_LIST = ("prefixItems", "anyOf", "oneOf")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy of `schema` in which objects that list their properties take no others
+    (``additionalProperties: false`` where the schema leaves it unsaid), as xgrammar's
+    strict mode and OpenAI's strict schemas do. Every output still validates against
+    the original schema (it allows a subset); what it removes is the room a small model
+    uses to invent key after key until max_tokens. Left alone: objects whose
+    ``required`` names keys outside ``properties``, and everything under ``allOf``
+    (closing each branch would forbid the other branches' keys)."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = close_objects(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(s) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: close_objects(v) for k, v in out[key].items()}
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = close_objects(out["additionalProperties"])
+    props = out.get("properties")
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf")
+    if (
+        isinstance(props, dict)
+        and props
+        and not any(k in out for k in open_keys)
+        and set(out.get("required", [])) <= set(props)
+    ):
+        out["additionalProperties"] = False
+    return out
