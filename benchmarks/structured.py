@@ -113,8 +113,8 @@ def parse_args() -> argparse.Namespace:
         "--schemas",
         type=Path,
         default=None,
-        help=f"JSONSchemaBench sample (default: ${SCHEMAS_ENV}, else shared/data/"
-        "json_schemas.jsonl next to or above the checkout)",
+        help=f"JSONSchemaBench sample (default: ${SCHEMAS_ENV}, else "
+        "tests/data/json_schemas.jsonl)",
     )
     g = ap.add_argument_group("(a) compliance")
     g.add_argument("--num-schemas", type=int, default=0, help="first N schemas (0: all)")
@@ -142,11 +142,8 @@ def schema_file(given: Path | None) -> Path:
         return given
     if SCHEMAS_ENV in os.environ:
         return Path(os.environ[SCHEMAS_ENV])
-    for parent in (REPO_ROOT, *REPO_ROOT.parents):
-        path = parent / "shared" / "data" / "json_schemas.jsonl"
-        if path.is_file():
-            return path
-    raise SystemExit(f"no JSONSchemaBench sample found: pass --schemas or set ${SCHEMAS_ENV}")
+    # The JSONSchemaBench sample, committed beside the tests.
+    return REPO_ROOT / "tests" / "data" / "json_schemas.jsonl"
 
 
 def load_schemas(path: Path) -> list[dict[str, Any]]:
