@@ -107,3 +107,16 @@ def serve(*args: str) -> Iterator[Server]:
                 raise
             assert rc == 0, log.read_text()
     log.unlink(missing_ok=True)
+
+
+def wait_idle(server: Server, timeout: float = 30.0) -> dict[str, Any]:
+    """Engine stats once nothing runs or waits (the KV pool should then be all free),
+    or the last stats seen when `timeout` runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = httpx.get(f"{server.url}/stats", headers=server.headers, timeout=10).json()
+        if stats["num_requests"] == 0 and stats["kv_free_blocks"] == stats["kv_total_blocks"]:
+            return stats
+        if time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI
-from serving import API_KEY, Server, serve
+from serving import API_KEY, Server, serve, wait_idle
 from starlette.routing import Mount
 
 from sluice.engine.async_engine import AsyncLLM, EngineStepError, QueueFullError
@@ -48,18 +48,6 @@ def server() -> Iterator[Server]:
         "--dtype", "float32",
     ) as srv:  # fmt: skip
         yield srv
-
-
-def _wait_idle(server: Server, timeout: float = 30.0) -> dict[str, Any]:
-    """Engine stats once nothing runs or waits (the KV pool should then be all free)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = httpx.get(f"{server.url}/stats", headers=server.headers, timeout=10).json()
-        if stats["num_requests"] == 0 and stats["kv_free_blocks"] == stats["kv_total_blocks"]:
-            return stats
-        if time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)
 
 
 # ---- plain endpoints ------------------------------------------------------------------
@@ -540,7 +528,7 @@ def test_bad_requests_leave_the_server_clean(server: Server) -> None:
     assert info.value.body["param"] == "temperature"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         server.client().completions.create(model="gpt-4o", prompt="x")
-    stats = _wait_idle(server)
+    stats = wait_idle(server)
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
     assert stats["engine_alive"] and stats["num_step_errors"] == 0
 
@@ -589,7 +577,7 @@ def test_concurrent_streams_with_cancellations(server: Server) -> None:
     assert sum(r == "cancelled" for r, _ in results) == 11
     assert sum(r == "done" for r, _ in results) == 21
 
-    stats = _wait_idle(server)
+    stats = wait_idle(server)
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"], stats
     after = server.metrics()
     assert after["sluice_kv_cache_free_blocks"] == after["sluice_kv_cache_total_blocks"]
@@ -612,7 +600,7 @@ def test_non_streaming_disconnect_aborts(server: Server) -> None:
             headers=server.headers,
             timeout=httpx.Timeout(10, read=1.0),
         )
-    stats = _wait_idle(server, timeout=10)  # 1000 tokens would take far longer
+    stats = wait_idle(server, timeout=10)  # 1000 tokens would take far longer
     assert stats["num_requests"] == 0
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
     assert server.metrics()[aborted] == before + 1
@@ -682,7 +670,7 @@ def test_queue_full_is_503_on_streaming_and_chat_requests() -> None:
                     assert r.headers["retry-after"] == "1"
                     assert r.json()["error"]["code"] == "queue_full"
         # Hanging up aborted both; the server takes requests again.
-        stats = _wait_idle(srv)
+        stats = wait_idle(srv)
         assert stats["num_requests"] == 0, stats
         r = srv.post(C, {"prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 200, r.text

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from serving import Server, serve
+from serving import Server, serve, wait_idle
 
 MODEL = "smollm2-135m"
 YES_NO = r"(yes|no), because [a-z ]{1,20}\."
@@ -37,16 +36,6 @@ def server() -> Iterator[Server]:
 
 def _chat(content: str) -> list[Any]:
     return [{"role": "user", "content": content}]
-
-
-def _wait_idle(server: Server, timeout: float = 30.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = httpx.get(f"{server.url}/stats", headers=server.headers, timeout=10).json()
-        if stats["num_requests"] == 0 and stats["kv_free_blocks"] == stats["kv_total_blocks"]:
-            return stats
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.2)
 
 
 def test_parse_returns_a_pydantic_object(server: Server) -> None:
@@ -178,7 +167,7 @@ def test_server_keeps_serving_after_bad_constraints(server: Server) -> None:
     r = _post(server, {"structured_outputs": {"choice": ["ok"]}})
     assert r.status_code == 200
     assert r.json()["choices"][0]["message"]["content"] == "ok"
-    stats = _wait_idle(server)
+    stats = wait_idle(server)
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
 
 
