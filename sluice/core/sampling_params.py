@@ -229,15 +229,7 @@ class SamplingParams:
                 f"structured_output must be a StructuredOutput or a dict, got "
                 f"{type(value).__name__}",
             )
-        fields = {"json", "json_object", "regex", "choice", "grammar"}
-        unknown = sorted(set(value) - fields)
-        if unknown:
-            raise SamplingParamsError(
-                f"structured_output.{unknown[0]}",
-                f"structured_output has no field {unknown[0]!r} (it takes "
-                f"{', '.join(sorted(fields))})",
-            )
-        return StructuredOutput(**value)
+        return StructuredOutput.from_dict(value)
 
     @property
     def greedy(self) -> bool:

@@ -16,6 +16,9 @@ from typing import Any
 from sluice.core.errors import SamplingParamsError
 
 _FIELD = "structured_output"
+# The kinds that hold a value (json_object is a flag), and all of them.
+_VALUED = ("json", "regex", "choice", "grammar")
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 # How constrained JSON is laid out (llguidance's JSON compile options): Python's
 # ``json.dumps`` separators and no free whitespace (sluice.structured.compiler says why).
@@ -45,8 +48,19 @@ class StructuredOutput:
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
 
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> StructuredOutput:
+        """From a dict of the fields (an API body); an unknown key names itself."""
+        unknown = sorted(set(fields) - set(_KINDS))
+        if unknown:
+            raise SamplingParamsError(
+                f"{_FIELD}.{unknown[0]}",
+                f"{_FIELD} has no field {unknown[0]!r} (it takes {', '.join(_KINDS)})",
+            )
+        return cls(**fields)
+
     def __post_init__(self) -> None:
-        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds = [k for k in _VALUED if getattr(self, k) is not None]
         if not isinstance(self.json_object, bool):
             raise SamplingParamsError(
                 f"{_FIELD}.json_object",
@@ -57,7 +71,7 @@ class StructuredOutput:
         if len(kinds) != 1:
             raise SamplingParamsError(
                 _FIELD,
-                f"{_FIELD} needs exactly one of json, json_object, regex, choice, grammar; "
+                f"{_FIELD} needs exactly one of {', '.join(_KINDS)}; "
                 f"got {', '.join(kinds) if kinds else 'none'}",
             )
         self._check(kinds[0])
@@ -88,7 +102,7 @@ class StructuredOutput:
 
     @property
     def kind(self) -> str:
-        for k in ("json", "regex", "choice", "grammar"):
+        for k in _VALUED:
             if getattr(self, k) is not None:
                 return k
         return "json_object"

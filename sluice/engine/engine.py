@@ -196,7 +196,7 @@ class LLMEngine:
         constraint = params.structured_output
         # Compiled (or found in the cache) before anything is queued: a bad grammar is
         # this request's error, never the engine's.
-        template = self.grammars.compile(constraint) if constraint is not None else None
+        grammar = self.grammars.compile(constraint) if constraint is not None else None
         seqs = []
         for i in range(params.n):
             seq = Request(
@@ -212,8 +212,8 @@ class LLMEngine:
                 seed=None if params.seed is None else params.seed + i,
             )
             seq.output = SequenceOutputState(self.tokenizer, ids, params)
-            if template is not None:
-                seq.grammar = template.deep_copy()
+            if grammar is not None:
+                seq.grammar = grammar.deep_copy()
             if params.logprobs is not None:
                 seq.logprobs = []
             seqs.append(seq)

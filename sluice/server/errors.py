@@ -63,6 +63,22 @@ def unsupported(param: str, what: str) -> OpenAIError:
     return bad_request(param, f"{what} is not supported by sluice", code="unsupported_parameter")
 
 
+def json_kind(value: Any) -> str:
+    """A value's JSON-ish type name for error messages ("null" for None)."""
+    return "null" if value is None else type(value).__name__
+
+
+def require_type(where: str, obj: dict[str, Any], expected: str, what: str) -> None:
+    """`obj["type"]` must be `expected`; another known-looking type is unsupported (it
+    names `what`), anything else a bad request."""
+    kind = obj.get("type")
+    if kind == expected:
+        return
+    if isinstance(kind, str) and kind:
+        raise unsupported(f"{where}.type", f"{what} {kind!r} (only {expected!r})")
+    raise bad_request(f"{where}.type", f"{where}.type must be {expected!r}")
+
+
 def shutting_down(message: str = "the server is shutting down") -> OpenAIError:
     # Retry-After: another replica (or this one, restarted) can take it shortly.
     return OpenAIError(

@@ -13,27 +13,19 @@ import json
 from typing import Any
 
 from sluice.server.context import ServerContext
-from sluice.server.errors import bad_request, unsupported
+from sluice.server.errors import bad_request, json_kind, require_type, unsupported
 from sluice.server.protocol import ChatCompletionRequest
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
-def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
 def _content_part(where: str, part: Any) -> str:
     if not isinstance(part, dict):
-        raise bad_request(where, f"{where} must be an object, got {_kind(part)}")
-    kind = part.get("type")
-    if kind != "text":
-        if isinstance(kind, str) and kind:
-            raise unsupported(f"{where}.type", f"content part type {kind!r} (only 'text')")
-        raise bad_request(f"{where}.type", f"{where}.type must be 'text'")
+        raise bad_request(where, f"{where} must be an object, got {json_kind(part)}")
+    require_type(where, part, "text", "content part type")
     text = part.get("text")
     if not isinstance(text, str):
-        raise bad_request(f"{where}.text", f"{where}.text must be a string, got {_kind(text)}")
+        raise bad_request(f"{where}.text", f"{where}.text must be a string, got {json_kind(text)}")
     return text
 
 
@@ -47,7 +39,7 @@ def message_text(index: int, role: str, content: Any) -> str:
         raise bad_request(where, f"{where} is required for role '{role}'")
     if not isinstance(content, list):
         raise bad_request(
-            where, f"{where} must be a string or a list of content parts, got {_kind(content)}"
+            where, f"{where} must be a string or a list of content parts, got {json_kind(content)}"
         )
     return "\n".join(_content_part(f"{where}[{j}]", part) for j, part in enumerate(content))
 
@@ -60,13 +52,13 @@ def _arguments(where: str, value: Any) -> dict[str, Any]:
         except ValueError as exc:
             raise bad_request(where, f"{where} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise bad_request(where, f"{where} must be a JSON object, got {_kind(value)}")
+        raise bad_request(where, f"{where} must be a JSON object, got {json_kind(value)}")
     return value
 
 
 def _tool_call(where: str, call: Any) -> dict[str, Any]:
     if not isinstance(call, dict):
-        raise bad_request(where, f"{where} must be an object, got {_kind(call)}")
+        raise bad_request(where, f"{where} must be an object, got {json_kind(call)}")
     if call.get("type", "function") != "function":
         raise bad_request(f"{where}.type", f"{where}.type must be 'function'")
     if not isinstance(call.get("id", ""), str):
@@ -91,7 +83,7 @@ def _tool_fields(i: int, role: str, msg: dict[str, Any]) -> dict[str, Any]:
         if role != "assistant":
             raise bad_request(where, f"{where} is only allowed in assistant messages")
         if not isinstance(calls, list):
-            raise bad_request(where, f"{where} must be a list, got {_kind(calls)}")
+            raise bad_request(where, f"{where} must be a list, got {json_kind(calls)}")
         if calls:
             fields["tool_calls"] = [_tool_call(f"{where}[{j}]", c) for j, c in enumerate(calls)]
     if role == "tool":
@@ -109,7 +101,7 @@ def _message(i: int, msg: dict[str, Any]) -> dict[str, Any]:
     role = msg.get("role")
     where = f"messages[{i}].role"
     if not isinstance(role, str):
-        raise bad_request(where, f"{where} must be a string, got {_kind(role)}")
+        raise bad_request(where, f"{where} must be a string, got {json_kind(role)}")
     if role not in CHAT_ROLES:
         raise bad_request(
             where,

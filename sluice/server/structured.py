@@ -17,7 +17,7 @@ from sluice.core.errors import RequestError, SamplingParamsError
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.structured_output import StructuredOutput
 from sluice.server.context import ServerContext
-from sluice.server.errors import bad_request
+from sluice.server.errors import bad_request, json_kind
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
 
 _GUIDED = {
@@ -28,13 +28,11 @@ _GUIDED = {
 }
 
 
-def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
 def _from_response_format(rf: Any) -> StructuredOutput | None:
     if not isinstance(rf, dict):
-        raise bad_request("response_format", f"response_format must be an object, got {_kind(rf)}")
+        raise bad_request(
+            "response_format", f"response_format must be an object, got {json_kind(rf)}"
+        )
     kind = rf.get("type")
     if kind == "text":
         return None
@@ -49,13 +47,13 @@ def _from_response_format(rf: Any) -> StructuredOutput | None:
     if not isinstance(spec, dict):
         raise bad_request(
             "response_format.json_schema",
-            f"response_format.json_schema must be an object, got {_kind(spec)}",
+            f"response_format.json_schema must be an object, got {json_kind(spec)}",
         )
     schema = spec.get("schema", {})  # OpenAI: no schema means any JSON
     if not isinstance(schema, dict):
         raise bad_request(
             "response_format.json_schema.schema",
-            f"response_format.json_schema.schema must be an object, got {_kind(schema)}",
+            f"response_format.json_schema.schema must be an object, got {json_kind(schema)}",
         )
     return StructuredOutput(json=schema)
 
@@ -72,7 +70,7 @@ def _from_extras(req: CompletionRequest | ChatCompletionRequest) -> tuple[Any, s
     name, value = given[0]
     if name == "structured_outputs":
         if not isinstance(value, dict):
-            raise bad_request(name, f"{name} must be an object, got {_kind(value)}")
+            raise bad_request(name, f"{name} must be an object, got {json_kind(value)}")
         return value, name
     return {_GUIDED[name]: value}, name
 
@@ -89,14 +87,7 @@ def constraint_of(
         if extra is None:
             return (None if rf is None else _from_response_format(rf)), "response_format"
         fields, param = extra
-        known = {"json", "json_object", "regex", "choice", "grammar"}
-        unknown = sorted(set(fields) - known) if param == "structured_outputs" else []
-        if unknown:
-            raise bad_request(
-                f"{param}.{unknown[0]}",
-                f"{param} has no field {unknown[0]!r} (it takes {', '.join(sorted(known))})",
-            )
-        return StructuredOutput(**fields), param
+        return StructuredOutput.from_dict(fields), param
     except SamplingParamsError as exc:
         param = _field(extra, exc.param)
         raise bad_request(param, str(exc).replace(exc.param, param, 1)) from None

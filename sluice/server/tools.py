@@ -33,7 +33,7 @@ import llguidance
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.structured_output import StructuredOutput
 from sluice.server.context import ServerContext
-from sluice.server.errors import bad_request, unsupported
+from sluice.server.errors import bad_request, json_kind, require_type
 from sluice.server.protocol import ChatCompletionRequest
 from sluice.server.structured import check_compiles
 from sluice.server.tool_calls import (
@@ -60,14 +60,10 @@ class ToolPlan:
     constraint: StructuredOutput | None = None
 
 
-def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
 def check_schema(where: str, schema: Any) -> None:
     """A 400 naming `where` unless `schema` is a JSON Schema llguidance can enforce."""
     if not isinstance(schema, dict):
-        raise bad_request(where, f"{where} must be a JSON Schema object, got {_kind(schema)}")
+        raise bad_request(where, f"{where} must be a JSON Schema object, got {json_kind(schema)}")
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(with_json_format(schema))
         error = llguidance.LLMatcher.validate_grammar(grammar)
@@ -80,12 +76,8 @@ def check_schema(where: str, schema: Any) -> None:
 def _function(i: int, tool: Any) -> FunctionSpec:
     where = f"tools[{i}]"
     if not isinstance(tool, dict):
-        raise bad_request(where, f"{where} must be an object, got {_kind(tool)}")
-    kind = tool.get("type")
-    if kind != "function":
-        if isinstance(kind, str) and kind:
-            raise unsupported(f"{where}.type", f"tool type {kind!r} (only 'function')")
-        raise bad_request(f"{where}.type", f"{where}.type must be 'function'")
+        raise bad_request(where, f"{where} must be an object, got {json_kind(tool)}")
+    require_type(where, tool, "function", "tool type")
     fn = tool.get("function")
     if not isinstance(fn, dict):
         raise bad_request(f"{where}.function", f"{where}.function must be an object")
@@ -110,7 +102,7 @@ def _functions(tools: Any) -> list[FunctionSpec]:
     if tools is None:
         return []
     if not isinstance(tools, list):
-        raise bad_request("tools", f"tools must be a list of tools, got {_kind(tools)}")
+        raise bad_request("tools", f"tools must be a list of tools, got {json_kind(tools)}")
     functions = [_function(i, tool) for i, tool in enumerate(tools)]
     seen: set[str] = set()
     for i, fn in enumerate(functions):
