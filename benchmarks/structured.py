@@ -12,9 +12,11 @@ output follows them, (b) masking every step does not slow decoding down much, an
     fresh compiler (no cache): p50, p99, max.
 (b) TPOT: the same prompts (the first --tpot-prompts compiled schemas, through the
     chat template) with each request constrained by its schema, against no constraint
-    (ignore_eos, the same max_tokens), in a closed loop of --concurrency streams per
-    level; TPOT = (finished - first token) / (output tokens - 1) per request, p50 over
-    requests, median of --rounds interleaved rounds; the ratio is constrained /
+    (ignore_eos, and as many tokens per request as its constrained greedy output has,
+    so both sides prefill the same prompts per output token: a side whose requests
+    ended sooner would otherwise pay more prompts per token), in a closed loop of
+    --concurrency streams per level; TPOT = (finished - first token) / (output
+    tokens - 1) per request, p50 over requests, median of --rounds interleaved rounds; the ratio is constrained /
     free (target <= 1.10). Forced tokens count as output tokens (the client sees
     them), so the ratio includes what forcing saves; the median time of a decode step
     (no prompt in it) is reported beside it: what the masks cost per forward pass.
@@ -315,25 +317,32 @@ def _tpot(out: RequestOutput) -> float | None:
     return (m.finished_time - m.first_token_time) / (n - 1)
 
 
+def constrained_params(schemas: list[Any], max_tokens: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(
+            temperature=0, max_tokens=max_tokens, structured_output=StructuredOutput(json=s)
+        )
+        for s in schemas
+    ]
+
+
 def measure_tpot(
     llm: LLM,
     prompts: list[list[int]],
     schemas: list[Any],
     constrained: bool,
     concurrency: int,
-    max_tokens: int,
+    lengths: list[int],
 ) -> dict[str, Any]:
+    """One closed-loop run; the free side generates, for each prompt, as many tokens as
+    the constrained side does (`lengths`), so both sides prefill the same prompts per
+    output token and only the constraint differs."""
     engine = llm.engine
     engine.reset_prefix_cache()  # both sides start from the same (empty) cache
     if constrained:
-        sps = [
-            SamplingParams(
-                temperature=0, max_tokens=max_tokens, structured_output=StructuredOutput(json=s)
-            )
-            for s in schemas
-        ]
+        sps = constrained_params(schemas, max(lengths))
     else:
-        sps = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)] * len(prompts)
+        sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     before = engine.stats()
     outs, seconds, decode_steps = run_closed_loop(engine, prompts, sps, concurrency)
     after = engine.stats()
@@ -364,11 +373,16 @@ def tpot_levels(
         chosen = [compiled[i % len(compiled)] for i in range(n)]
         prompts = [schema_prompt(llm.tokenizer, r["schema"]) for r in chosen]
         schemas = [r["schema"] for r in chosen]
+        # Each request's constrained (greedy) output length, for the free side.
+        first = llm.generate(
+            prompts, constrained_params(schemas, args.tpot_max_tokens), use_tqdm=False
+        )
+        lengths = [max(2, len(o.outputs[0].token_ids)) for o in first]
         runs = interleave(
             ["constrained", "free"],
             args.rounds,
-            lambda side, p=prompts, s=schemas, c=c: measure_tpot(
-                llm, p, s, side == "constrained", c, args.tpot_max_tokens
+            lambda side, p=prompts, s=schemas, c=c, n=lengths: measure_tpot(
+                llm, p, s, side == "constrained", c, n
             ),
             label=f"TPOT, {c} streams ({n} requests)",
         )
