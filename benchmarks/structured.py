@@ -16,10 +16,11 @@ output follows them, (b) masking every step does not slow decoding down much, an
     so both sides prefill the same prompts per output token: a side whose requests
     ended sooner would otherwise pay more prompts per token), in a closed loop of
     --concurrency streams per level; TPOT = (finished - first token) / (output
-    tokens - 1) per request, p50 over requests, median of --rounds interleaved rounds; the ratio is constrained /
-    free (target <= 1.10). Forced tokens count as output tokens (the client sees
-    them), so the ratio includes what forcing saves; the median time of a decode step
-    (no prompt in it) is reported beside it: what the masks cost per forward pass.
+    tokens - 1) per request, p50 over requests, median of --rounds interleaved
+    rounds; the ratio is constrained / free (target <= 1.10). Forced tokens count as
+    output tokens (the client sees them), so the ratio includes what forcing saves;
+    the median time of a decode step (no prompt in it) is reported beside it: what
+    the masks cost per forward pass.
 (c) tokens per forward pass on a schema whose keys are all fixed: output tokens /
     engine steps of each request run alone, summed over --forced-prompts prompts
     (target >= 1.3).
