@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -105,6 +106,10 @@ class Request:
     # The grammar matcher of a constrained request (an llguidance LLMatcher, owned by
     # sluice.structured); None when unconstrained.
     grammar: Any = field(init=False, default=None)
+    # Speculative decoding: tokens proposed to follow all_token_ids, verified this step
+    # (the scheduler grants 1 + len(spec_token_ids) tokens and trims what it cannot
+    # grant); never part of all_token_ids until accepted.
+    spec_token_ids: list[int] = field(init=False, default_factory=list)
     # Per output token: the sampled token's and the top-N tokens' logprobs (when asked).
     logprobs: list[dict[int, Logprob]] | None = field(init=False, default=None)
     cumulative_logprob: float = field(init=False, default=0.0)
@@ -139,3 +144,61 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of one row of logits: a request, or a request as it would
+    stand after some of its draft tokens (`DraftRow`)."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+
+    @property
+    def seed(self) -> int | None: ...
+
+    @property
+    def grammar(self) -> Any: ...
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True, eq=False)
+class DraftRow:
+    """A verifying request's row after its first len(drafts) draft tokens: sampled as if
+    those tokens had been decoded one by one (penalties see them, min_tokens counts
+    them, a seed draws for this output position). Never constrained: constrained
+    requests are not speculated."""
+
+    request: Request
+    drafts: Sequence[int]
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.request.sampling_params
+
+    @property
+    def seed(self) -> int | None:
+        return self.request.seed
+
+    @property
+    def grammar(self) -> Any:
+        return None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + list(self.drafts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + len(self.drafts)

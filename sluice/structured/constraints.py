@@ -9,11 +9,13 @@ vocabulary entry), computed for all constrained rows in parallel off the GIL.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import llguidance
 import llguidance.torch as llg_torch
 import torch
 
-from sluice.core.request import Request
+from sluice.core.request import Request, SamplingRow
 
 
 class ConstraintMasks:
@@ -25,7 +27,7 @@ class ConstraintMasks:
         self._bitmask = llg_torch.allocate_token_bitmask(1, vocab_size)
         self.num_masks = 0
 
-    def __call__(self, rows: list[Request]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def __call__(self, rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(row indices, bool mask [len(indices), vocab]) of the constrained rows, or
         None when no row is constrained."""
         idx = [i for i, r in enumerate(rows) if r.grammar is not None]
