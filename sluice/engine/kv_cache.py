@@ -185,8 +185,24 @@ class KVCacheManager:
         if new_blocks:
             request.block_ids.extend(self.pool.allocate(new_blocks))
         if self.enable_prefix_caching:
-            self._cache_full_blocks(request, total)
+            # Draft tokens past the known ones are never named: only blocks full of
+            # tokens the request keeps enter the cache.
+            self._cache_full_blocks(request, min(total, request.num_tokens))
         return True
+
+    def rollback(self, request: Request, num_rejected: int) -> None:
+        """Forget the KV of the last `num_rejected` computed tokens (rejected drafts):
+        the count of computed tokens drops and the blocks past the new end go back to
+        the pool. None of them was named: names cover known tokens only."""
+        if num_rejected <= 0:
+            return
+        request.num_computed_tokens -= num_rejected
+        keep = self.blocks_needed(request.num_computed_tokens)
+        assert request.num_named_blocks <= keep, "a rolled-back block was named"
+        extra = request.block_ids[keep:]
+        if extra:
+            del request.block_ids[keep:]
+            self.pool.free(list(reversed(extra)))
 
     def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_prompt_tokens

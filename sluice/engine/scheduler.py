@@ -63,16 +63,27 @@ class Scheduler:
 
         # 1. Running requests, highest priority first, so preemption victims (taken
         #    from the tail) are never requests already granted tokens this step.
+        #    Draft tokens only get the budget left after every running request's own
+        #    tokens, and are dropped before anyone is preempted for them.
+        spare = budget - sum(r.num_tokens - r.num_computed_tokens for r in self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            spare -= self._trim_drafts(req, spare)
+            num_new = min(
+                req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget
+            )
             while not self.kv.allocate_slots(req, num_new):
+                if req.spec_token_ids:
+                    req.spec_token_ids = []
+                    num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
+                self._trim_drafts(req, req.num_computed_tokens + num_new - req.num_tokens)
                 out.scheduled.append((req, num_new))
                 budget -= num_new
                 i += 1
@@ -103,8 +114,15 @@ class Scheduler:
         out.blocks_to_copy = self.kv.take_pending_copies()
         return out
 
+    @staticmethod
+    def _trim_drafts(req: Request, room: int) -> int:
+        """Keep at most `room` of the request's draft tokens; how many it keeps."""
+        del req.spec_token_ids[max(room, 0) :]
+        return len(req.spec_token_ids)
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
+        req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -122,6 +140,7 @@ class Scheduler:
         self.running = [r for r in self.running if id(r) not in ids]
         for req in reversed(back):
             self.kv.free(req)
+            req.spec_token_ids = []
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
 

@@ -25,10 +25,12 @@ from sluice.models.llama_decode_stack import LlamaDecodeStack
 
 @dataclass
 class ModelOutput:
-    # Logits of the last computed position of each request that samples this step,
-    # in the order of `sampling_requests`.
-    logits: torch.Tensor  # [num_sampling, vocab] fp32
+    # Logits of the positions each request that samples this step samples at, in the
+    # order of `sampling_requests`: its last computed position, or for a request
+    # verifying k draft tokens the k + 1 positions from its last known token on.
+    logits: torch.Tensor  # [sum(num_rows), vocab] fp32
     sampling_requests: list[Request]
+    num_rows: list[int]  # rows of `logits` per sampling request, in order
     # Logits of every computed prompt position, for requests that asked for prompt logprobs.
     prompt_logits: dict[str, tuple[int, torch.Tensor]]  # request_id -> (first position, logits)
 
@@ -140,7 +142,7 @@ class ModelRunner:
         offsets = list(itertools.accumulate(lens_l, initial=0))  # batch offset per request
         token_ids = list(
             itertools.chain.from_iterable(
-                r.all_token_ids[s : s + n] for (r, n), s in zip(scheduled, starts_l, strict=True)
+                _step_tokens(r, s, n) for (r, n), s in zip(scheduled, starts_l, strict=True)
             )
         )
         num_tokens = len(token_ids)
@@ -196,19 +198,33 @@ class ModelRunner:
             with step_context(StepContext(self.backend, meta, self.kv_caches)):
                 hidden = self.forward(input_ids, positions.to(dev))
 
-        # Which rows need logits: the last token of every request that catches up with
-        # its known tokens (it samples), and prompt positions for prompt logprobs.
+        # Which rows need logits: every request that catches up with its known tokens
+        # samples at its last known token and at each of its draft tokens; prompt
+        # positions too for prompt logprobs.
         sampling: list[Request] = []
         rows: list[int] = []
+        rows_per_req: list[int] = []
         prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
         for i, (r, n) in enumerate(scheduled):
             end = offsets[i + 1]
-            if starts_l[i] + n == r.num_tokens:
+            count = starts_l[i] + n - r.num_tokens + 1
+            if count > 0:
                 sampling.append(r)
-                rows.append(end - 1)
+                rows.extend(range(end - count, end))
+                rows_per_req.append(count)
             if r.sampling_params.prompt_logprobs is not None and starts_l[i] < r.num_prompt_tokens:
                 last = min(starts_l[i] + n, r.num_prompt_tokens)
                 chunk = hidden[end - n : end - n + (last - starts_l[i])]
                 prompt_logits[r.request_id] = (starts_l[i], self.model.compute_logits(chunk))
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
-        return ModelOutput(logits, sampling, prompt_logits)
+        return ModelOutput(logits, sampling, rows_per_req, prompt_logits)
+
+
+def _step_tokens(r: Request, start: int, n: int) -> list[int]:
+    """The ids of positions start .. start + n - 1: known tokens, then draft tokens."""
+    ids = r.all_token_ids[start : start + n]
+    drafts = start + n - r.num_tokens
+    if drafts > 0:
+        assert drafts == len(r.spec_token_ids), "the scheduler trims drafts to what it grants"
+        ids += r.spec_token_ids
+    return ids
