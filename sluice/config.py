@@ -14,10 +14,12 @@ from sluice.core.choices import (
     DTYPES,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
     Architecture,
     DType,
     Quantization,
     SchedulingPolicy,
+    SpeculativeMethod,
     WeightQuantization,
     is_device,
     one_of,
@@ -110,6 +112,11 @@ def resolve_quantization(
     return "gguf" if quantized_file else "none"
 
 
+# A verifying request's 1 + k query tokens stay a short chunk for the paged attention
+# kernel (the runner's SMALL_CHUNK_TOKENS, 16).
+MAX_SPECULATIVE_TOKENS = 15
+
+
 @dataclass
 class EngineConfig:
     """Every option of LLM(...), of the CLI (--kebab-case) and of `sluice serve`."""
@@ -137,6 +144,11 @@ class EngineConfig:
     # file, the template text, or a bundled name ("hermes_tools": tool calling for
     # ChatML models). The loader resolves and compiles it at start-up.
     chat_template: str | None = None
+    # Speculative decoding: where draft tokens come from (None: off) and at most how
+    # many a request verifies per step (the speculator picks fewer, or none, where
+    # they would not pay; see sluice/engine/speculative/speculator.py).
+    speculative_method: SpeculativeMethod | None = None
+    num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -160,6 +172,7 @@ class EngineConfig:
             "quantization", self.quantization, QUANTIZATIONS, ConfigError
         )
         self.dtype = parse_choice("dtype", self.dtype, DTYPES, ConfigError)
+        self._check_speculation()
         if self.chat_template is not None and (
             not isinstance(self.chat_template, str) or not self.chat_template.strip()
         ):
@@ -171,6 +184,19 @@ class EngineConfig:
             raise ConfigError(
                 "device",
                 f"device must be one of {one_of(DEVICE_KINDS)} or cuda:N; got {self.device!r}",
+            )
+
+    def _check_speculation(self) -> None:
+        if self.speculative_method is not None:
+            self.speculative_method = parse_choice(
+                "speculative_method", self.speculative_method, SPECULATIVE_METHODS, ConfigError
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                "num_speculative_tokens",
+                f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, "
+                f"got {k!r}",
             )
 
     @classmethod

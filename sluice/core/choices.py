@@ -48,6 +48,10 @@ FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
 CpuIsa = Literal["generic", "avx2", "avx512", "amx"]
 CPU_ISAS: tuple[CpuIsa, ...] = get_args(CpuIsa)
 
+# Where draft tokens for speculative decoding come from ("ngram": prompt lookup).
+SpeculativeMethod = Literal["ngram"]
+SPECULATIVE_METHODS: tuple[SpeculativeMethod, ...] = get_args(SpeculativeMethod)
+
 LogLevel = Literal["debug", "info", "warning", "error"]
 LOG_LEVELS: tuple[LogLevel, ...] = get_args(LogLevel)
 

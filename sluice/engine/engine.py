@@ -14,15 +14,17 @@ import torch
 from sluice import kernels
 from sluice.config import EngineConfig, ModelConfig, resolve_dtype, resolve_quantization
 from sluice.core.errors import RequestError
-from sluice.core.request import Request, RequestStatus
+from sluice.core.request import DraftRow, Request, RequestStatus, SamplingRow
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.output import SequenceOutputState
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
+from sluice.engine.speculative import Speculator
 from sluice.kernels import large_allocations_mapped
 from sluice.loader import load_model, resolve_chat_template
 from sluice.outputs import CompletionOutput, Logprob, RequestMetricsOut, RequestOutput
-from sluice.runner.model_runner import ModelRunner, kv_bytes_per_block
+from sluice.runner.model_runner import ModelOutput, ModelRunner, kv_bytes_per_block
 from sluice.runner.sampler import Sampler
+from sluice.runner.spec_verify import accepted_length
 from sluice.sampling_params import SamplingParams
 from sluice.structured import ConstraintMasks, GrammarCompiler, advance, forced_tokens
 
@@ -72,6 +74,11 @@ class LLMEngine:
         )
         self.constraint_masks = ConstraintMasks(mc.vocab_size)
         self.num_forced_tokens = 0
+        self.speculator = (
+            Speculator(config.speculative_method, config.num_speculative_tokens, self.max_model_len)
+            if config.speculative_method is not None
+            else None
+        )
         self.groups: dict[str, _Group] = {}
         self._seqs: dict[str, Request] = {}
         self.waste = _WasteCounter()
@@ -243,6 +250,8 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched:
             return []
@@ -275,23 +284,14 @@ class LLMEngine:
         for req_id, (start, logits) in result.prompt_logits.items():
             self._add_prompt_logprobs(self._seqs[req_id], start, logits)
 
-        # Rows to sample: each request that caught up, plus the forks waiting on it,
-        # which sample from the same logits.
-        rows: list[Request] = []
-        row_src: list[int] = []
-        for j, req in enumerate(result.sampling_requests):
-            for r in (req, *req.pending_forks):
-                rows.append(r)
-                row_src.append(j)
-        logits = result.logits
-        if len(rows) != len(result.sampling_requests):
-            logits = logits[torch.tensor(row_src, device=logits.device)]
-        stop_ids = [self._stop_token_ids(r) for r in rows]
+        seqs, rows, logits = self._sampling_rows(result)
+        stop_ids = [self._stop_token_ids(r.sampling_params) for r in rows]
         sampled = self.sampler(logits, rows, stop_ids, self.constraint_masks(rows))
 
         finished_at = time.monotonic()
         touched: dict[str, _Group] = {}
-        for req, tok, lp in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
+        num_emitted = 0
+        for req, first, count in seqs:
             if req.pending_forks:
                 for child in req.pending_forks:
                     self.kv.fork(req, child)
@@ -299,23 +299,76 @@ class LLMEngine:
                 req.pending_forks = []
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = finished_at
-            if lp is not None and req.logprobs is not None:
-                self._add_logprobs(req, tok, lp)
-            if not self._append(req, tok, finished_at):
-                # Tokens the grammar forces go in without a step each: the scheduler
-                # computes them next step as one short chunk.
-                forced = forced_tokens(req)
-                for i, tok_f in enumerate(forced):
-                    self.num_forced_tokens += 1
-                    # The matcher has all of them already: it is complete, if at all,
-                    # only after the last.
-                    last = i == len(forced) - 1
-                    if self._append(req, tok_f, finished_at, consumed=True, last=last):
-                        break
+            tokens = sampled.token_ids[first : first + count]
+            drafts = req.spec_token_ids
+            accepted = accepted_length(tokens, drafts) if drafts else 0
+            logprobs = sampled.logprobs[first : first + accepted + 1]
+            num_emitted += self._emit(req, tokens[: accepted + 1], logprobs, finished_at)
+            if drafts:
+                self._end_verification(req, len(drafts), accepted)
             touched[req.group_id] = self.groups[req.group_id]
         self.num_steps += 1
-        self.num_generated_tokens += len(rows)
+        self.num_generated_tokens += num_emitted
         return [self._make_output(g) for g in touched.values()]
+
+    def _sampling_rows(
+        self, result: ModelOutput
+    ) -> tuple[list[tuple[Request, int, int]], list[SamplingRow], torch.Tensor]:
+        """The sampler's rows: for each request that samples, and each fork waiting on
+        it (sampling from the same logits), its own row and one row per draft token it
+        verifies. Also (request, its first row, its number of rows) and the logits in
+        row order."""
+        seqs: list[tuple[Request, int, int]] = []
+        rows: list[SamplingRow] = []
+        src: list[int] = []
+        first = 0
+        for req, count in zip(result.sampling_requests, result.num_rows, strict=True):
+            for r in (req, *req.pending_forks):
+                seqs.append((r, len(rows), count))
+                rows.append(r)
+                rows.extend(DraftRow(r, r.spec_token_ids[:j]) for j in range(1, count))
+                src.extend(range(first, first + count))
+            first += count
+        logits = result.logits
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(src, device=logits.device)]
+        return seqs, rows, logits
+
+    def _emit(
+        self,
+        req: Request,
+        tokens: list[int],
+        logprobs: list[tuple[float, int, list[int], list[float]] | None],
+        now: float,
+    ) -> int:
+        """Append sampled tokens in order until one finishes the sequence, then any
+        tokens its grammar forces; how many sampled tokens went in."""
+        for i, (tok, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            if lp is not None and req.logprobs is not None:
+                self._add_logprobs(req, tok, lp)
+            if self._append(req, tok, now):
+                return i + 1
+        # Tokens the grammar forces go in without a step each: the scheduler computes
+        # them next step as one short chunk.
+        forced = forced_tokens(req)
+        for i, tok_f in enumerate(forced):
+            self.num_forced_tokens += 1
+            # The matcher has all of them already: it is complete, if at all, only
+            # after the last.
+            last = i == len(forced) - 1
+            if self._append(req, tok_f, now, consumed=True, last=last):
+                break
+        return len(tokens)
+
+    def _end_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """After a request verified its drafts: the speculator learns how many were
+        accepted, and the KV of the rejected ones is rolled back (a finished request
+        has freed its blocks already)."""
+        assert self.speculator is not None
+        self.speculator.observe(req, num_drafts, num_accepted)
+        req.spec_token_ids = []
+        if not req.is_finished:
+            self.kv.rollback(req, num_drafts - num_accepted)
 
     def _append(
         self, req: Request, tok: int, now: float, consumed: bool = False, last: bool = True
@@ -344,8 +397,7 @@ class LLMEngine:
 
     # ---- helpers -------------------------------------------------------------------
 
-    def _stop_token_ids(self, req: Request) -> list[int]:
-        p = req.sampling_params
+    def _stop_token_ids(self, p: SamplingParams) -> list[int]:
         ids = list(p.stop_token_ids or [])
         if not p.ignore_eos:
             ids.extend(self.tokenizer.eos_token_ids)
@@ -464,6 +516,7 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "num_forced_tokens": self.num_forced_tokens,
+            **self._spec_stats(),
             "grammars_compiled": self.grammars.num_compiled,
             "block_size": self.config.block_size,
             "max_model_len": self.max_model_len,
@@ -471,6 +524,17 @@ class LLMEngine:
             "quantization": self.quantization,
             "cpu_kernels": self.cpu_kernels,
             "weight_bytes": self.weight_bytes,
+        }
+
+    def _spec_stats(self) -> dict[str, Any]:
+        spec = self.speculator
+        drafted = spec.num_drafted_tokens if spec else 0
+        accepted = spec.num_accepted_tokens if spec else 0
+        return {
+            "spec_method": self.config.speculative_method,
+            "spec_drafted_tokens": drafted,
+            "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
         }
 
     def reset_prefix_cache(self) -> int:

@@ -1,0 +1,21 @@
+"""What a proposer is: it reads requests and returns draft tokens to verify.
+
+A proposer never touches the KV cache, the scheduler or the sampler: it only guesses
+the next tokens of each sequence. The engine verifies them in the next forward pass
+(see sluice/runner/spec_verify.py), so a bad guess costs a few query tokens and never
+changes the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from sluice.core.request import Request
+
+
+class Proposer(Protocol):
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+        """Draft tokens to follow each request's all_token_ids: at most num_tokens[i]
+        for requests[i], possibly none."""
+        ...
