@@ -102,6 +102,21 @@ class ServerMetrics:
                     "Distinct constraints compiled by the grammar library (since start).",
                 ),
                 (
+                    "spec_drafted_tokens",
+                    "sluice_spec_decode_num_draft_tokens",
+                    "Draft tokens verified by speculative decoding (since start).",
+                ),
+                (
+                    "spec_accepted_tokens",
+                    "sluice_spec_decode_num_accepted_tokens",
+                    "Draft tokens accepted by verification (since start).",
+                ),
+                (
+                    "spec_acceptance_rate",
+                    "sluice_spec_decode_acceptance_rate",
+                    "Accepted over verified draft tokens since start (0-1; 0 before any).",
+                ),
+                (
                     "rss_bytes",
                     "sluice_process_resident_bytes",
                     "Resident memory of the engine's process (weights, KV pages in use, runtime).",
