@@ -204,6 +204,15 @@ class KVCacheManager:
             del request.block_ids[keep:]
             self.pool.free(list(reversed(extra)))
 
+    def num_new_blocks(self, request: Request, num_tokens: int) -> int:
+        """Free blocks that computing the request up to `num_tokens` tokens would take
+        (its copy-on-write included)."""
+        more = max(0, self.blocks_needed(num_tokens) - len(request.block_ids))
+        cow = num_tokens > request.num_computed_tokens and self._needs_copy_on_write(
+            request, request.num_computed_tokens
+        )
+        return more + int(cow)
+
     def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_prompt_tokens
         self.num_hit_tokens += num_hit_tokens

@@ -34,6 +34,14 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
+@dataclass
+class _DraftRoom:
+    """What a step has for draft tokens after every running request's own tokens."""
+
+    tokens: int
+    blocks: int
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
         self.config = config
@@ -63,13 +71,14 @@ class Scheduler:
 
         # 1. Running requests, highest priority first, so preemption victims (taken
         #    from the tail) are never requests already granted tokens this step.
-        #    Draft tokens only get the budget left after every running request's own
-        #    tokens, and are dropped before anyone is preempted for them.
-        spare = budget - sum(r.num_tokens - r.num_computed_tokens for r in self.running)
+        #    Draft tokens only get the budget and the blocks left after every running
+        #    request's own tokens, so they never cost anyone a token or a seat.
+        room = self._draft_room(budget) if any(r.spec_token_ids for r in self.running) else None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            spare -= self._trim_drafts(req, spare)
+            if room is not None and req.spec_token_ids:
+                self._fit_drafts(req, room)
             num_new = min(
                 req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget
             )
@@ -83,7 +92,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._trim_drafts(req, req.num_computed_tokens + num_new - req.num_tokens)
+                del req.spec_token_ids[max(0, req.num_computed_tokens + num_new - req.num_tokens) :]
                 out.scheduled.append((req, num_new))
                 budget -= num_new
                 i += 1
@@ -114,11 +123,24 @@ class Scheduler:
         out.blocks_to_copy = self.kv.take_pending_copies()
         return out
 
-    @staticmethod
-    def _trim_drafts(req: Request, room: int) -> int:
-        """Keep at most `room` of the request's draft tokens; how many it keeps."""
-        del req.spec_token_ids[max(room, 0) :]
-        return len(req.spec_token_ids)
+    def _draft_room(self, budget: int) -> _DraftRoom:
+        """The tokens of the budget and the free blocks that the running requests' own
+        tokens leave this step."""
+        tokens, blocks = budget, self.kv.num_free_blocks
+        for r in self.running:
+            tokens -= r.num_tokens - r.num_computed_tokens
+            blocks -= self.kv.num_new_blocks(r, r.num_tokens)
+        return _DraftRoom(tokens, blocks)
+
+    def _fit_drafts(self, req: Request, room: _DraftRoom) -> None:
+        """Trim the request's drafts to what `room` has left, and take that from it."""
+        bs = self.kv.block_size
+        held = max(len(req.block_ids), self.kv.blocks_needed(req.num_tokens))
+        by_blocks = (held + max(room.blocks, 0)) * bs - req.num_tokens
+        keep = max(0, min(len(req.spec_token_ids), room.tokens, by_blocks))
+        del req.spec_token_ids[keep:]
+        room.tokens -= keep
+        room.blocks -= max(0, self.kv.blocks_needed(req.num_tokens + keep) - held)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
