@@ -1,0 +1,456 @@
+"""Speculative decoding: lossless on the real model, and its parts alone.
+
+On the bundled model in fp32, greedy output with n-gram drafts is the same, token for
+token, as without (alone, in a mixed batch with chunked prefills, under preemption,
+with prefix-cache hits), and so is seeded sampled output: the verifier samples every
+draft position with the uniform it would have had without speculation. The prompts
+repeat text so that drafts exist and some are accepted (checked). Then the parts: the
+acceptance rule against a known distribution, the KV rollback, the scheduler's grant,
+the n-gram index and the cost model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from sluice import LLM, SamplingParams
+from sluice.cli import build_parser, engine_config
+from sluice.config import EngineConfig
+from sluice.core.errors import ConfigError
+from sluice.core.request import DraftRow, Request
+from sluice.engine.kv_cache import KVCacheManager
+from sluice.engine.prefix_cache import extend_block_hashes
+from sluice.engine.scheduler import Scheduler
+from sluice.engine.speculative import NgramProposer, Speculator, best_num_drafts
+from sluice.engine.speculative.ngram import NgramIndex
+from sluice.runner.sampler import Sampler
+from sluice.runner.spec_verify import accepted_length, rejection_sample
+
+# Text the model copies (so drafts get accepted), and text it does not.
+REPEATS = [
+    "apple, banana, cherry, grape, lemon, mango, orange, peach, pear, plum. " * 3
+    + "apple, banana,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n" * 2 + "def add(a,",
+    "One two three four five six seven eight nine ten. " * 3 + "One two",
+]
+OTHER = "The capital of France is"
+PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # bytes of one fp32 KV block of the bundled model
+
+
+def greedy(n: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, **kw)
+
+
+@pytest.fixture(scope="module")
+def spec() -> LLM:
+    return LLM(
+        dtype="float32",
+        kv_cache_memory=0.25,
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+        max_num_batched_tokens=64,
+    )
+
+
+@pytest.fixture(scope="module")
+def plain(llm_fp32: LLM) -> Callable[[str, int], list[int]]:
+    """Greedy token ids without speculation, the first n of one 40-token run per prompt
+    (greedy output is a prefix of any longer greedy output)."""
+    runs: dict[str, list[int]] = {}
+
+    def first(prompt: str, n: int) -> list[int]:
+        assert n <= 40
+        if prompt not in runs:
+            runs[prompt] = token_ids(llm_fp32, [prompt], greedy(40))[0][0]
+        return runs[prompt][:n]
+
+    return first
+
+
+def token_ids(llm: LLM, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> list:
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_all_free(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["num_requests"] == stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+
+
+# ---- lossless on the real model ---------------------------------------------------
+
+
+def test_greedy_equals_no_speculation_alone(
+    spec: LLM, plain: Callable[[str, int], list[int]]
+) -> None:
+    before = spec.stats()
+    generated = 0
+    for prompt in [*REPEATS, OTHER]:
+        got = token_ids(spec, [prompt], greedy(40))
+        assert got == [[plain(prompt, 40)]]
+        generated += len(got[0][0])
+    after = spec.stats()
+    assert after["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    # Several tokens a step: fewer steps (prefills included) than tokens.
+    assert after["num_steps"] - before["num_steps"] < generated
+    assert_all_free(spec)
+
+
+def test_greedy_mixed_batch_with_chunked_prefill(
+    spec: LLM,
+    llm_fp32: LLM,
+    plain: Callable[[str, int], list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Verifying rows share steps with another request's prefill chunk (64-token steps;
+    drafts get only the budget the chunk leaves)."""
+    eng = spec.engine
+    long_prompt = REPEATS[1] * 3  # ~150 tokens: three chunks
+    penalised = greedy(30, repetition_penalty=1.1)
+    expected = {
+        "a": plain(REPEATS[0], 30),
+        "b": token_ids(llm_fp32, [long_prompt], greedy(20))[0][0],
+        "c": token_ids(llm_fp32, [REPEATS[2]], penalised)[0][0],
+    }
+    mixed: list[bool] = []
+    execute = eng.runner.execute
+
+    def recording(scheduled: list[tuple[Request, int]]) -> Any:
+        verifying = any(r.spec_token_ids for r, _ in scheduled)
+        mixed.append(
+            verifying and any(r.num_computed_tokens < r.num_prompt_tokens - 1 for r, _ in scheduled)
+        )
+        return execute(scheduled)
+
+    monkeypatch.setattr(eng.runner, "execute", recording)
+    accepted = spec.stats()["spec_accepted_tokens"]
+    eng.add_request("a", REPEATS[0], greedy(30))
+    eng.add_request("c", REPEATS[2], penalised)
+    got: dict[str, list[int]] = {}
+    for step in range(200):
+        if step == 4:
+            eng.add_request("b", long_prompt, greedy(20))
+        for out in eng.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+        if not eng.has_unfinished_requests():
+            break
+    assert got == expected
+    assert any(mixed)
+    assert spec.stats()["spec_accepted_tokens"] > accepted
+    assert_all_free(spec)
+
+
+def test_preemption_with_a_tiny_cache(plain: Callable[[str, int], list[int]]) -> None:
+    small = LLM(
+        dtype="float32",
+        kv_cache_memory=10 * PER_BLOCK / 2**30,
+        max_num_batched_tokens=64,
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+    )
+    prompts = REPEATS  # ~40-50 tokens each + 40 out: three do not fit in 10 blocks
+    assert token_ids(small, prompts, greedy(40)) == [[plain(p, 40)] for p in prompts]
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["spec_accepted_tokens"] > 0
+    assert_all_free(small)
+
+
+def test_prefix_cache_hits_and_no_draft_is_ever_named(
+    spec: LLM, plain: Callable[[str, int], list[int]]
+) -> None:
+    eng = spec.engine
+    eng.reset_prefix_cache()
+    expected = [[plain(REPEATS[0], 40)]]
+    first = token_ids(spec, [REPEATS[0]], greedy(40))
+    (again,) = spec.generate([REPEATS[0]], greedy(40), use_tqdm=False)
+    assert first == expected == [[again.outputs[0].token_ids]]
+    assert again.num_cached_tokens > 0
+    # Every named block holds tokens of the sequence (its hash chain), never drafts.
+    seq = spec.tokenizer.encode(REPEATS[0]) + expected[0][0]
+    valid = set(extend_block_hashes([], seq, len(seq), eng.config.block_size))
+    pool = eng.kv.pool
+    named = {h for h in pool.block_hash if h is not None}
+    assert named and named <= valid
+    assert all(pool.cached[h] == b for b, h in enumerate(pool.block_hash) if h is not None)
+    assert_all_free(spec)
+
+
+def test_seeded_sampling_equals_no_speculation(spec: LLM, llm_fp32: LLM) -> None:
+    """Each draft position is sampled with the draw it would have had without drafts;
+    penalties and logprobs see the drafts before it; n = 2 forks after the prompt.
+    top_k: see test_n_with_prefix_cache_and_preemption on full-vocabulary draws."""
+    sp = SamplingParams(
+        temperature=0.7, top_k=20, seed=5, n=2, max_tokens=32, logprobs=2, presence_penalty=0.2
+    )
+    before = spec.stats()["spec_accepted_tokens"]
+    (ref,) = llm_fp32.generate([REPEATS[2]], sp, use_tqdm=False)
+    (got,) = spec.generate([REPEATS[2]], sp, use_tqdm=False)
+    assert spec.stats()["spec_accepted_tokens"] > before
+    for r, g in zip(ref.outputs, got.outputs, strict=True):
+        assert g.token_ids == r.token_ids and g.text == r.text
+        assert r.logprobs is not None and g.logprobs is not None
+        assert [list(e) for e in g.logprobs] == [list(e) for e in r.logprobs]
+        for ge, re in zip(g.logprobs, r.logprobs, strict=True):
+            for tok, lp in re.items():
+                assert ge[tok].logprob == pytest.approx(lp.logprob, abs=1e-4)
+                assert ge[tok].rank == lp.rank
+    assert_all_free(spec)
+
+
+def _record_emits(monkeypatch: pytest.MonkeyPatch, llm: LLM) -> list[tuple[int, int]]:
+    """(tokens offered, tokens appended) of each of the engine's appends of a sampled run."""
+    eng = llm.engine
+    seen: list[tuple[int, int]] = []
+    emit = eng._emit
+
+    def recording(req: Request, tokens: list[int], *args: Any) -> int:
+        n = emit(req, tokens, *args)
+        seen.append((len(tokens), n))
+        return n
+
+    monkeypatch.setattr(eng, "_emit", recording)
+    return seen
+
+
+def test_stop_string_inside_an_accepted_run(
+    spec: LLM, llm_fp32: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stop at words of the list the model keeps copying; at least one of them
+    completes before the end of a step's accepted run."""
+    prompt = REPEATS[0]
+    seen = _record_emits(monkeypatch, spec)
+    inside = 0
+    for stop in ("peach", "pear", "orange", "mango", "lemon"):
+        (ref,) = llm_fp32.generate([prompt], greedy(40, stop=[stop]), use_tqdm=False)
+        (got,) = spec.generate([prompt], greedy(40, stop=[stop]), use_tqdm=False)
+        r, g = ref.outputs[0], got.outputs[0]
+        assert (g.text, g.token_ids, g.finish_reason, g.stop_reason) == (
+            r.text,
+            r.token_ids,
+            r.finish_reason,
+            r.stop_reason,
+        )
+        inside += g.stop_reason == stop and seen[-1][1] < seen[-1][0]
+        if inside:
+            break
+    assert inside > 0
+    assert_all_free(spec)
+
+
+@pytest.mark.parametrize("uncapped", [False, True])
+def test_max_tokens_inside_an_accepted_run(
+    spec: LLM,
+    plain: Callable[[str, int], list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+    uncapped: bool,
+) -> None:
+    """Drafts never reach past max_tokens; without that cap (uncapped) the engine still
+    stops at max_tokens inside the run."""
+    if uncapped:
+        monkeypatch.setattr(Speculator, "_tokens_left", lambda self, req: 1000)
+    seen = _record_emits(monkeypatch, spec)
+    prompt = REPEATS[0]
+    for n in (7, 11, 16):
+        assert token_ids(spec, [prompt], greedy(n)) == [[plain(prompt, n)]]
+    assert any(offered > 1 for offered, _ in seen)
+    if uncapped:
+        assert any(appended < offered for offered, appended in seen)
+    assert_all_free(spec)
+
+
+# ---- the acceptance rule ------------------------------------------------------------
+
+
+def tv(counts: Counter[int], n: int, p: torch.Tensor) -> float:
+    return 0.5 * sum(abs(counts.get(t, 0) / n - float(p[t])) for t in range(p.numel()))
+
+
+P0 = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])
+P1 = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.20, 0.30])
+BOUND = 0.03  # ~4x the sampling noise at these counts; the wrong rules below are > 0.2
+
+
+def test_verification_follows_the_target_distribution() -> None:
+    """The engine's rule on the real sampler: rows sampled at temperature 1, drafts
+    accepted while equal. The first output token follows p0, the second (after an
+    accepted draft) p1; accepting every draft, or resampling from p without removing
+    the draft, would be far off."""
+    n, draft = 20000, 0
+    sampler = Sampler(6, seed=1, device=torch.device("cpu"))
+    reqs = [Request(f"r{i}", [1], SamplingParams(temperature=1.0)) for i in range(n)]
+    rows = [row for r in reqs for row in (r, DraftRow(r, [draft]), DraftRow(r, [draft, 1]))]
+    logits = torch.stack([P0.log(), P1.log(), P1.log()]).repeat(n, 1)
+    out = sampler(logits, rows, [[] for _ in rows]).token_ids
+    first: Counter[int] = Counter()
+    second: Counter[int] = Counter()
+    for i in range(n):
+        sampled = out[3 * i : 3 * i + 3]
+        emitted = sampled[: accepted_length(sampled, [draft, 1]) + 1]
+        first[emitted[0]] += 1
+        if emitted[0] == draft:
+            second[emitted[1]] += 1
+    assert tv(first, n, P0) < BOUND
+    assert tv(second, sum(second.values()), P1) < BOUND
+    # What wrong rules would give for the first token, against the same bound.
+    always = Counter({draft: n})
+    resample_with_draft = (1 - P0[draft]) * P0
+    resample_with_draft[draft] += P0[draft]
+    assert tv(always, n, P0) > 5 * BOUND
+    assert 0.5 * float((resample_with_draft - P0).abs().sum()) > 5 * BOUND
+
+
+def test_rejection_sample_with_a_proposal_distribution() -> None:
+    """The general rule (for draft models): drafts drawn from q, output follows p."""
+    gen = torch.Generator().manual_seed(3)
+    q0 = torch.tensor([0.05, 0.05, 0.10, 0.10, 0.30, 0.40])  # far from p0
+    q1 = torch.tensor([0.40, 0.30, 0.10, 0.10, 0.05, 0.05])
+    n = 6000
+    first: Counter[int] = Counter()
+    always: Counter[int] = Counter()
+    for _ in range(n):
+        d0 = int(torch.multinomial(q0, 1, generator=gen))
+        d1 = int(torch.multinomial(q1, 1, generator=gen))
+        p = torch.stack([P0, P1, P1])
+        out = rejection_sample(p, torch.stack([q0, q1]), [d0, d1], gen)
+        assert 1 <= len(out) <= 3
+        first[out[0]] += 1
+        always[d0] += 1
+    assert tv(first, n, P0) < 0.04
+    assert tv(always, n, P0) > 0.2  # accepting every draft follows q, not p
+
+
+def test_accepted_length() -> None:
+    assert accepted_length([5], []) == 0
+    assert accepted_length([1, 2, 3], [1, 2]) == 2
+    assert accepted_length([1, 9, 3], [1, 2]) == 1
+    assert accepted_length([9, 2, 3], [1, 2]) == 0
+
+
+# ---- KV rollback and the scheduler's grant -------------------------------------------
+
+
+def test_rollback_frees_the_rejected_blocks_and_names_only_known_tokens() -> None:
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    req = Request("r", list(range(10, 17)), SamplingParams())  # 7 known tokens
+    assert kv.allocate_slots(req, 6)
+    req.num_computed_tokens = 6
+    req.spec_token_ids = [1, 2, 3, 4, 5, 6]
+    # Verify: the last known token and 6 drafts, positions 6..12 (4 blocks).
+    assert kv.allocate_slots(req, 7)
+    assert len(req.block_ids) == 4 and kv.num_free_blocks == 12
+    assert req.num_named_blocks == 1  # only tokens 0..3; tokens 4..7 include a draft
+    req.num_computed_tokens += 7
+    req.all_token_ids += [1, 9]  # one draft accepted, then the target's own token
+    kv.rollback(req, 5)
+    assert req.num_computed_tokens == 8 and len(req.block_ids) == 2
+    assert kv.num_free_blocks == 14
+    named = [h for h in kv.pool.block_hash if h is not None]
+    assert named == extend_block_hashes([], req.all_token_ids, 4, 4)
+    kv.free(req)
+    assert kv.num_free_blocks == 16
+
+
+def test_scheduler_grants_drafts_from_spare_budget_and_drops_them_before_preempting() -> None:
+    cfg = EngineConfig(block_size=4, max_num_batched_tokens=8)
+    kv = KVCacheManager(6, 4, enable_prefix_caching=False)
+    s = Scheduler(cfg, kv, max_model_len=64)
+    a, b = (Request(x, [1, 2, 3], SamplingParams()) for x in "ab")
+    for r in (a, b):
+        s.add(r)
+    s.schedule()  # both prompts: 1 block each
+    for r in (a, b):
+        r.num_computed_tokens = 3
+        r.append_token(7)
+    a.spec_token_ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    out = s.schedule()
+    # 8 tokens of budget: b's own token first, so a gets 1 + 6 drafts.
+    assert out.scheduled == [(a, 7), (b, 1)] and a.spec_token_ids == [1, 2, 3, 4, 5, 6]
+    # Blocks run short: drafts take only what the others' own tokens leave.
+    for r, n in out.scheduled:
+        r.num_computed_tokens += n
+    kv.rollback(a, 6)
+    a.append_token(7)
+    b.append_token(7)
+    a.spec_token_ids = [1] * 6
+    kv.pool.allocate(kv.num_free_blocks - 2)  # one more block each for their own token
+    out = s.schedule()
+    # a's drafts get only the free slots of the block its own token opens: 3 of them.
+    assert out.scheduled == [(a, 4), (b, 1)] and a.spec_token_ids == [1, 1, 1]
+    assert not out.preempted
+
+
+# ---- the proposer and the cost model ------------------------------------------------
+
+
+def test_ngram_drafts_follow_the_most_recent_longest_match() -> None:
+    index = NgramIndex(2, 4)
+    tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3]
+    index.update(tokens)
+    assert index.draft(tokens, 3) == [5, 6, 1]  # "1 2 3" last seen before "5 6"
+    assert index.draft([*tokens, 8], 2) == []  # "3 8" never seen
+    periodic = [7, 8, 7, 8]
+    index = NgramIndex(2, 4)
+    index.update(periodic)
+    assert index.draft(periodic, 5) == [7, 8, 7, 8, 7]  # continues the cycle
+    req = Request("r", [4, 5, 6, 4, 5], SamplingParams())
+    proposer = NgramProposer()
+    assert proposer.propose([req], [3]) == [[6, 4, 5]]
+    req.append_token(6)
+    assert proposer.propose([req], [2]) == [[4, 5]]  # index extended, not rebuilt
+
+
+def test_cost_model_and_when_speculation_is_off() -> None:
+    assert best_num_drafts(0.0, 8, 0.1) == 0
+    assert best_num_drafts(1.0, 8, 0.1) == 8
+    ks = [best_num_drafts(a / 10, 8, 0.1) for a in range(11)]
+    assert ks == sorted(ks) and ks[0] == 0 < ks[5]  # higher acceptance, more drafts
+    spec = Speculator("ngram", 4, max_model_len=100, max_decode_rows=2, token_cost=0.01)
+
+    def decoding(rid: str, **kw: Any) -> Request:
+        r = Request(rid, [1, 2, 3, 1, 2], SamplingParams(**kw))
+        r.num_computed_tokens = r.num_tokens - 1
+        return r
+
+    a, b, c = decoding("a"), decoding("b", max_tokens=2), decoding("c")
+    c.grammar = object()  # constrained: never speculated
+    spec.propose([a, b])
+    assert a.spec_token_ids == [3, 1, 2, 3] and b.spec_token_ids == [3]  # b: max_tokens
+    spec.propose([a, c])
+    assert a.spec_token_ids and c.spec_token_ids == []
+    spec.propose([a, b, c])  # three decode rows: over the threshold, drafts cleared
+    assert a.spec_token_ids == b.spec_token_ids == c.spec_token_ids == []
+
+    # Where a draft token costs 0.2 of a step, drafts that keep failing stop; as the
+    # counts decay the request tries again.
+    spec = Speculator("ngram", 4, max_model_len=100, token_cost=0.2)
+    history = []
+    for _ in range(40):
+        spec.propose([a])
+        history.append(len(a.spec_token_ids))
+        if a.spec_token_ids:
+            spec.observe(a, len(a.spec_token_ids), 0)
+    stopped = history.index(0)
+    assert 0 < stopped < 20 and any(history[stopped:])
+
+
+# ---- the surface -----------------------------------------------------------------------
+
+
+def test_options_and_flags() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--speculative-method", "ngram", "--num-speculative-tokens", "6"]
+    )
+    cfg = engine_config(args)
+    assert (cfg.speculative_method, cfg.num_speculative_tokens) == ("ngram", 6)
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(speculative_method="eagle")  # type: ignore[arg-type]
+    assert err.value.param == "speculative_method"
+    with pytest.raises(ConfigError, match=r"num_speculative_tokens must be an integer in 1\.\.15"):
+        EngineConfig(num_speculative_tokens=0)
