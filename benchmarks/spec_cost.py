@@ -1,15 +1,17 @@
 """What a draft token costs: the step time against the query tokens of a step.
 
-The figures behind the speculator's two constants (sluice/engine/speculative/
-speculator.py). B decode rows (B = 1, 2, 4, 8, 16) each compute 1 + k tokens (k = 0, 1,
-2, 4 drafts) at a ~200-token context, through the runner and the sampler exactly as a
+The figures behind the speculator's constants (sluice/engine/speculative/
+speculator.py). B decode rows (B = 1, 2, 3, 4, 8, 16) each compute 1 + k tokens (k = 0
+to 8 drafts) at a ~200-token context, through the runner and the sampler exactly as a
 verifying step does (logits of every verified position, greedy rows). Each (B, k) is
 timed once per round, in alternating order, and the median of --rounds rounds is kept.
 
 From the table: c(B) = (t(B, k) - t(B, 0)) / (k t(B, 0)), averaged over k, the cost
-of one draft token as a fraction of a decode step with B rows. A draft accepted with
-probability 1/2 pays only while c(B) < 1/2; MAX_DECODE_ROWS is the largest B below
-that, TOKEN_COST the largest c(B) up to it (the conservative choice).
+of one draft token as a fraction of a decode step with B rows. One draft accepted with
+probability a pays only while c(B) < a; MAX_DECODE_ROWS is the largest B up to which
+c stays below GOOD_ACCEPTANCE (what n-gram drafts reach where the output copies its
+input). STEP_COST is the step time with k drafts at one row, relative to k = 0 (the
+decode stack takes up to 3 rows, so the first two drafts cost less than the next).
 
 Run from the repo root:
     .venv/bin/python benchmarks/spec_cost.py
@@ -26,6 +28,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -44,10 +47,10 @@ from sluice.core.request import DraftRow, Request, SamplingRow  # noqa: E402
 from sluice.engine.engine import LLMEngine  # noqa: E402
 from sluice.sampling_params import SamplingParams  # noqa: E402
 
-ROWS = (1, 2, 4, 8, 16)
-DRAFTS = (0, 1, 2, 4)
+ROWS = (1, 2, 3, 4, 8, 16)
+DRAFTS = (0, 1, 2, 3, 4, 6, 8)
 CONTEXT = 200
-PAYS_BELOW = 0.5  # a draft accepted half the time pays while it costs less than this
+GOOD_ACCEPTANCE = 0.8
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,6 +59,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="decode rows to measure")
     add_output_arg(ap, "spec_cost")
     return ap.parse_args()
 
@@ -92,8 +96,10 @@ def time_step(eng: LLMEngine, reqs: list[Request], k: int) -> float:
     return elapsed
 
 
-def measure(eng: LLMEngine, reqs: list[Request], rounds: int) -> dict[tuple[int, int], float]:
-    cases = [(b, k) for b in ROWS for k in DRAFTS]
+def measure(
+    eng: LLMEngine, reqs: list[Request], rows: list[int], rounds: int
+) -> dict[tuple[int, int], float]:
+    cases = [(b, k) for b in rows for k in DRAFTS]
     names = [f"{b}x{k}" for b, k in cases]
     times: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(2):  # warm-up
@@ -114,29 +120,32 @@ def draft_cost(t: dict[tuple[int, int], float], b: int) -> float:
 
 def main() -> None:
     args = parse_args()
+    rows = sorted(int(x) for x in args.rows.split(","))
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=0.5, num_threads=args.threads)
     eng = llm.engine
-    reqs = decoding_requests(llm, max(ROWS))
+    reqs = decoding_requests(llm, max(rows))
     with torch.inference_mode():
-        t = measure(eng, reqs, args.rounds)
-    costs = {b: draft_cost(t, b) for b in ROWS}
-    paying = [b for b in ROWS if costs[b] < PAYS_BELOW]
+        t = measure(eng, reqs, rows, args.rounds)
+    costs = {b: draft_cost(t, b) for b in rows}
+    paying = list(itertools.takewhile(lambda b: costs[b] < GOOD_ACCEPTANCE, rows))
     max_rows = max(paying, default=0)
-    token_cost = max((costs[b] for b in paying), default=1.0)
+    step_cost = [t[(rows[0], k)] / t[(rows[0], 0)] for k in DRAFTS]
     headers = ["rows", *[f"k={k} ms" for k in DRAFTS], "draft cost"]
-    table = [[b, *[f"{t[(b, k)] * 1e3:.2f}" for k in DRAFTS], f"{costs[b]:.3f}"] for b in ROWS]
+    table = [[b, *[f"{t[(b, k)] * 1e3:.2f}" for k in DRAFTS], f"{costs[b]:.3f}"] for b in rows]
     print(f"{eng.dtype}, {eng.quantization}, CPU kernels {eng.cpu_kernels}")
     print(format_table(headers, table))
-    print(f"MAX_DECODE_ROWS = {max_rows}, TOKEN_COST = {token_cost:.3f}")
+    print(f"MAX_DECODE_ROWS = {max_rows}")
+    print(f"STEP_COST ({rows[0]} row, k = {DRAFTS}) = ({', '.join(f'{c:.2f}' for c in step_cost)})")
     payload: dict[str, Any] = {
         "dtype": str(eng.dtype).removeprefix("torch."),
         "quantization": eng.quantization,
         "context": CONTEXT,
         "rounds": args.rounds,
-        "step_ms": {f"{b}x{k}": t[(b, k)] * 1e3 for b in ROWS for k in DRAFTS},
+        "drafts": list(DRAFTS),
+        "step_ms": {f"{b}x{k}": t[(b, k)] * 1e3 for b in rows for k in DRAFTS},
         "draft_cost": costs,
         "max_decode_rows": max_rows,
-        "token_cost": token_cost,
+        "step_cost": step_cost,
     }
     print("wrote", shown_path(write_result("spec_cost", payload, args.output)))
 

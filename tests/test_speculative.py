@@ -26,7 +26,7 @@ from sluice.core.request import DraftRow, Request
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.prefix_cache import extend_block_hashes
 from sluice.engine.scheduler import Scheduler
-from sluice.engine.speculative import NgramProposer, Speculator, best_num_drafts
+from sluice.engine.speculative import NgramProposer, Speculator, best_num_drafts, step_cost
 from sluice.engine.speculative.ngram import NgramIndex
 from sluice.runner.sampler import Sampler
 from sluice.runner.spec_verify import accepted_length, rejection_sample
@@ -46,15 +46,19 @@ def greedy(n: int, **kw: Any) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, **kw)
 
 
+def speculating(**options: Any) -> LLM:
+    """An fp32 engine with n-gram drafts whose batches of up to 8 decode rows speculate:
+    these tests are about the seam, which must hold for any batch, not about the cost
+    model (which on this project's CPU lets a single decode row speculate only)."""
+    llm = LLM(dtype="float32", speculative_method="ngram", num_speculative_tokens=4, **options)
+    assert llm.engine.speculator is not None
+    llm.engine.speculator.max_decode_rows = 8
+    return llm
+
+
 @pytest.fixture(scope="module")
 def spec() -> LLM:
-    return LLM(
-        dtype="float32",
-        kv_cache_memory=0.25,
-        speculative_method="ngram",
-        num_speculative_tokens=4,
-        max_num_batched_tokens=64,
-    )
+    return speculating(kv_cache_memory=0.25, max_num_batched_tokens=64)
 
 
 @pytest.fixture(scope="module")
@@ -147,13 +151,7 @@ def test_greedy_mixed_batch_with_chunked_prefill(
 
 
 def test_preemption_with_a_tiny_cache(plain: Callable[[str, int], list[int]]) -> None:
-    small = LLM(
-        dtype="float32",
-        kv_cache_memory=10 * PER_BLOCK / 2**30,
-        max_num_batched_tokens=64,
-        speculative_method="ngram",
-        num_speculative_tokens=4,
-    )
+    small = speculating(kv_cache_memory=10 * PER_BLOCK / 2**30, max_num_batched_tokens=64)
     prompts = REPEATS  # ~40-50 tokens each + 40 out: three do not fit in 10 blocks
     assert token_ids(small, prompts, greedy(40)) == [[plain(p, 40)] for p in prompts]
     stats = small.stats()
@@ -407,11 +405,14 @@ def test_ngram_drafts_follow_the_most_recent_longest_match() -> None:
 
 
 def test_cost_model_and_when_speculation_is_off() -> None:
-    assert best_num_drafts(0.0, 8, 0.1) == 0
-    assert best_num_drafts(1.0, 8, 0.1) == 8
-    ks = [best_num_drafts(a / 10, 8, 0.1) for a in range(11)]
+    cheap = [1 + 0.01 * k for k in range(9)]  # drafts nearly free
+    assert best_num_drafts(0.0, 8, cheap) == 0
+    assert best_num_drafts(1.0, 8, cheap) == 8
+    ks = [best_num_drafts(a / 10, 8) for a in range(11)]
     assert ks == sorted(ks) and ks[0] == 0 < ks[5]  # higher acceptance, more drafts
-    spec = Speculator("ngram", 4, max_model_len=100, max_decode_rows=2, token_cost=0.01)
+    assert best_num_drafts(1.0, 8) < 8  # where drafts get dear, fewer even if all pass
+    assert step_cost(10, [1.0, 1.5, 2.5]) == 10.5  # extended by the last slope
+    spec = Speculator("ngram", 4, max_model_len=100, max_decode_rows=2, step_costs=cheap)
 
     def decoding(rid: str, **kw: Any) -> Request:
         r = Request(rid, [1, 2, 3, 1, 2], SamplingParams(**kw))
@@ -427,17 +428,18 @@ def test_cost_model_and_when_speculation_is_off() -> None:
     spec.propose([a, b, c])  # three decode rows: over the threshold, drafts cleared
     assert a.spec_token_ids == b.spec_token_ids == c.spec_token_ids == []
 
-    # Where a draft token costs 0.2 of a step, drafts that keep failing stop; as the
-    # counts decay the request tries again.
-    spec = Speculator("ngram", 4, max_model_len=100, token_cost=0.2)
+    # At the measured costs, drafts that keep failing stop; as the counts decay the
+    # request tries again, rarely.
+    spec = Speculator("ngram", 4, max_model_len=100)
     history = []
-    for _ in range(40):
+    for _ in range(60):
         spec.propose([a])
         history.append(len(a.spec_token_ids))
         if a.spec_token_ids:
             spec.observe(a, len(a.spec_token_ids), 0)
     stopped = history.index(0)
-    assert 0 < stopped < 20 and any(history[stopped:])
+    assert 0 < stopped < 5
+    assert 0 < sum(map(bool, history[stopped:])) < 6
 
 
 # ---- the surface -----------------------------------------------------------------------

@@ -4,6 +4,18 @@ runner's: sluice/runner/spec_verify.py)."""
 
 from sluice.engine.speculative.ngram import NgramProposer
 from sluice.engine.speculative.proposer import Proposer
-from sluice.engine.speculative.speculator import Speculator, best_num_drafts, make_proposer
+from sluice.engine.speculative.speculator import (
+    Speculator,
+    best_num_drafts,
+    make_proposer,
+    step_cost,
+)
 
-__all__ = ["NgramProposer", "Proposer", "Speculator", "best_num_drafts", "make_proposer"]
+__all__ = [
+    "NgramProposer",
+    "Proposer",
+    "Speculator",
+    "best_num_drafts",
+    "make_proposer",
+    "step_cost",
+]

@@ -4,20 +4,23 @@ Each step, before scheduling, the speculator gives some running decode requests 
 tokens (`Request.spec_token_ids`); the scheduler grants them 1 + k tokens from what
 the step's budget leaves, and after verification `observe` records what was accepted.
 
-The cost model (docs/architecture.md, "Speculative decoding", has the measurements):
+The cost model, from benchmarks/spec_cost.py on this project's 2-core AVX-512 CPU with
+the default weights (bfloat16, the bundled GGUF's blocks; docs/architecture.md,
+"Speculative decoding", has the tables):
 
-- Only decode rows speculate, and only while the batch has at most
-  `MAX_DECODE_ROWS` of them. Past that a step is no longer bound by reading the
-  weights, so each draft token costs nearly as much as a decoded one; speculation is
-  off for the whole step.
-- Below it, one more query token costs `TOKEN_COST` of a decode step. A request whose
+- Only decode rows speculate, and only while the step has at most `MAX_DECODE_ROWS`
+  of them. With two rows a draft token already cost 0.8-1.1 of a decode step there
+  (the rows leave the 3-row decode stack, and the block kernels' work grows with the
+  rows), so no acceptance rate pays for it; speculation is off for the whole step.
+- At one row, a step with k drafts takes `STEP_COST[k]` decode steps. A request whose
   drafts are each accepted with probability a expects E(k) = 1 + a + ... + a^k tokens
-  from a step with k drafts, which costs 1 + TOKEN_COST * k decode steps; k is the
-  value that maximises E(k) / (1 + TOKEN_COST * k), at most num_speculative_tokens and
-  never past the request's max_tokens. a is the request's running acceptance (a
-  geometric estimate over decaying counts, starting from a prior of 1/2): a request
-  whose drafts keep failing drafts less or not at all, and as its counts decay it tries
-  again.
+  from it, so it drafts the k that maximises E(k) / STEP_COST[k] (0 if none beats a
+  plain step), at most num_speculative_tokens and never past its max_tokens. a is its
+  running acceptance: accepted drafts over drafts tested (up to the first rejection of
+  each step), in counts that decay each step, plus a prior of 0.8 worth one trial. A
+  request whose drafts keep failing stops drafting; as its counts decay it tries one
+  draft again now and then (every ~20 steps once it has failed a few times: about 1%
+  of its time, the price of noticing when its text starts to repeat).
 """
 
 from __future__ import annotations
@@ -31,14 +34,15 @@ from sluice.core.request import Request
 from sluice.engine.speculative.ngram import NgramProposer
 from sluice.engine.speculative.proposer import Proposer
 
-# Measured on this project's 2-core CPU (docs/architecture.md): see the module docstring.
-MAX_DECODE_ROWS = 4
-TOKEN_COST = 0.1
+MAX_DECODE_ROWS = 1
+# Step time with k = 0, 1, ... drafts at one decode row, in decode steps (measured up to
+# k = 4 and at 6 and 8, interpolated between; extrapolated by the last slope beyond).
+STEP_COST: tuple[float, ...] = (1.0, 1.25, 1.6, 2.0, 2.6, 3.35, 4.1, 5.0, 5.9)
 # Acceptance counts decay by this factor at each step a request could draft; the prior
-# (1 accepted in 2 trials) is added when the rate is read.
-_DECAY = 0.9
-_PRIOR_ACCEPTED = 1.0
-_PRIOR_TRIALS = 2.0
+# (0.8, worth one trial) is added when the rate is read.
+_DECAY = 0.98
+_PRIOR_RATE = 0.8
+_PRIOR_TRIALS = 1.0
 _RATE_STEPS = 20  # the rate is read to the nearest 1/20 for the table of best k
 
 
@@ -48,14 +52,21 @@ def make_proposer(method: SpeculativeMethod) -> Proposer:
     raise ValueError(f"unknown speculative method {method!r}")
 
 
-def best_num_drafts(acceptance: float, k_max: int, token_cost: float) -> int:
+def step_cost(k: int, table: Sequence[float] = STEP_COST) -> float:
+    """A step with k drafts, in plain decode steps (`table`, extended by its last slope)."""
+    if k < len(table):
+        return table[k]
+    return table[-1] + (k - len(table) + 1) * (table[-1] - table[-2])
+
+
+def best_num_drafts(acceptance: float, k_max: int, table: Sequence[float] = STEP_COST) -> int:
     """The k in 0..k_max that maximises expected tokens per unit of step time."""
     best, best_value = 0, 1.0
     expected, term = 1.0, 1.0
     for k in range(1, k_max + 1):
         term *= acceptance
         expected += term
-        value = expected / (1.0 + token_cost * k)
+        value = expected / step_cost(k, table)
         if value > best_value:
             best, best_value = k, value
     return best
@@ -71,7 +82,7 @@ class _Acceptance:
 
     @property
     def rate(self) -> float:
-        return (self.accepted + _PRIOR_ACCEPTED) / (self.trials + _PRIOR_TRIALS)
+        return (self.accepted + _PRIOR_RATE * _PRIOR_TRIALS) / (self.trials + _PRIOR_TRIALS)
 
 
 class Speculator:
@@ -82,13 +93,13 @@ class Speculator:
         max_model_len: int,
         *,
         max_decode_rows: int = MAX_DECODE_ROWS,
-        token_cost: float = TOKEN_COST,
+        step_costs: Sequence[float] = STEP_COST,
     ) -> None:
         self.proposer = make_proposer(method)
         self.max_model_len = max_model_len
         self.max_decode_rows = max_decode_rows
         self._best_k = [
-            best_num_drafts(i / _RATE_STEPS, num_speculative_tokens, token_cost)
+            best_num_drafts(i / _RATE_STEPS, num_speculative_tokens, step_costs)
             for i in range(_RATE_STEPS + 1)
         ]
         self._acceptance: weakref.WeakKeyDictionary[Request, _Acceptance] = (
