@@ -6,6 +6,11 @@ request draws its uniform from a generator keyed by (seed, output position), so 
 text depends only on its own logits, never on what else is batched with it or on
 whether it was preempted and recomputed. (An exponential race, argmax p / E, needs a
 random number per vocabulary entry: 63 ms a step for 64 rows here, against ~3 ms.)
+
+A row is a request, or one position of a request verifying draft tokens (a
+`DraftRow`: the request as it would be after the drafts before that position), so
+every verified position is processed and drawn as a one-token decode would be
+(sluice/runner/spec_verify.py).
 """
 
 from __future__ import annotations
