@@ -456,3 +456,19 @@ def test_options_and_flags() -> None:
     assert err.value.param == "speculative_method"
     with pytest.raises(ConfigError, match=r"num_speculative_tokens must be an integer in 1\.\.15"):
         EngineConfig(num_speculative_tokens=0)
+
+
+def test_metrics_mirror_the_engine_stats(spec: LLM) -> None:
+    from sluice.server.metrics import ServerMetrics
+
+    spec.generate([REPEATS[0]], greedy(16), use_tqdm=False)
+    stats = spec.stats()
+    assert stats["spec_method"] == "ngram" and stats["spec_drafted_tokens"] > 0
+    text = ServerMetrics("m").render(stats).decode()
+    drafted, accepted = stats["spec_drafted_tokens"], stats["spec_accepted_tokens"]
+    for name, value in [
+        ("num_draft_tokens", float(drafted)),
+        ("num_accepted_tokens", float(accepted)),
+        ("acceptance_rate", accepted / drafted),
+    ]:
+        assert f'sluice_spec_decode_{name}{{model_name="m"}} {value}' in text
