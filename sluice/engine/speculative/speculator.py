@@ -9,9 +9,10 @@ the default weights (bfloat16, the bundled GGUF's blocks; docs/architecture.md,
 "Speculative decoding", has the tables):
 
 - Only decode rows speculate, and only while the step has at most `MAX_DECODE_ROWS`
-  of them. With two rows a draft token already cost 0.8-1.1 of a decode step there
-  (the rows leave the 3-row decode stack, and the block kernels' work grows with the
-  rows), so no acceptance rate pays for it; speculation is off for the whole step.
+  of them. With two or three rows a draft token already cost 0.8-0.9 of a decode step
+  there (the rows leave the 3-row decode stack, and the block kernels' work grows with
+  the rows), which only near-certain drafts would repay; speculation is off for the
+  whole step.
 - At one row, a step with k drafts takes `STEP_COST[k]` decode steps. A request whose
   drafts are each accepted with probability a expects E(k) = 1 + a + ... + a^k tokens
   from it, so it drafts the k that maximises E(k) / STEP_COST[k] (0 if none beats a
@@ -37,7 +38,7 @@ from sluice.engine.speculative.proposer import Proposer
 MAX_DECODE_ROWS = 1
 # Step time with k = 0, 1, ... drafts at one decode row, in decode steps (measured up to
 # k = 4 and at 6 and 8, interpolated between; extrapolated by the last slope beyond).
-STEP_COST: tuple[float, ...] = (1.0, 1.25, 1.6, 2.0, 2.6, 3.35, 4.1, 5.0, 5.9)
+STEP_COST: tuple[float, ...] = (1.0, 1.25, 1.55, 2.6, 3.4, 3.8, 4.15, 4.6, 5.0)
 # Acceptance counts decay by this factor at each step a request could draft; the prior
 # (0.8, worth one trial) is added when the rate is read.
 _DECAY = 0.98
