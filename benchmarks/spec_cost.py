@@ -1,16 +1,17 @@
 """What a draft token costs: the step time against the query tokens of a step.
 
-The figures behind the speculator's constants (sluice/engine/speculative/
-speculator.py). B decode rows (B = 1, 2, 3, 4, 8, 16) each compute 1 + k tokens (k = 0
+A wider sweep than the table the engine measures at start-up (sluice/engine/
+speculative/step_costs.py), for the architecture notes and for comparing machines.
+B decode rows (B = 1, 2, 3, 4, 8, 16) each compute 1 + k tokens (k = 0
 to 8 drafts) at a ~200-token context, through the runner and the sampler exactly as a
 verifying step does (logits of every verified position, greedy rows). Each (B, k) is
 timed once per round, in alternating order, and the median of --rounds rounds is kept.
 
 From the table: c(B) = (t(B, k) - t(B, 0)) / (k t(B, 0)), averaged over k, the cost
 of one draft token as a fraction of a decode step with B rows. One draft accepted with
-probability a pays only while c(B) < a; MAX_DECODE_ROWS is the largest B up to which
+probability a pays only while c(B) < a; max_decode_rows is the largest B up to which
 c stays below GOOD_ACCEPTANCE (what n-gram drafts reach where the output copies its
-input). STEP_COST is the step time with k drafts at one row, relative to k = 0 (the
+input). step_cost is the step time with k drafts at one row, relative to k = 0 (the
 decode stack takes up to 3 rows, so the first two drafts cost less than the next).
 
 Run from the repo root:
@@ -134,8 +135,8 @@ def main() -> None:
     table = [[b, *[f"{t[(b, k)] * 1e3:.2f}" for k in DRAFTS], f"{costs[b]:.3f}"] for b in rows]
     print(f"{eng.dtype}, {eng.quantization}, CPU kernels {eng.cpu_kernels}")
     print(format_table(headers, table))
-    print(f"MAX_DECODE_ROWS = {max_rows}")
-    print(f"STEP_COST ({rows[0]} row, k = {DRAFTS}) = ({', '.join(f'{c:.2f}' for c in step_cost)})")
+    print(f"max_decode_rows = {max_rows}")
+    print(f"step_cost ({rows[0]} row, k = {DRAFTS}) = ({', '.join(f'{c:.2f}' for c in step_cost)})")
     payload: dict[str, Any] = {
         "dtype": str(eng.dtype).removeprefix("torch."),
         "quantization": eng.quantization,

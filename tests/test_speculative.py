@@ -26,7 +26,13 @@ from sluice.core.request import DraftRow, Request
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.prefix_cache import extend_block_hashes
 from sluice.engine.scheduler import Scheduler
-from sluice.engine.speculative import NgramProposer, Speculator, best_num_drafts, step_cost
+from sluice.engine.speculative import (
+    NgramProposer,
+    Speculator,
+    StepCosts,
+    best_num_drafts,
+    plan_drafts,
+)
 from sluice.engine.speculative.ngram import NgramIndex
 from sluice.runner.sampler import Sampler
 from sluice.runner.spec_verify import accepted_length, rejection_sample
@@ -49,10 +55,10 @@ def greedy(n: int, **kw: Any) -> SamplingParams:
 def speculating(**options: Any) -> LLM:
     """An fp32 engine with n-gram drafts whose batches of up to 8 decode rows speculate:
     these tests are about the seam, which must hold for any batch, not about the cost
-    model (which on this project's CPU lets a single decode row speculate only)."""
+    model (whose measured table may let only a single decode row speculate)."""
     llm = LLM(dtype="float32", speculative_method="ngram", num_speculative_tokens=4, **options)
     assert llm.engine.speculator is not None
-    llm.engine.speculator.max_decode_rows = 8
+    llm.engine.speculator.costs = StepCosts.uniform(0.05, max_rows=8)
     return llm
 
 
@@ -404,15 +410,30 @@ def test_ngram_drafts_follow_the_most_recent_longest_match() -> None:
     assert proposer.propose([req], [2]) == [[4, 5]]  # index extended, not rebuilt
 
 
+# The table measured on this project's Zen 4 (bfloat16, bundled model): one row's first
+# two drafts are cheap, a second row makes every draft dear.
+ZEN4 = StepCosts(
+    (
+        (1.0, 1.25, 1.55, 2.6, 3.4),
+        (1.0, 1.8, 2.7, 3.6, 4.5),
+    )
+)
+
+
 def test_cost_model_and_when_speculation_is_off() -> None:
-    cheap = [1 + 0.01 * k for k in range(9)]  # drafts nearly free
+    cheap = StepCosts.uniform(0.01, max_rows=2)  # drafts nearly free
     assert best_num_drafts(0.0, 8, cheap) == 0
     assert best_num_drafts(1.0, 8, cheap) == 8
-    ks = [best_num_drafts(a / 10, 8) for a in range(11)]
+    ks = [best_num_drafts(a / 10, 4, ZEN4) for a in range(11)]
     assert ks == sorted(ks) and ks[0] == 0 < ks[5]  # higher acceptance, more drafts
-    assert best_num_drafts(1.0, 8) < 8  # where drafts get dear, fewer even if all pass
-    assert step_cost(10, [1.0, 1.5, 2.5]) == 10.5  # extended by the last slope
-    spec = Speculator("ngram", 4, max_model_len=100, max_decode_rows=2, step_costs=cheap)
+    assert best_num_drafts(1.0, 4, ZEN4) == 2  # the third draft leaves the cheap region
+    assert ZEN4.cost(1, 6) == pytest.approx(5.0)  # extended by the last slope
+    # Two rows: drafts cost 0.8-0.9 of a step, so even sure drafts barely pay, and
+    # middling ones never; the row that is sure drafts, the other does not.
+    assert plan_drafts([0.6, 0.6], [4, 4], ZEN4) == [0, 0]
+    assert plan_drafts([1.0, 0.1], [4, 4], ZEN4)[1] == 0
+    assert plan_drafts([0.9, 0.9, 0.9], [4, 4, 4], ZEN4) == [0, 0, 0]  # not measured
+    spec = Speculator("ngram", 4, max_model_len=100, costs=cheap)
 
     def decoding(rid: str, **kw: Any) -> Request:
         r = Request(rid, [1, 2, 3, 1, 2], SamplingParams(**kw))
@@ -425,12 +446,12 @@ def test_cost_model_and_when_speculation_is_off() -> None:
     assert a.spec_token_ids == [3, 1, 2, 3] and b.spec_token_ids == [3]  # b: max_tokens
     spec.propose([a, c])
     assert a.spec_token_ids and c.spec_token_ids == []
-    spec.propose([a, b, c])  # three decode rows: over the threshold, drafts cleared
+    spec.propose([a, b, c])  # three decode rows: more than measured, drafts cleared
     assert a.spec_token_ids == b.spec_token_ids == c.spec_token_ids == []
 
     # At the measured costs, drafts that keep failing stop; as the counts decay the
     # request tries again, rarely.
-    spec = Speculator("ngram", 4, max_model_len=100)
+    spec = Speculator("ngram", 4, max_model_len=100, costs=ZEN4)
     history = []
     for _ in range(60):
         spec.propose([a])
@@ -440,6 +461,41 @@ def test_cost_model_and_when_speculation_is_off() -> None:
     stopped = history.index(0)
     assert 0 < stopped < 5
     assert 0 < sum(map(bool, history[stopped:])) < 6
+
+
+def test_step_costs_are_measured_once_and_cached(tmp_path: Any) -> None:
+    from sluice.engine.speculative.step_costs import load_or_measure
+
+    class Fake:
+        calls = 0
+
+        def run(self) -> StepCosts:
+            self.calls += 1
+            return ZEN4
+
+    fake = Fake()
+    key = {"model": "m", "dtype": "float32"}
+    assert load_or_measure(key, fake, tmp_path) == ZEN4  # type: ignore[arg-type]
+    assert load_or_measure(key, fake, tmp_path) == ZEN4  # type: ignore[arg-type]
+    assert fake.calls == 1
+    load_or_measure({**key, "dtype": "bfloat16"}, fake, tmp_path)  # type: ignore[arg-type]
+    assert fake.calls == 2
+
+
+def test_engine_measures_its_step_costs() -> None:
+    """The engine's table (measured at start-up, or read from the cache) has a row per
+    measured batch size, each starting at 1 and never falling; the pool and the prefix
+    cache are left as they were."""
+    fresh = LLM(dtype="float32", speculative_method="ngram", kv_cache_memory=0.05)
+    costs = fresh.engine.speculator.costs  # type: ignore[union-attr]
+    assert 1 <= costs.max_rows <= 4
+    for row in costs.rel:
+        assert row[0] == 1.0 and list(row) == sorted(row) and len(row) == 5
+    kv = fresh.engine.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks
+    assert not kv.pool.cached  # nothing of the measurement is named
+    stats = fresh.stats()
+    assert stats["num_steps"] == stats["prefix_cache_queried_tokens"] == 0
 
 
 # ---- the surface -----------------------------------------------------------------------

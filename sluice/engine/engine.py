@@ -19,6 +19,7 @@ from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.output import SequenceOutputState
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.engine.speculative import Speculator
+from sluice.engine.speculative.step_costs import StepCostMeasurement, load_or_measure
 from sluice.kernels import large_allocations_mapped
 from sluice.loader import load_model, resolve_chat_template
 from sluice.outputs import CompletionOutput, Logprob, RequestMetricsOut, RequestOutput
@@ -74,11 +75,9 @@ class LLMEngine:
         )
         self.constraint_masks = ConstraintMasks(mc.vocab_size)
         self.num_forced_tokens = 0
-        self.speculator = (
-            Speculator(config.speculative_method, config.num_speculative_tokens, self.max_model_len)
-            if config.speculative_method is not None
-            else None
-        )
+        # The instruction-set level of our CPU kernels ("off" on CUDA or without them).
+        self.cpu_kernels = kernels.variant() if device.type == "cpu" else "off"
+        self.speculator = self._make_speculator(config, device)
         self.groups: dict[str, _Group] = {}
         self._seqs: dict[str, Request] = {}
         self.waste = _WasteCounter()
@@ -91,8 +90,6 @@ class LLMEngine:
         gc.freeze()
         self.startup_seconds = time.perf_counter() - t0
         self.weight_bytes = self.runner.weight_bytes()
-        # The instruction-set level of our CPU kernels ("off" on CUDA or without them).
-        self.cpu_kernels = kernels.variant() if device.type == "cpu" else "off"
         logger.info(
             "sluice ready in %.1fs: %s, %s, weights %s (%.0f MiB in memory; the file: %.0f "
             "MiB), CPU kernels %s, %d KV blocks of %d tokens, max_model_len %d",
@@ -106,6 +103,31 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             self.max_model_len,
+        )
+
+    def _make_speculator(self, config: EngineConfig, device: torch.device) -> Speculator | None:
+        """The speculator, with the step-cost table of this model on this machine
+        (measured once, then read from the cache)."""
+        if config.speculative_method is None:
+            return None
+        path = Path(self.model_path)
+        key = {
+            "model": str(path.resolve()),
+            "size": path.stat().st_size if path.is_file() else 0,
+            "dtype": str(self.dtype),
+            "quantization": self.quantization,
+            "kernels": self.cpu_kernels,
+            "threads": torch.get_num_threads() if device.type == "cpu" else 0,
+            "device": str(device),
+            "block_size": config.block_size,
+            "max_drafts": config.num_speculative_tokens,
+        }
+        measurement = StepCostMeasurement(
+            self.runner, self.kv, self.sampler, config.num_speculative_tokens
+        )
+        costs = load_or_measure(key, measurement)
+        return Speculator(
+            config.speculative_method, config.num_speculative_tokens, self.max_model_len, costs
         )
 
     def _load(self, config: EngineConfig, device: torch.device) -> tuple[ModelConfig, int]:
@@ -534,6 +556,7 @@ class LLMEngine:
             "spec_method": self.config.speculative_method,
             "spec_drafted_tokens": drafted,
             "spec_accepted_tokens": accepted,
+            "spec_verify_steps": spec.num_verify_steps if spec else 0,
             "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
         }
 

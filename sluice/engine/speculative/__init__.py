@@ -8,14 +8,16 @@ from sluice.engine.speculative.speculator import (
     Speculator,
     best_num_drafts,
     make_proposer,
-    step_cost,
+    plan_drafts,
 )
+from sluice.engine.speculative.step_costs import StepCosts
 
 __all__ = [
     "NgramProposer",
     "Proposer",
     "Speculator",
+    "StepCosts",
     "best_num_drafts",
     "make_proposer",
-    "step_cost",
+    "plan_drafts",
 ]

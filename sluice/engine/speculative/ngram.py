@@ -73,3 +73,6 @@ class NgramProposer:
             index.update(tokens)
             out.append(index.draft(tokens, k) if k > 0 else [])
         return out
+
+    def reset(self) -> None:
+        self._index.clear()

@@ -19,3 +19,7 @@ class Proposer(Protocol):
         """Draft tokens to follow each request's all_token_ids: at most num_tokens[i]
         for requests[i], possibly none."""
         ...
+
+    def reset(self) -> None:
+        """Forget everything learnt from earlier requests."""
+        ...

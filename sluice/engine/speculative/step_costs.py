@@ -1,0 +1,217 @@
+"""What draft tokens cost on this machine: measured once per model and CPU, then cached.
+
+Speculation pays only when a step that verifies k drafts costs less than the tokens it
+is expected to yield, and that cost is a property of the hardware, the kernels and the
+model, not a constant. On this project's Zen 4 with the bundled model (bfloat16, its
+GGUF blocks), a single decode row verifying 1, 2, 3 drafts takes 1.25, 1.55, 2.6 plain
+steps (the 3-row decode stack makes the first two cheap) and with two decode rows a
+draft already costs 0.8-0.9 of a step; on an AVX2 CPU, in fp32, or with a 1.5B model
+whose step is longer and more bound by weight reads, the table is different. A fixed
+table would either leave speed unused or make speculation slower than plain decoding,
+which is what users of the other engines report. So the engine measures the table at
+start-up, the way vLLM's users are told to tune their schedule by hand:
+
+- `rel[b - 1][k]`: the time of a step in which b decode rows each verify k drafts,
+  over the time of the same step with no drafts, for b = 1..max_rows and k =
+  0..max_drafts, each the median of a few interleaved timings (one warm-up round
+  first) at a short context, through the runner and the sampler as a verifying step
+  runs. Beyond max_rows decode rows nothing is measured and nothing is speculated:
+  with many rows a step is compute bound, where drafts cost as much as tokens.
+- The measurement uses its own requests and blocks and leaves the pool and the
+  prefix cache as they were; it takes about a second for the bundled model and tens
+  of seconds for a 1.5B one, hence the cache: `cache_dir()/step_costs/<key>.json`,
+  keyed by the model file, dtype, weight format, kernel variant, threads, device and
+  the versions of sluice and torch. Delete the file to measure again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sluice.core.request import DraftRow, Request, SamplingRow
+from sluice.engine.kv_cache import KVCacheManager
+from sluice.runner.model_runner import ModelRunner
+from sluice.runner.sampler import Sampler
+from sluice.sampling_params import SamplingParams
+from sluice.settings import cache_dir
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 4  # decode rows measured (and so the most that ever speculate)
+MAX_MEASURED_DRAFTS = 8  # beyond this, the table is extended by its last slope
+CONTEXT = 128  # tokens each measuring request holds
+ROUNDS = 4  # timed rounds per case, after one warm-up round
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """rel[b - 1][k]: a step with b decode rows verifying k drafts each, in steps with
+    none."""
+
+    rel: tuple[tuple[float, ...], ...]
+
+    @property
+    def max_rows(self) -> int:
+        return len(self.rel)
+
+    def cost(self, rows: int, k: int) -> float:
+        """Step time with `rows` decode rows of k drafts (extended by the last slope
+        past the measured drafts); `rows` must be at most max_rows."""
+        table = self.rel[rows - 1]
+        if k < len(table):
+            return table[k]
+        return table[-1] + (k - len(table) + 1) * (table[-1] - table[-2])
+
+    def describe(self) -> str:
+        return "; ".join(
+            f"{b} row(s): " + " ".join(f"{c:.2f}" for c in row) for b, row in enumerate(self.rel, 1)
+        )
+
+    @classmethod
+    def uniform(cls, per_draft: float, max_rows: int, max_drafts: int = 8) -> StepCosts:
+        """Every draft costs `per_draft` of a step, at any batch (for tests)."""
+        row = tuple(1.0 + per_draft * k for k in range(max_drafts + 1))
+        return cls(tuple(row for _ in range(max_rows)))
+
+
+def cache_key(parts: dict[str, object]) -> str:
+    from sluice import __version__  # sluice/__init__ imports the engine, which imports us
+
+    blob = json.dumps({**parts, "sluice": __version__, "torch": torch.__version__}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def load_or_measure(
+    key_parts: dict[str, object], measure: StepCostMeasurement, cache: Path | None = None
+) -> StepCosts:
+    """The cached table for these settings, or a new measurement (then cached)."""
+    path = (cache or cache_dir() / "step_costs") / f"{cache_key(key_parts)}.json"
+    try:
+        data = json.loads(path.read_text())
+        return StepCosts(tuple(tuple(float(x) for x in row) for row in data["rel"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    t0 = time.perf_counter()
+    costs = measure.run()
+    logger.info(
+        "speculation: measured the step-cost table in %.1fs (%s); cached in %s",
+        time.perf_counter() - t0,
+        costs.describe(),
+        path,
+    )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key_parts, "rel": costs.rel}, indent=1))
+        tmp.replace(path)
+    except OSError as e:  # a read-only cache only costs the next start-up a measurement
+        logger.warning("could not cache the step-cost table in %s: %s", path, e)
+    return costs
+
+
+class StepCostMeasurement:
+    """Times verifying steps on the engine's own runner, KV pool and sampler."""
+
+    def __init__(
+        self, runner: ModelRunner, kv: KVCacheManager, sampler: Sampler, max_drafts: int
+    ) -> None:
+        self.runner = runner
+        self.kv = kv
+        self.sampler = sampler
+        self.max_drafts = min(max_drafts, MAX_MEASURED_DRAFTS)
+
+    def run(self) -> StepCosts:
+        reqs = self._requests()
+        if not reqs:  # a pool too small to measure in: speculate nowhere
+            return StepCosts(((1.0, 2.0),))
+        try:
+            with torch.inference_mode():
+                return self._measure(reqs)
+        finally:
+            for r in reqs:
+                r.spec_token_ids = []
+                self.kv.free(r)
+            # Their blocks were named as they filled: forget them (the cache is empty
+            # at start-up, so nothing else goes).
+            self.kv.reset_prefix_cache()
+
+    def _requests(self) -> list[Request]:
+        """Up to MAX_ROWS requests holding CONTEXT tokens each, as many as the pool
+        takes with room for their drafts."""
+        reqs: list[Request] = []
+        per_req = self.kv.blocks_needed(CONTEXT + self.max_drafts + 1)
+        for i in range(MAX_ROWS):
+            if self.kv.num_free_blocks < per_req:
+                break
+            # Distinct prompts, so that no measuring request hits another's blocks.
+            prompt = [(1000 + 7 * i + 13 * j) % 30_000 + 1 for j in range(CONTEXT)]
+            req = Request(f"__step_cost_{i}", prompt, SamplingParams(temperature=0))
+            # Blocks for the context and the most drafts a step verifies, held
+            # throughout (a verifying step only writes past the context).
+            assert self.kv.allocate_slots(req, CONTEXT + self.max_drafts + 1)
+            reqs.append(req)
+        if reqs:
+            self.runner.execute([(r, CONTEXT - 1) for r in reqs])
+            for r in reqs:
+                r.num_computed_tokens = CONTEXT - 1
+        return reqs
+
+    def _measure(self, reqs: list[Request]) -> StepCosts:
+        cases = [(b, k) for b in range(1, len(reqs) + 1) for k in range(self.max_drafts + 1)]
+        times: dict[tuple[int, int], list[float]] = {c: [] for c in cases}
+        for rnd in range(ROUNDS + 1):
+            order = cases if rnd % 2 == 0 else cases[::-1]  # interleaved against drift
+            for b, k in order:
+                t = self._time_step(reqs[:b], k)
+                if rnd > 0:
+                    times[(b, k)].append(t)
+        med = {c: statistics.median(ts) for c, ts in times.items()}
+        rel = tuple(
+            tuple(med[(b, k)] / med[(b, 0)] for k in range(self.max_drafts + 1))
+            for b in range(1, len(reqs) + 1)
+        )
+        return StepCosts(_monotone(rel))
+
+    def _time_step(self, reqs: Sequence[Request], k: int) -> float:
+        """One verifying step of `reqs` with k drafts each; nothing is kept."""
+        rows: list[SamplingRow] = []
+        for r in reqs:
+            r.spec_token_ids = [r.all_token_ids[-1]] * k
+            rows.append(r)
+            rows.extend(DraftRow(r, r.spec_token_ids[:j]) for j in range(1, k + 1))
+        _sync(self.runner.device)
+        t0 = time.perf_counter()
+        out = self.runner.execute([(r, 1 + k) for r in reqs])
+        self.sampler(out.logits, rows, [[] for _ in rows])
+        _sync(self.runner.device)
+        elapsed = time.perf_counter() - t0
+        for r in reqs:
+            r.spec_token_ids = []
+        return elapsed
+
+
+def _monotone(rel: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
+    """More drafts never cost less (timing noise aside): a running maximum per row,
+    starting at 1."""
+    out = []
+    for row in rel:
+        fixed, top = [], 1.0
+        for c in row:
+            top = max(top, c)
+            fixed.append(top)
+        out.append(tuple(fixed))
+    return tuple(out)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
