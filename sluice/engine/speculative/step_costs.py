@@ -27,6 +27,7 @@ start-up, the way vLLM's users are told to tune their schedule by hand:
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import statistics
@@ -84,9 +85,11 @@ class StepCosts:
 
 
 def cache_key(parts: dict[str, object]) -> str:
-    from sluice import __version__  # sluice/__init__ imports the engine, which imports us
-
-    blob = json.dumps({**parts, "sluice": __version__, "torch": torch.__version__}, sort_keys=True)
+    try:
+        ours = importlib.metadata.version("sluice")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        ours = "unknown"
+    blob = json.dumps({**parts, "sluice": ours, "torch": torch.__version__}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
