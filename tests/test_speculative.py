@@ -11,6 +11,7 @@ the n-gram index and the cost model.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -156,6 +157,26 @@ def test_greedy_mixed_batch_with_chunked_prefill(
     assert_all_free(spec)
 
 
+FRUIT = "(apple|banana|cherry|grape|lemon|mango|orange|peach|pear|plum)"
+
+
+def test_constrained_drafts_stay_inside_the_grammar(spec: LLM, llm_fp32: LLM) -> None:
+    """A regex-constrained request that copies its prompt drafts, its drafts are cut
+    where the grammar would reject them, each draft row is masked by the grammar after
+    the drafts before it, and the output equals the constrained output without
+    speculation; the matcher ends where the kept tokens put it."""
+    pattern = f" {FRUIT}(, {FRUIT}){{0,8}}"  # done in ~27 tokens, before max_tokens
+    params = greedy(40, structured_output={"regex": pattern})
+    (expected,) = llm_fp32.generate([REPEATS[0]], params, use_tqdm=False)
+    before = spec.stats()
+    (got,) = spec.generate([REPEATS[0]], params, use_tqdm=False)
+    after = spec.stats()
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert got.outputs[0].finish_reason == "stop" and re.fullmatch(pattern, got.outputs[0].text)
+    assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] >= 5
+    assert_all_free(spec)
+
+
 def test_preemption_with_a_tiny_cache(plain: Callable[[str, int], list[int]]) -> None:
     small = speculating(kv_cache_memory=10 * PER_BLOCK / 2**30, max_num_batched_tokens=64)
     prompts = REPEATS  # ~40-50 tokens each + 40 out: three do not fit in 10 blocks
@@ -201,8 +222,8 @@ def test_seeded_sampling_equals_no_speculation(spec: LLM, llm_fp32: LLM) -> None
         assert g.token_ids == r.token_ids and g.text == r.text
         assert r.logprobs is not None and g.logprobs is not None
         assert [list(e) for e in g.logprobs] == [list(e) for e in r.logprobs]
-        for ge, re in zip(g.logprobs, r.logprobs, strict=True):
-            for tok, lp in re.items():
+        for ge, rl in zip(g.logprobs, r.logprobs, strict=True):
+            for tok, lp in rl.items():
                 assert ge[tok].logprob == pytest.approx(lp.logprob, abs=1e-4)
                 assert ge[tok].rank == lp.rank
     assert_all_free(spec)
@@ -440,12 +461,16 @@ def test_cost_model_and_when_speculation_is_off() -> None:
         r.num_computed_tokens = r.num_tokens - 1
         return r
 
+    class TwoTokens:  # a grammar that allows only the first two drafts
+        def validate_tokens(self, tokens: list[int]) -> int:
+            return min(2, len(tokens))
+
     a, b, c = decoding("a"), decoding("b", max_tokens=2), decoding("c")
-    c.grammar = object()  # constrained: never speculated
+    c.grammar = TwoTokens()
     spec.propose([a, b])
     assert a.spec_token_ids == [3, 1, 2, 3] and b.spec_token_ids == [3]  # b: max_tokens
     spec.propose([a, c])
-    assert a.spec_token_ids and c.spec_token_ids == []
+    assert a.spec_token_ids == [3, 1, 2, 3] and c.spec_token_ids == [3, 1]  # c: its grammar
     spec.propose([a, b, c])  # three decode rows: more than measured, drafts cleared
     assert a.spec_token_ids == b.spec_token_ids == c.spec_token_ids == []
 

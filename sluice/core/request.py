@@ -173,8 +173,9 @@ class SamplingRow(Protocol):
 class DraftRow:
     """A verifying request's row after its first len(drafts) draft tokens: sampled as if
     those tokens had been decoded one by one (penalties see them, min_tokens counts
-    them, a seed draws for this output position). Never constrained: constrained
-    requests are not speculated."""
+    them, a seed draws for this output position). A constrained request's draft rows
+    share its matcher: the step's masks advance it by the drafts and roll it back
+    (sluice/structured/constraints.py)."""
 
     request: Request
     drafts: Sequence[int]
@@ -189,7 +190,7 @@ class DraftRow:
 
     @property
     def grammar(self) -> Any:
-        return None
+        return self.request.grammar
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -2,7 +2,13 @@
 engine's per-step side, masks and forced tokens (`constraints`)."""
 
 from sluice.structured.compiler import GrammarCompiler, grammar_text
-from sluice.structured.constraints import ConstraintMasks, advance, forced_tokens, unpack_bitmask
+from sluice.structured.constraints import (
+    ConstraintMasks,
+    advance,
+    forced_tokens,
+    unpack_bitmask,
+    valid_drafts,
+)
 
 __all__ = [
     "ConstraintMasks",
@@ -11,4 +17,5 @@ __all__ = [
     "forced_tokens",
     "grammar_text",
     "unpack_bitmask",
+    "valid_drafts",
 ]

@@ -15,7 +15,7 @@ import llguidance
 import llguidance.torch as llg_torch
 import torch
 
-from sluice.core.request import Request, SamplingRow
+from sluice.core.request import DraftRow, Request, SamplingRow
 
 
 class ConstraintMasks:
@@ -36,14 +36,44 @@ class ConstraintMasks:
         if self._bitmask.shape[0] < len(idx):
             self._bitmask = llg_torch.allocate_token_bitmask(len(idx), self.vocab_size)
         bitmask = self._bitmask[: len(idx)]
-        if len(idx) == 1:
-            llg_torch.fill_next_token_bitmask(rows[idx[0]].grammar, bitmask, 0)
-        else:
-            llg_torch.fill_next_token_bitmask_par(
-                self._executor, [(rows[i].grammar, j) for j, i in enumerate(idx)], bitmask
-            )
+        # Rows of known tokens first, all at once; then the draft rows, whose masks
+        # need their matcher advanced by the drafts before them.
+        plain = [
+            (rows[i].grammar, j) for j, i in enumerate(idx) if not isinstance(rows[i], DraftRow)
+        ]
+        if len(plain) == 1:
+            llg_torch.fill_next_token_bitmask(plain[0][0], bitmask, plain[0][1])
+        elif plain:
+            llg_torch.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        drafts = [(rows[i], j) for j, i in enumerate(idx) if isinstance(rows[i], DraftRow)]
+        if drafts:
+            _fill_draft_masks(drafts, bitmask)  # type: ignore[arg-type]
         self.num_masks += len(idx)
         return torch.tensor(idx, dtype=torch.long), unpack_bitmask(bitmask, self.vocab_size)
+
+
+def _fill_draft_masks(rows: list[tuple[DraftRow, int]], bitmask: torch.Tensor) -> None:
+    """Masks of draft rows (in row order: a request's rows by growing draft length):
+    each matcher consumes the drafts up to its row, then is rolled back to where it
+    was. The drafts were checked against the grammar when proposed (`valid_drafts`)."""
+    consumed: dict[int, tuple[Request, int]] = {}
+    for row, j in rows:
+        req = row.request
+        done = consumed.get(id(req), (req, 0))[1]
+        if not req.grammar.consume_tokens(list(row.drafts[done:])):
+            raise AssertionError("a draft the grammar rejects reached verification")
+        consumed[id(req)] = (req, len(row.drafts))
+        llg_torch.fill_next_token_bitmask(req.grammar, bitmask, j)
+    for req, n in consumed.values():
+        req.grammar.rollback(n)
+
+
+def valid_drafts(req: Request, drafts: list[int]) -> list[int]:
+    """The leading drafts the request's grammar allows (all of them if unconstrained):
+    a draft past a token the grammar rejects could never be accepted."""
+    if req.grammar is None or not drafts:
+        return drafts
+    return drafts[: req.grammar.validate_tokens(drafts)]
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

@@ -32,6 +32,7 @@ from sluice.core.request import Request
 from sluice.engine.speculative.ngram import NgramProposer
 from sluice.engine.speculative.proposer import Proposer
 from sluice.engine.speculative.step_costs import StepCosts
+from sluice.structured import valid_drafts
 
 # Acceptance counts decay by this factor at each step a request could draft; the prior
 # (0.8, worth one trial) is added when the rate is read.
@@ -137,7 +138,7 @@ class Speculator:
         if rows:
             ks = [k for k in plan if k > 0]
             for req, drafts in zip(rows, self.proposer.propose(rows, ks), strict=True):
-                req.spec_token_ids = drafts
+                req.spec_token_ids = valid_drafts(req, drafts)
 
     def observe(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """A request verified `num_drafts` drafts and accepted the first `num_accepted`."""
@@ -152,9 +153,10 @@ class Speculator:
     def _rate_and_room(self, req: Request) -> tuple[float, int]:
         """The request's running acceptance (its counts decayed by a step) and how many
         drafts it may verify now."""
-        # Constrained requests are not speculated (their grammar would have to check
-        # each draft), nor a request whose forks still wait for its first token.
-        if req.grammar is not None or req.pending_forks:
+        # Not a request whose forks still wait for its first token (they would all
+        # need the drafts' KV). A constrained request drafts too: its drafts are cut
+        # at the first token its grammar rejects, after proposing.
+        if req.pending_forks:
             return 0.0, 0
         room = min(self.num_speculative_tokens, self._tokens_left(req) - 1)  # + its own
         if room <= 0:
