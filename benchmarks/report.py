@@ -8,10 +8,10 @@ docs/benchmarks.md is hand-written prose around generated blocks:
 
 The name after `results:` is a benchmark kind (the `benchmark` field that
 `common.write_result` stores): throughput, single_stream, serve, prefix_cache,
-quantization, cpu_levels, gguf_models, weight_paths, structured. Every row names its
-result file, machine (CPU model, threads), kernel variant, commit and date, so no
-figure in the doc stands without the run behind it; tests/test_bench.py checks that
-the committed doc equals what this script generates.
+quantization, cpu_levels, gguf_models, weight_paths, structured, speculative. Every
+row names its result file, machine (CPU model, threads), kernel variant, commit and
+date, so no figure in the doc stands without the run behind it; tests/test_bench.py
+checks that the committed doc equals what this script generates.
 
 Run from the repo root:
     .venv/bin/python benchmarks/report.py            # rewrite docs/benchmarks.md
@@ -478,6 +478,40 @@ def _structured(results: Sequence[Result]) -> str:
     return "\n".join(tables)
 
 
+def _speculative(results: Sequence[Result]) -> str:
+    """Per workload and level, each side's output tok/s against `off` (issue 14)."""
+    rows = []
+    for name, d in results:
+        model = d["model"] + (f" (draft {d['draft_model']})" if d.get("draft_model") else "")
+        for lvl in d["levels"]:
+            cmp = lvl["comparison"]
+            for side in cmp["sides"]:
+                rows.append(
+                    [
+                        *_run_cells(name, d),
+                        model,
+                        f"{lvl['workload']}, {lvl['streams']}",
+                        side,
+                        _spread(cmp, side, "tok_s"),
+                        "1.00×" if side == "off" else _ratio(_rmed(cmp, side, "tok_s")),
+                        _spread(cmp, side, "acceptance", digits=2),
+                        _spread(cmp, side, "tokens_per_verify", digits=2),
+                        _spread(cmp, side, "same_tokens", digits=2),
+                    ]
+                )
+    headers = [
+        "model",
+        "workload, streams",
+        "side",
+        "output tok/s",
+        "vs off",
+        "acceptance",
+        "tokens / verify",
+        "same tokens",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
 RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "cpu_levels": _cpu_levels,
     "throughput": _throughput,
@@ -488,6 +522,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "gguf_models": _gguf_models,
     "weight_paths": _weight_paths,
     "structured": _structured,
+    "speculative": _speculative,
 }
 
 
