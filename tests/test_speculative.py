@@ -482,7 +482,7 @@ def test_cost_model_and_when_speculation_is_off() -> None:
         spec.propose([a])
         history.append(len(a.spec_token_ids))
         if a.spec_token_ids:
-            spec.observe(a, len(a.spec_token_ids), 0)
+            spec.observe(a, len(a.spec_token_ids), 0, 1)
     stopped = history.index(0)
     assert 0 < stopped < 5
     assert 0 < sum(map(bool, history[stopped:])) < 6
@@ -547,9 +547,15 @@ def test_metrics_mirror_the_engine_stats(spec: LLM) -> None:
     assert stats["spec_method"] == "ngram" and stats["spec_drafted_tokens"] > 0
     text = ServerMetrics("m").render(stats).decode()
     drafted, accepted = stats["spec_drafted_tokens"], stats["spec_accepted_tokens"]
+    emitted, steps = stats["spec_emitted_tokens"], stats["spec_verify_steps"]
+    # Each verification emits its accepted drafts and one more (a stop can cut it short).
+    assert 0 < emitted <= accepted + steps
     for name, value in [
         ("num_draft_tokens", float(drafted)),
         ("num_accepted_tokens", float(accepted)),
+        ("num_emitted_tokens", float(emitted)),
+        ("num_drafts", float(steps)),
         ("acceptance_rate", accepted / drafted),
+        ("mean_accepted_length", emitted / steps),
     ]:
         assert f'sluice_spec_decode_{name}{{model_name="m"}} {value}' in text

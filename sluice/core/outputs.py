@@ -38,6 +38,10 @@ class RequestMetricsOut:
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
+    # Speculative decoding, over the request's sequences: draft tokens verified, and
+    # those accepted (0 without speculation).
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -57,6 +57,9 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding: draft tokens this sequence verified, and those accepted.
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

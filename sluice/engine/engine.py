@@ -325,9 +325,10 @@ class LLMEngine:
             drafts = req.spec_token_ids
             accepted = accepted_length(tokens, drafts) if drafts else 0
             logprobs = sampled.logprobs[first : first + accepted + 1]
-            num_emitted += self._emit(req, tokens[: accepted + 1], logprobs, finished_at)
+            emitted = self._emit(req, tokens[: accepted + 1], logprobs, finished_at)
+            num_emitted += emitted
             if drafts:
-                self._end_verification(req, len(drafts), accepted)
+                self._end_verification(req, len(drafts), accepted, emitted)
             touched[req.group_id] = self.groups[req.group_id]
         self.num_steps += 1
         self.num_generated_tokens += num_emitted
@@ -382,12 +383,16 @@ class LLMEngine:
                 break
         return len(tokens)
 
-    def _end_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """After a request verified its drafts: the speculator learns how many were
-        accepted, and the KV of the rejected ones is rolled back (a finished request
-        has freed its blocks already)."""
+    def _end_verification(
+        self, req: Request, num_drafts: int, num_accepted: int, num_emitted: int
+    ) -> None:
+        """After a request verified its drafts: the speculator and the request's metrics
+        learn how many were accepted, and the KV of the rejected ones is rolled back (a
+        finished request has freed its blocks already)."""
         assert self.speculator is not None
-        self.speculator.observe(req, num_drafts, num_accepted)
+        self.speculator.observe(req, num_drafts, num_accepted, num_emitted)
+        req.metrics.spec_drafted_tokens += num_drafts
+        req.metrics.spec_accepted_tokens += num_accepted
         req.spec_token_ids = []
         if not req.is_finished:
             self.kv.rollback(req, num_drafts - num_accepted)
@@ -511,6 +516,8 @@ class LLMEngine:
                 m.first_scheduled_time,
                 m.first_token_time,
                 max((s.metrics.finished_time or 0.0) for s in group.seqs) if finished else None,
+                spec_drafted_tokens=sum(s.metrics.spec_drafted_tokens for s in group.seqs),
+                spec_accepted_tokens=sum(s.metrics.spec_accepted_tokens for s in group.seqs),
             ),
         )
         if finished:
@@ -549,15 +556,23 @@ class LLMEngine:
         }
 
     def _spec_stats(self) -> dict[str, Any]:
+        """Speculative decoding since start. A verify step is one request verifying its
+        drafts in one engine step; it emits its accepted drafts and the target's own
+        token (fewer where a stop ends the run), so emitted / verify steps is the mean
+        accepted length (1 when no draft passes)."""
         spec = self.speculator
         drafted = spec.num_drafted_tokens if spec else 0
         accepted = spec.num_accepted_tokens if spec else 0
+        emitted = spec.num_emitted_tokens if spec else 0
+        steps = spec.num_verify_steps if spec else 0
         return {
             "spec_method": self.config.speculative_method,
             "spec_drafted_tokens": drafted,
             "spec_accepted_tokens": accepted,
-            "spec_verify_steps": spec.num_verify_steps if spec else 0,
+            "spec_emitted_tokens": emitted,
+            "spec_verify_steps": steps,
             "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "spec_mean_accepted_length": emitted / steps if steps else 0.0,
         }
 
     def reset_prefix_cache(self) -> int:

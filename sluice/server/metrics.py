@@ -112,9 +112,26 @@ class ServerMetrics:
                     "Draft tokens accepted by verification (since start).",
                 ),
                 (
+                    "spec_emitted_tokens",
+                    "sluice_spec_decode_num_emitted_tokens",
+                    "Tokens emitted by steps that verified drafts: accepted drafts and the "
+                    "target's own token (since start).",
+                ),
+                (
+                    "spec_verify_steps",
+                    "sluice_spec_decode_num_drafts",
+                    "Verifications: a request checking its drafts in one step (since start).",
+                ),
+                (
                     "spec_acceptance_rate",
                     "sluice_spec_decode_acceptance_rate",
                     "Accepted over verified draft tokens since start (0-1; 0 before any).",
+                ),
+                (
+                    "spec_mean_accepted_length",
+                    "sluice_spec_decode_mean_accepted_length",
+                    "Tokens emitted per verification since start (1 when no draft passes; "
+                    "0 before any).",
                 ),
                 (
                     "rss_bytes",

@@ -116,7 +116,10 @@ class Speculator:
         )
         self.num_drafted_tokens = 0
         self.num_accepted_tokens = 0
-        self.num_verify_steps = 0  # (request, step) pairs that verified drafts
+        # Tokens the verifying rows emitted (accepted drafts, the target's own token,
+        # fewer where a stop ended the run) and how many verifications there were.
+        self.num_emitted_tokens = 0
+        self.num_verify_steps = 0
 
     def reset(self) -> None:
         """Forget what was learnt from earlier requests (acceptance, the proposer's
@@ -140,10 +143,12 @@ class Speculator:
             for req, drafts in zip(rows, self.proposer.propose(rows, ks), strict=True):
                 req.spec_token_ids = valid_drafts(req, drafts)
 
-    def observe(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """A request verified `num_drafts` drafts and accepted the first `num_accepted`."""
+    def observe(self, req: Request, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
+        """A request verified `num_drafts` drafts, accepted the first `num_accepted` and
+        emitted `num_emitted` tokens from the step."""
         self.num_drafted_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_emitted
         self.num_verify_steps += 1
         acc = self._acceptance.get(req)
         if acc is not None:
