@@ -262,7 +262,7 @@ class LLMEngine:
             return False
         for seq in group.seqs:
             if not seq.is_finished:
-                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+                self._retire(seq, RequestStatus.FINISHED_ABORTED)
             self._seqs.pop(seq.request_id, None)
         return True
 
@@ -419,8 +419,15 @@ class LLMEngine:
             else RequestStatus.FINISHED_STOPPED
         )
         req.metrics.finished_time = now
-        self.scheduler.finish(req, status)
+        self._retire(req, status)
         return True
+
+    def _retire(self, req: Request, status: RequestStatus) -> None:
+        """The one way a sequence ends (finished or aborted): the scheduler frees it,
+        and the speculator hears of it (the suffix proposer keeps its tokens)."""
+        self.scheduler.finish(req, status)
+        if self.speculator is not None:
+            self.speculator.finish(req)
 
     # ---- helpers -------------------------------------------------------------------
 

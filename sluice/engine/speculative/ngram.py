@@ -76,3 +76,6 @@ class NgramProposer:
 
     def reset(self) -> None:
         self._index.clear()
+
+    def finish(self, req: Request) -> None:
+        self._index.pop(req, None)

@@ -3,7 +3,8 @@
 A proposer never touches the KV cache, the scheduler or the sampler: it only guesses
 the next tokens of each sequence. The engine verifies them in the next forward pass
 (see sluice/runner/spec_verify.py), so a bad guess costs a few query tokens and never
-changes the output.
+changes the output. It hears when a request finishes (`finish`), so it can drop what
+it kept for it, or learn from it (the suffix proposer stores finished requests' text).
 """
 
 from __future__ import annotations
@@ -22,4 +23,8 @@ class Proposer(Protocol):
 
     def reset(self) -> None:
         """Forget everything learnt from earlier requests."""
+        ...
+
+    def finish(self, req: Request) -> None:
+        """The request finished (stopped, hit a limit or was aborted); called once."""
         ...

@@ -155,6 +155,11 @@ class Speculator:
             acc.accepted += num_accepted
             acc.trials += num_accepted + int(num_accepted < num_drafts)
 
+    def finish(self, req: Request) -> None:
+        """The engine retired the request: the proposer may learn from its tokens."""
+        self._acceptance.pop(req, None)
+        self.proposer.finish(req)
+
     def _rate_and_room(self, req: Request) -> tuple[float, int]:
         """The request's running acceptance (its counts decayed by a step) and how many
         drafts it may verify now."""
