@@ -48,8 +48,9 @@ FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
 CpuIsa = Literal["generic", "avx2", "avx512", "amx"]
 CPU_ISAS: tuple[CpuIsa, ...] = get_args(CpuIsa)
 
-# Where draft tokens for speculative decoding come from ("ngram": prompt lookup).
-SpeculativeMethod = Literal["ngram"]
+# Where draft tokens for speculative decoding come from ("ngram": prompt lookup;
+# "suffix": longest matches in the request and in earlier requests).
+SpeculativeMethod = Literal["ngram", "suffix"]
 SPECULATIVE_METHODS: tuple[SpeculativeMethod, ...] = get_args(SpeculativeMethod)
 
 LogLevel = Literal["debug", "info", "warning", "error"]

@@ -11,12 +11,14 @@ from sluice.engine.speculative.speculator import (
     plan_drafts,
 )
 from sluice.engine.speculative.step_costs import StepCosts
+from sluice.engine.speculative.suffix import SuffixProposer
 
 __all__ = [
     "NgramProposer",
     "Proposer",
     "Speculator",
     "StepCosts",
+    "SuffixProposer",
     "best_num_drafts",
     "make_proposer",
     "plan_drafts",

@@ -32,6 +32,7 @@ from sluice.core.request import Request
 from sluice.engine.speculative.ngram import NgramProposer
 from sluice.engine.speculative.proposer import Proposer
 from sluice.engine.speculative.step_costs import StepCosts
+from sluice.engine.speculative.suffix import SuffixProposer
 from sluice.structured import valid_drafts
 
 # Acceptance counts decay by this factor at each step a request could draft; the prior
@@ -44,6 +45,8 @@ _PRIOR_TRIALS = 1.0
 def make_proposer(method: SpeculativeMethod) -> Proposer:
     if method == "ngram":
         return NgramProposer()
+    if method == "suffix":
+        return SuffixProposer()
     raise ValueError(f"unknown speculative method {method!r}")
 
 
