@@ -33,7 +33,8 @@ _OPTION_HELP = {
     "stays int4/int8 in bf16)",
     "compile": "torch.compile the model (first steps compile; cached on disk)",
     "speculative_method": "speculative decoding: where draft tokens come from (ngram: "
-    "prompt lookup over the prompt and the output so far; default: off)",
+    "prompt lookup over the prompt and the output so far; suffix: the longest earlier "
+    "match in the request and in earlier requests' prompts and outputs; default: off)",
     "num_speculative_tokens": "at most this many draft tokens verified per request and "
     "step (default: 4); fewer, or none, where the cost model says they would not pay",
     "chat_template": "a Jinja chat template to use instead of the model's: a file, the "

@@ -526,12 +526,16 @@ def test_engine_measures_its_step_costs() -> None:
 # ---- the surface -----------------------------------------------------------------------
 
 
-def test_options_and_flags() -> None:
+@pytest.mark.parametrize(
+    "command", [["serve"], ["generate", "hello"], ["chat"]], ids=lambda c: c[0]
+)
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_options_and_flags(command: list[str], method: str) -> None:
     args = build_parser().parse_args(
-        ["serve", "--speculative-method", "ngram", "--num-speculative-tokens", "6"]
+        [*command, "--speculative-method", method, "--num-speculative-tokens", "6"]
     )
     cfg = engine_config(args)
-    assert (cfg.speculative_method, cfg.num_speculative_tokens) == ("ngram", 6)
+    assert (cfg.speculative_method, cfg.num_speculative_tokens) == (method, 6)
     with pytest.raises(ConfigError) as err:
         EngineConfig(speculative_method="eagle")  # type: ignore[arg-type]
     assert err.value.param == "speculative_method"
