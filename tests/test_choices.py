@@ -13,6 +13,7 @@ from sluice.core.choices import (
     DTYPES,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
     WEIGHT_QUANTIZATIONS,
 )
 from sluice.core.errors import ConfigError
@@ -79,6 +80,7 @@ def test_readme_lists_every_choice() -> None:
         ("dtype", DTYPES),
         ("scheduling_policy", SCHEDULING_POLICIES),
         ("quantization", QUANTIZATIONS),
+        ("speculative_method", SPECULATIVE_METHODS),
     ]:
         # The option's description: from its name to the next option's backquoted name.
         m = re.search(rf"`{option}` \((.*?)\)(,|\.)", readme)
