@@ -340,8 +340,10 @@ class AsyncLLM:
                 self._fail_all(EngineStepError(f"the engine failed while generating: {exc}"))
                 self._update_snapshot()
                 continue
-            self._dispatch(outputs)
+            # The snapshot first: a client that hears a token may send its next request
+            # at once, and admission control must not count the first as waiting.
             self._update_snapshot()
+            self._dispatch(outputs)
 
     def _handle_abort(self, cmd: _Abort) -> None:
         self._streams.pop(cmd.request_id, None)
