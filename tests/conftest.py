@@ -111,3 +111,24 @@ def kernel_level(request: pytest.FixtureRequest) -> Iterator[str]:
     (an AVX-512 machine runs all three, an AVX2 one avx2 and generic)."""
     with kernels_at(request.param) as level:
         yield level
+
+
+@pytest.fixture(scope="module")
+def plain(llm_fp32: Any) -> Any:
+    """Greedy token ids of the fp32 engine without speculation: the first n (at most
+    40) of one 40-token run per prompt (greedy output is a prefix of any longer greedy
+    output). For the speculative-decoding tests, which compare against it."""
+    from sluice import SamplingParams
+
+    runs: dict[str, list[int]] = {}
+
+    def first(prompt: str, n: int) -> list[int]:
+        assert n <= 40
+        if prompt not in runs:
+            (out,) = llm_fp32.generate(
+                [prompt], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False
+            )
+            runs[prompt] = list(out.outputs[0].token_ids)
+        return runs[prompt][:n]
+
+    return first

@@ -68,21 +68,6 @@ def spec() -> LLM:
     return speculating(kv_cache_memory=0.25, max_num_batched_tokens=64)
 
 
-@pytest.fixture(scope="module")
-def plain(llm_fp32: LLM) -> Callable[[str, int], list[int]]:
-    """Greedy token ids without speculation, the first n of one 40-token run per prompt
-    (greedy output is a prefix of any longer greedy output)."""
-    runs: dict[str, list[int]] = {}
-
-    def first(prompt: str, n: int) -> list[int]:
-        assert n <= 40
-        if prompt not in runs:
-            runs[prompt] = token_ids(llm_fp32, [prompt], greedy(40))[0][0]
-        return runs[prompt][:n]
-
-    return first
-
-
 def token_ids(llm: LLM, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> list:
     return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
 

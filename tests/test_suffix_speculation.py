@@ -47,20 +47,6 @@ def suffix() -> LLM:
     return llm
 
 
-@pytest.fixture(scope="module")
-def plain(llm_fp32: LLM) -> Callable[[str, int], list[int]]:
-    """Greedy token ids without speculation: the first n of one 40-token run a prompt."""
-    runs: dict[str, list[int]] = {}
-
-    def first(prompt: str, n: int) -> list[int]:
-        assert n <= 40
-        if prompt not in runs:
-            runs[prompt] = token_ids(llm_fp32, [prompt], greedy(40))[0][0]
-        return runs[prompt][:n]
-
-    return first
-
-
 def proposer_of(llm: LLM) -> SuffixProposer:
     spec = llm.engine.speculator
     assert spec is not None and isinstance(spec.proposer, SuffixProposer)

@@ -102,7 +102,7 @@ def load_or_measure(
         data = json.loads(path.read_text())
         return StepCosts(tuple(tuple(float(x) for x in row) for row in data["rel"]))
     except (OSError, ValueError, KeyError, TypeError):
-        pass
+        pass  # none yet, or unreadable: measure (and write it again)
     t0 = time.perf_counter()
     costs = measure.run()
     logger.info(
