@@ -372,3 +372,23 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             opts[key] = value
     return opts
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+
+def chat_ids(tok: Any, text: str) -> list[int]:
+    """`text` as one user turn through the tokenizer's chat template, as token ids."""
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+    return list(tok.encode(rendered, add_special_tokens=False))
+
+
+def tpot(out: Any) -> float | None:
+    """A finished RequestOutput's time per output token after the first (None when it
+    has fewer than two tokens or no timings)."""
+    m, n = out.metrics, len(out.outputs[0].token_ids)
+    if m is None or m.first_token_time is None or m.finished_time is None or n < 2:
+        return None
+    return (m.finished_time - m.first_token_time) / (n - 1)

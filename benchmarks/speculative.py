@@ -54,12 +54,14 @@ from typing import Any  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     add_output_arg,
     add_rounds_arg,
+    chat_ids,
     compare,
     fmt_spread,
     format_table,
     interleave,
     percentile,
     shown_path,
+    tpot,
     write_result,
 )
 from benchmarks.datasets import package_dir, sharegpt_prompts  # noqa: E402
@@ -108,14 +110,6 @@ def humaneval_texts(n: int) -> list[str]:
     return [HUMANEVAL_ASK.format(code=r["prompt"]) for r in rows[:n]]
 
 
-def chat_ids(llm: LLM, text: str) -> list[int]:
-    tok = llm.tokenizer
-    rendered = tok.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True
-    )
-    return list(tok.encode(rendered, add_special_tokens=False))
-
-
 # ---- sluice sides ----------------------------------------------------------------------------
 
 
@@ -149,13 +143,6 @@ def run_closed_loop(
     return [done[i] for i in range(len(prompts))], time.perf_counter() - t0
 
 
-def _tpot(out: RequestOutput) -> float | None:
-    m, n = out.metrics, len(out.outputs[0].token_ids)
-    if m is None or m.first_token_time is None or m.finished_time is None or n < 2:
-        return None
-    return (m.finished_time - m.first_token_time) / (n - 1)
-
-
 def measure_sluice(
     llm: LLM, prompts: list[list[int]], max_tokens: int, streams: int, reference: dict
 ) -> dict[str, Any]:
@@ -174,7 +161,7 @@ def measure_sluice(
     if "tokens" not in reference:
         reference["tokens"] = tokens  # the first side measured is `off` (round 1)
     same = sum(t == r for t, r in zip(tokens, reference["tokens"], strict=True)) / len(tokens)
-    tpots = [t for t in map(_tpot, outs) if t is not None]
+    tpots = [t for t in map(tpot, outs) if t is not None]
     return {
         "tok_s": sum(map(len, tokens)) / seconds,
         "tpot_p50_ms": percentile(tpots, 50) * 1e3,
@@ -284,16 +271,16 @@ def workloads(args: argparse.Namespace, llm: LLM) -> list[tuple[str, int, list[l
     chosen = args.workloads.split(",")
     out = []
     if "edits" in chosen:
-        ids = [chat_ids(llm, t) for t in edit_texts(args.edits)]
+        ids = [chat_ids(llm.tokenizer, t) for t in edit_texts(args.edits)]
         out.append(("edits", 1, ids, args.max_tokens))
     if "humaneval" in chosen:
-        ids = [chat_ids(llm, t) for t in humaneval_texts(args.humaneval)]
+        ids = [chat_ids(llm.tokenizer, t) for t in humaneval_texts(args.humaneval)]
         out.append(("humaneval", 1, ids, args.max_tokens))
     if "sharegpt" in chosen:
         for s in (int(x) for x in args.streams.split(",")):
             texts = sharegpt_prompts(s * args.sharegpt_prompts, max_prompt_tokens=512,
                                      tokenizer_encode=llm.tokenizer.encode)  # fmt: skip
-            ids = [chat_ids(llm, t) for t in texts]
+            ids = [chat_ids(llm.tokenizer, t) for t in texts]
             out.append((f"sharegpt-{s}", s, ids, args.sharegpt_max_tokens))
     return out
 

@@ -57,6 +57,7 @@ from benchmarks.common import (  # noqa: E402
     add_engine_args,
     add_output_arg,
     add_rounds_arg,
+    chat_ids,
     compare,
     engine_options,
     fmt_spread,
@@ -65,6 +66,7 @@ from benchmarks.common import (  # noqa: E402
     percentile,
     ratio,
     shown_path,
+    tpot,
     write_result,
 )
 from sluice import LLM  # noqa: E402
@@ -163,13 +165,6 @@ def schema_prompt(tok: Any, schema: Any) -> list[int]:
         "Reply with a JSON object that matches this JSON Schema, and nothing else.\n\n"
         f"Schema:\n{text}",
     )
-
-
-def chat_ids(tok: Any, text: str) -> list[int]:
-    rendered = tok.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True
-    )
-    return list(tok.encode(rendered, add_special_tokens=False))
 
 
 def schema_errors(schema: Any, text: str) -> list[str]:
@@ -310,14 +305,6 @@ def run_closed_loop(
     return done, time.perf_counter() - t0, decode_steps
 
 
-def _tpot(out: RequestOutput) -> float | None:
-    m = out.metrics
-    n = len(out.outputs[0].token_ids)
-    if m is None or m.first_token_time is None or m.finished_time is None or n < 2:
-        return None
-    return (m.finished_time - m.first_token_time) / (n - 1)
-
-
 def constrained_params(schemas: list[Any], max_tokens: int) -> list[SamplingParams]:
     return [
         SamplingParams(
@@ -347,7 +334,7 @@ def measure_tpot(
     before = engine.stats()
     outs, seconds, decode_steps = run_closed_loop(engine, prompts, sps, concurrency)
     after = engine.stats()
-    tpots = [t for t in map(_tpot, outs) if t is not None]
+    tpots = [t for t in map(tpot, outs) if t is not None]
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "tpot_p50_ms": percentile(tpots, 50) * 1e3,
