@@ -34,7 +34,10 @@ _OPTION_HELP = {
     "compile": "torch.compile the model (first steps compile; cached on disk)",
     "speculative_method": "speculative decoding: where draft tokens come from (ngram: "
     "prompt lookup over the prompt and the output so far; suffix: the longest earlier "
-    "match in the request and in earlier requests' prompts and outputs; default: off)",
+    "match in the request and in earlier requests' prompts and outputs; draft: a smaller "
+    "model, --speculative-model; default: off)",
+    "speculative_model": "the draft model of --speculative-method draft (implies it): an "
+    "alias, .gguf file or Hugging Face directory with the target's tokenizer",
     "num_speculative_tokens": "at most this many draft tokens verified per request and "
     "step (default: 4); fewer, or none, where the cost model says they would not pay",
     "chat_template": "a Jinja chat template to use instead of the model's: a file, the "

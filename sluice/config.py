@@ -149,6 +149,10 @@ class EngineConfig:
     # they would not pay; see sluice/engine/speculative/speculator.py).
     speculative_method: SpeculativeMethod | None = None
     num_speculative_tokens: int = 4
+    # The draft model of speculative_method="draft" (an alias, .gguf or HF directory
+    # like `model`); it must share the target's tokenizer. Giving it alone implies
+    # speculative_method="draft".
+    speculative_model: str | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -187,16 +191,38 @@ class EngineConfig:
             )
 
     def _check_speculation(self) -> None:
+        if self.speculative_method is None and self.speculative_model is not None:
+            self.speculative_method = "draft"
         if self.speculative_method is not None:
             self.speculative_method = parse_choice(
                 "speculative_method", self.speculative_method, SPECULATIVE_METHODS, ConfigError
             )
+        self._check_speculative_model()
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(
                 "num_speculative_tokens",
                 f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, "
                 f"got {k!r}",
+            )
+
+    def _check_speculative_model(self) -> None:
+        model = self.speculative_model
+        if model is not None and (not isinstance(model, str) or not model.strip()):
+            raise ConfigError(
+                "speculative_model", f"speculative_model must be a model name, got {model!r}"
+            )
+        if self.speculative_method == "draft" and model is None:
+            raise ConfigError(
+                "speculative_model",
+                "speculative_method='draft' needs speculative_model (the draft model: an "
+                "alias, a .gguf file or a Hugging Face directory)",
+            )
+        if self.speculative_method != "draft" and model is not None:
+            raise ConfigError(
+                "speculative_model",
+                f"speculative_model is for speculative_method='draft', not "
+                f"{self.speculative_method!r}",
             )
 
     @classmethod

@@ -49,8 +49,9 @@ CpuIsa = Literal["generic", "avx2", "avx512", "amx"]
 CPU_ISAS: tuple[CpuIsa, ...] = get_args(CpuIsa)
 
 # Where draft tokens for speculative decoding come from ("ngram": prompt lookup;
-# "suffix": longest matches in the request and in earlier requests).
-SpeculativeMethod = Literal["ngram", "suffix"]
+# "suffix": longest matches in the request and in earlier requests; "draft": a smaller
+# model with the same tokenizer, EngineConfig.speculative_model).
+SpeculativeMethod = Literal["ngram", "suffix", "draft"]
 SPECULATIVE_METHODS: tuple[SpeculativeMethod, ...] = get_args(SpeculativeMethod)
 
 LogLevel = Literal["debug", "info", "warning", "error"]

@@ -19,6 +19,12 @@ from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.output import SequenceOutputState
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.engine.speculative import Speculator
+from sluice.engine.speculative.draft_load import (
+    DraftModel,
+    build_draft_proposer,
+    load_draft_model,
+)
+from sluice.engine.speculative.draft_model import DraftModelProposer
 from sluice.engine.speculative.step_costs import StepCostMeasurement, load_or_measure
 from sluice.kernels import large_allocations_mapped
 from sluice.loader import load_model, resolve_chat_template
@@ -37,6 +43,18 @@ def _file_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _num_kv_blocks(config: EngineConfig, per_block: int) -> int:
+    """How many blocks of `per_block` bytes (the K and V of every layer; a draft
+    model's too) kv_cache_memory holds."""
+    num_blocks = int(config.kv_cache_memory * 2**30) // per_block
+    if num_blocks < 2:
+        raise ValueError(
+            f"kv_cache_memory={config.kv_cache_memory} GiB holds fewer than 2 blocks "
+            f"of {config.block_size} tokens ({per_block} bytes each)"
+        )
+    return num_blocks
 
 
 @dataclass
@@ -114,6 +132,7 @@ class LLMEngine:
         key = {
             "model": str(path.resolve()),
             "size": path.stat().st_size if path.is_file() else 0,
+            "draft_model": config.speculative_model,
             "dtype": str(self.dtype),
             "quantization": self.quantization,
             "kernels": self.cpu_kernels,
@@ -122,12 +141,17 @@ class LLMEngine:
             "block_size": config.block_size,
             "max_drafts": config.num_speculative_tokens,
         }
+        draft = (self.draft.runner, self.draft.kv) if self.draft else None
         measurement = StepCostMeasurement(
-            self.runner, self.kv, self.sampler, config.num_speculative_tokens
+            self.runner, self.kv, self.sampler, config.num_speculative_tokens, draft
         )
         costs = load_or_measure(key, measurement)
         return Speculator(
-            config.speculative_method, config.num_speculative_tokens, self.max_model_len, costs
+            config.speculative_method,
+            config.num_speculative_tokens,
+            self.max_model_len,
+            costs,
+            proposer=self.draft,
         )
 
     def _load(self, config: EngineConfig, device: torch.device) -> tuple[ModelConfig, int]:
@@ -146,12 +170,13 @@ class LLMEngine:
             config.quantization, device, self.dtype, loaded.quantized, config.dtype
         )
         per_block = kv_bytes_per_block(mc, config.block_size, self.dtype)
-        num_blocks = int(config.kv_cache_memory * 2**30) // per_block
-        if num_blocks < 2:
-            raise ValueError(
-                f"kv_cache_memory={config.kv_cache_memory} GiB holds fewer than 2 blocks "
-                f"of {config.block_size} tokens ({per_block} bytes each)"
-            )
+        # A draft model is loaded (and checked against the tokenizer) before anything is
+        # built; its KV pool gets as many blocks as the target's, from the same memory.
+        draft: DraftModel | None = None
+        if config.speculative_method == "draft":
+            draft = load_draft_model(config, loaded, self.dtype, device)
+            per_block += draft.kv_bytes_per_block(config.block_size, self.dtype)
+        num_blocks = _num_kv_blocks(config, per_block)
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, num_blocks * config.block_size
         )
@@ -169,6 +194,11 @@ class LLMEngine:
             config.compile,
         )
         del loaded
+        self.draft: DraftModelProposer | None = None
+        if draft is not None:
+            self.draft = build_draft_proposer(
+                draft, config, mc, self.dtype, device, num_blocks, self.max_model_len
+            )
         gc.collect()
         return mc, num_blocks
 
@@ -275,6 +305,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        self._release_drafts(sched.preempted)
         if not sched:
             return []
         try:
@@ -293,6 +324,7 @@ class LLMEngine:
         recomputed, so nothing reads what it left. The caller may abort them or step again."""
         self.kv.forget_uncommitted_names()
         self.scheduler.requeue([req for req, _ in sched.scheduled])
+        self._release_drafts([req for req, _ in sched.scheduled])
 
     def _run_step(self, sched: SchedulerOutput) -> list[RequestOutput]:
         now = time.monotonic()
@@ -430,6 +462,13 @@ class LLMEngine:
             self.speculator.finish(req)
 
     # ---- helpers -------------------------------------------------------------------
+
+    def _release_drafts(self, requests: list[Request]) -> None:
+        """Requests whose KV was dropped to be recomputed (preempted, requeued) drop
+        their proposer state too: a draft model's blocks go back to its pool."""
+        if self.speculator is not None:
+            for req in requests:
+                self.speculator.release(req)
 
     def _stop_token_ids(self, p: SamplingParams) -> list[int]:
         ids = list(p.stop_token_ids or [])
@@ -580,6 +619,10 @@ class LLMEngine:
             "spec_verify_steps": steps,
             "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
             "spec_mean_accepted_length": emitted / steps if steps else 0.0,
+            # The draft model's KV pool (0 without one) and its forward passes.
+            "spec_draft_kv_total_blocks": self.draft.kv.pool.num_blocks if self.draft else 0,
+            "spec_draft_kv_free_blocks": self.draft.kv.num_free_blocks if self.draft else 0,
+            "spec_draft_forwards": self.draft.num_forwards if self.draft else 0,
         }
 
     def reset_prefix_cache(self) -> int:

@@ -79,3 +79,9 @@ class NgramProposer:
 
     def finish(self, req: Request) -> None:
         self._index.pop(req, None)
+
+    def verified(self, req: Request) -> None:
+        """Nothing to do: the index catches up with new tokens at the next lookup."""
+
+    def release(self, req: Request) -> None:
+        """Nothing to do: the request's tokens, and so its index, stay."""

@@ -14,6 +14,11 @@ step (B tokens per step): in particular never with more decode rows than the tab
 measured (compute-bound batches), nor where drafts cost what they could yield. k is
 capped by num_speculative_tokens and by each request's max_tokens.
 
+A draft model's drafts cost its forward passes on top (k passes over the m drafting
+rows, the first also catching up on the tokens the target added): the same table holds
+them, measured with both models (StepCosts.draft_cost), so a slow or weak draft model
+is simply not used.
+
 a is the request's running acceptance: accepted drafts over drafts tested (up to the
 first rejection of each step), in counts that decay each step, plus a prior of 0.8
 worth one trial. A request whose drafts keep failing stops drafting; as its counts
@@ -43,11 +48,13 @@ _PRIOR_TRIALS = 1.0
 
 
 def make_proposer(method: SpeculativeMethod) -> Proposer:
+    """The proposers that need nothing but their method (a draft model is loaded and
+    passed in by the engine)."""
     if method == "ngram":
         return NgramProposer()
     if method == "suffix":
         return SuffixProposer()
-    raise ValueError(f"unknown speculative method {method!r}")
+    raise ValueError(f"speculative method {method!r} needs its proposer passed in")
 
 
 def extra_tokens(acceptance: float, k: int) -> float:
@@ -75,7 +82,8 @@ def plan_drafts(rates: Sequence[float], room: Sequence[int], costs: StepCosts) -
         gain = 0.0
         for m, i in enumerate(order, 1):
             gain += extra_tokens(rates[i], min(k, room[i]))
-            value = (rows + gain) / (1.0 + extra_time * m / rows)
+            step_time = 1.0 + extra_time * m / rows + costs.draft_cost(rows, m, k)
+            value = (rows + gain) / step_time
             if value > best:
                 best = value
                 plan = [0] * rows
@@ -109,8 +117,11 @@ class Speculator:
         num_speculative_tokens: int,
         max_model_len: int,
         costs: StepCosts,
+        proposer: Proposer | None = None,
     ) -> None:
-        self.proposer = make_proposer(method)
+        """proposer: the draft source (made from `method` when not given: the engine
+        loads a draft model and passes it in)."""
+        self.proposer = proposer if proposer is not None else make_proposer(method)
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.costs = costs
@@ -157,6 +168,13 @@ class Speculator:
         if acc is not None:
             acc.accepted += num_accepted
             acc.trials += num_accepted + int(num_accepted < num_drafts)
+        self.proposer.verified(req)
+
+    def release(self, req: Request) -> None:
+        """The request was preempted or requeued (its KV is to be recomputed): the
+        proposer drops its per-request state (a draft model's KV); its acceptance
+        counts stay."""
+        self.proposer.release(req)
 
     def finish(self, req: Request) -> None:
         """The engine retired the request: the proposer may learn from its tokens."""

@@ -203,6 +203,12 @@ class SuffixProposer:
         self._own.clear()
         self.store = SuffixStore(self.store.max_tokens, STORE_ANCHORS, self.cap)
 
+    def verified(self, req: Request) -> None:
+        """Nothing to do: the own index catches up at the next lookup."""
+
+    def release(self, req: Request) -> None:
+        """Nothing to do: the request's tokens, and so its own index, stay."""
+
     def _own_index(self, req: Request) -> AnchorIndex:
         """The request's index, extended by the tokens added since the last step."""
         own = self._own.get(req)
