@@ -41,6 +41,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import gzip  # noqa: E402
 import inspect  # noqa: E402
 import itertools  # noqa: E402
@@ -342,7 +343,9 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
         "step_costs": {
-            m: e.engine.speculator.costs.rel for m, e in engines.items() if e.engine.speculator
+            m: dataclasses.asdict(e.engine.speculator.costs)
+            for m, e in engines.items()
+            if e.engine.speculator
         },
         "levels": results,
     }
