@@ -479,7 +479,9 @@ def _structured(results: Sequence[Result]) -> str:
 
 
 def _speculative(results: Sequence[Result]) -> str:
-    """Per workload and level, each side's output tok/s against `off` (issue 14)."""
+    """Per workload and level, each side's output tok/s against `off` and its time per
+    output token after the first (where prefill dominates tok/s, TPOT shows the
+    decode gain) (issue 14)."""
     rows = []
     for name, d in results:
         model = d["model"] + (f" (draft {d['draft_model']})" if d.get("draft_model") else "")
@@ -494,6 +496,7 @@ def _speculative(results: Sequence[Result]) -> str:
                         side,
                         _spread(cmp, side, "tok_s"),
                         "1.00×" if side == "off" else _ratio(_rmed(cmp, side, "tok_s")),
+                        _spread(cmp, side, "tpot_p50_ms", digits=1),
                         _spread(cmp, side, "acceptance", digits=2),
                         _spread(cmp, side, "tokens_per_verify", digits=2),
                         _spread(cmp, side, "same_tokens", digits=2),
@@ -505,6 +508,7 @@ def _speculative(results: Sequence[Result]) -> str:
         "side",
         "output tok/s",
         "vs off",
+        "TPOT p50 ms",
         "acceptance",
         "tokens / verify",
         "same tokens",
