@@ -180,6 +180,7 @@ class ModelRunner:
                 visible = positions[:num_rows] + 1
                 mask = torch.arange(nb * bs) < visible[:, None]
                 meta.row_mask = mask[:, None, None, :].to(dev)
+                meta.row_positions = positions[:num_rows].to(dev)
         for i in range(num_small, n_req):
             start, n = starts_l[i], lens_l[i]
             span = PrefillSpan(q_start=offsets[i], q_len=n)
