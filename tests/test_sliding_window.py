@@ -132,3 +132,23 @@ def test_prefix_cache_hit_matches_transformers(model_dir: tuple[str, Path, Any])
     out = llm.generate([second], sp, use_tqdm=False)[0]
     assert llm.engine.kv.num_hit_tokens >= 48
     assert out.outputs[0].token_ids == reference(model, second, 20)
+
+
+def test_blocks_held_follow_the_window(model_dir: tuple[str, Path, Any]) -> None:
+    """Mistral (every layer windowed) holds only the blocks its window still sees;
+    Gemma 3 (global layers read everything) keeps the whole sequence."""
+    kind, directory, _ = model_dir
+    llm = LLM(model=str(directory), dtype="float32", kv_cache_memory=0.02, block_size=4)
+    engine = llm.engine
+    engine.add_request("long", prompts()[2], SamplingParams(temperature=0, max_tokens=60))
+    most = 0  # blocks held while decoding (the 61-token prompt is one chunk)
+    while engine.has_unfinished_requests():
+        engine.step()
+        for req in engine.scheduler.running:
+            if req.num_computed_tokens > 61:
+                most = max(most, engine.kv.num_held_blocks(req))
+    if kind == "mistral":
+        # The window's 16 positions span at most 5 blocks, plus one being filled.
+        assert engine.kv.window == WINDOW and most <= 6
+    else:
+        assert engine.kv.window is None and most >= (61 + 59) // 4

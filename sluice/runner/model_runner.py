@@ -153,10 +153,12 @@ class ModelRunner:
         positions = starts[req_of_token] + torch.arange(num_tokens) - cu[:-1][req_of_token]
 
         max_blocks = max(len(r.block_ids) for r, _ in scheduled)
+        # Blocks a sliding window has released (-1) read as block 0: no attention path
+        # reads a position before its window, and the gathers need a valid index.
         table = torch.tensor(
             [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in scheduled],
             dtype=torch.long,
-        )
+        ).clamp_(min=0)
         slot_mapping = table[req_of_token, positions // bs] * bs + positions % bs
 
         # Requests computing few tokens (decodes, short chunks after a prefix-cache hit,
