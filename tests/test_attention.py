@@ -53,9 +53,9 @@ def attention_kernel(request: pytest.FixtureRequest) -> Iterator[Library | None]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# 64 and 128 take the kernel's vectorized math at the avx2 and avx512 levels; 32 the
+# 64, 128 and 256 take the kernel's vectorized math at the avx2 and avx512 levels; 32 the
 # generic loops (the generic level has only those).
-@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
 # Sliding windows (with a score scale of their own, as Gemma's): 4 cuts into every
 # context, mid-block; 9 leaves the shortest ones whole.
 @pytest.mark.parametrize(("window", "scale"), [(None, None), (4, 0.3), (9, None)])
@@ -68,7 +68,7 @@ def test_paged_attention_matches_dense(
 ) -> None:
     kernel = attention_kernel
     if kernel is not None:
-        vectorized = kernels.built_level(kernel) != "generic" and d in (64, 128)
+        vectorized = kernels.built_level(kernel) != "generic" and d in (64, 128, 256)
         assert paged.vectorized(kernel, d) == vectorized
     torch.manual_seed(0)
     heads, kv_heads, bs, num_blocks = 6, 2, 4, 64

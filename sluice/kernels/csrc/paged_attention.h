@@ -104,7 +104,7 @@ struct GenericMath {
 };
 
 #if defined(SLUICE_ISA_AVX512)
-// AVX-512 math for the common head sizes (64, 128): dot products, the weighted sum and
+// AVX-512 math for the common head sizes (64, 128, 256): dot products, the weighted sum and
 // exp run 16 lanes at a time. The generic loops leave dot products and exp scalar,
 // which made the kernel compute bound far below memory bandwidth.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -174,7 +174,7 @@ struct Avx512Math {
 template <int D>
 using VecMath = Avx512Math<D>;
 #elif defined(SLUICE_ISA_AVX2)
-// AVX2 math for the common head sizes (64, 128): the AVX-512 policy at 8 lanes. exp has
+// AVX2 math for the common head sizes (64, 128, 256): the AVX-512 policy at 8 lanes. exp has
 // no vscalefps here: 2^n is built from n's bits in the exponent field.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
@@ -340,7 +340,7 @@ void attend_tasks(const Math& math, const T* q, const T* k_cache, const T* v_cac
 // The head sizes this level's vectorized math covers; the rest take GenericMath.
 inline bool vectorized_head_dim(int head_dim) {
 #if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
-  return head_dim == 64 || head_dim == 128;
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
 #else
   (void)head_dim;
   return false;
@@ -359,6 +359,9 @@ void attend_tasks(const T* q, const T* k, const T* v, const int64_t* bt, int64_t
                         num_heads, num_kv_heads, block_size, scale, q_stride, window);
   if (head_dim == 128)
     return attend_tasks(VecMath<128>{}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
+                        num_heads, num_kv_heads, block_size, scale, q_stride, window);
+  if (head_dim == 256)  // Gemma 3
+    return attend_tasks(VecMath<256>{}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
                         num_heads, num_kv_heads, block_size, scale, q_stride, window);
 #endif
   attend_tasks(GenericMath{head_dim}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
