@@ -71,16 +71,16 @@ def model_dir(
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind](), dtype=torch.float32)
     model.eval()
-    if kind == "gemma3":
-        with torch.no_grad():
-            # Norms start at 0 (scale 1): make the (1 + weight) form matter.
+    with torch.no_grad():
+        if kind == "gemma3":  # norms start at 0 (scale 1): make (1 + weight) matter
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.normal_(0, 0.3)
-            # A smaller embedding, so that the scaled token embedding does not drown
-            # the attention output in the residual stream (without this the greedy
-            # tokens came out the same with the window switched off).
-            model.model.embed_tokens.weight.mul_(0.1)
+        # A smaller embedding, so that the token's own embedding does not drown the
+        # attention output in the residual stream: without it, Gemma's greedy tokens
+        # came out the same with the window switched off, and Mistral never repeated
+        # itself (nothing for the speculative test's n-gram proposer to draft).
+        model.model.embed_tokens.weight.mul_(0.1)
     model.save_pretrained(directory)
     tokenizer_from_gguf(smollm2_path).save(directory)
     return kind, directory, model
@@ -152,3 +152,40 @@ def test_blocks_held_follow_the_window(model_dir: tuple[str, Path, Any]) -> None
         assert engine.kv.window == WINDOW and most <= 6
     else:
         assert engine.kv.window is None and most >= (61 + 59) // 4
+
+
+def test_speculative_decoding_matches_transformers(
+    model_dir: tuple[str, Path, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verifying drafts (several queries a sequence in the paged kernel, each with its
+    own window) and rolling back rejected ones, with blocks released behind the window.
+    The drafts are transformers' own next tokens with the last one wrong, so every
+    verification accepts some and rejects one (a random model gives an n-gram
+    proposer nothing to draft)."""
+    _, directory, model = model_dir
+    llm = LLM(
+        model=str(directory),
+        dtype="float32",
+        kv_cache_memory=0.02,
+        block_size=4,
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+    )
+    ids = prompts()[2]
+    ref = reference(model, ids, 60)
+
+    def propose(requests: list[Any], num_tokens: list[int]) -> list[list[int]]:
+        drafts = []
+        for req, k in zip(requests, num_tokens, strict=True):
+            done = req.num_output_tokens
+            run = ref[done : done + k]
+            drafts.append([*run[:-1], (run[-1] + 1) % 49152] if run else [])
+        return drafts
+
+    assert llm.engine.speculator is not None
+    monkeypatch.setattr(llm.engine.speculator.proposer, "propose", propose)
+    sp = SamplingParams(temperature=0, max_tokens=60, min_tokens=60)
+    out = llm.generate([ids], sp, use_tqdm=False)[0]
+    stats = llm.engine.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
+    assert out.outputs[0].token_ids == ref
