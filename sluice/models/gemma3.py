@@ -82,14 +82,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         assert self.rotary is not None and self.local_rotary is not None, "init_rotary() first"
-        rotary = {None: self.rotary.lookup(positions)}
-        local = self.local_rotary.lookup(positions)
+        global_rope = self.rotary.lookup(positions)
+        local_rope = self.local_rotary.lookup(positions)
         h = self.embed_tokens(input_ids)
         # transformers multiplies by the scale cast to the weights' dtype; so do we.
         h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype, device=h.device)
         residual: torch.Tensor | None = None
         for layer in self.layers:
-            cos, sin = local if layer.self_attn.window is not None else rotary[None]
+            cos, sin = local_rope if layer.self_attn.window is not None else global_rope
             h, residual = layer(h, residual, cos, sin)
         out: torch.Tensor = h if residual is None else h + residual
         return out
