@@ -5,6 +5,7 @@ load and run. Slow (transformers' GGUF load takes ~45 s): `make test-slow`."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,31 @@ def test_quantized_weights_load_and_agree(gemma_fp32: LLM, hf_gemma: tuple[Any, 
     ids = tokenizer(SHORT[0])["input_ids"]
     first = llm.generate([ids], sp, use_tqdm=False)[0].outputs[0].token_ids
     assert first[:2] == reference(hf_gemma, ids, 2)
+
+
+def test_hf_directory_matches_transformers(
+    hf_gemma: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The same model saved by transformers as an HF directory (safetensors, norms as
+    offsets from 1, Gemma3TextConfig) loads too and decodes the same tokens."""
+    from safetensors.torch import save_file
+
+    model, tokenizer = hf_gemma
+    directory = tmp_path_factory.mktemp("gemma-hf")
+    # transformers will not save_pretrained a model it loaded from a GGUF: write the
+    # same files by hand (the tied output head is the embedding, saved once).
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(weights, directory / "model.safetensors")
+    config = model.config.to_dict()
+    config["architectures"] = ["Gemma3ForCausalLM"]
+    config.pop("quantization_config", None)
+    (directory / "config.json").write_text(json.dumps(config))
+    tokenizer.save_pretrained(directory)
+    llm = LLM(model=str(directory), dtype="float32", kv_cache_memory=0.25)
+    c = llm.engine.model_config
+    assert (c.architecture, c.sliding_window, c.rope_local_theta) == ("gemma3", 512, 10_000.0)
+    assert c.sliding_window_layers == tuple(i for i in range(18) if (i + 1) % 6)
+    ids = tokenizer(SHORT[1])["input_ids"]
+    sp = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
+    out = llm.generate([ids], sp, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference(hf_gemma, ids)
