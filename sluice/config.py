@@ -51,6 +51,18 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     hidden_act: str = "silu"
     name: str = "model"
+    # Sliding-window attention: a query sees its last `sliding_window` positions
+    # (itself included) in the layers listed in `sliding_window_layers`, or in every
+    # layer where that is None (Mistral). Gemma 3 interleaves local and global layers.
+    sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] | None = None
+    # Rope base of the windowed layers where it differs from rope_theta (Gemma 3's
+    # local layers: 10k, global ones 1M); rope_scaling applies to the global ones only.
+    rope_local_theta: float | None = None
+    # Scores scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 (Gemma).
+    query_pre_attn_scalar: float | None = None
+    # Logits become cap * tanh(logits / cap) (Gemma 2 and 3 configs may set it).
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -59,6 +71,35 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool)
+            or not isinstance(self.sliding_window, int)
+            or self.sliding_window < 1
+        ):
+            raise ValueError(
+                f"sliding_window must be a positive integer or None, got {self.sliding_window!r}"
+            )
+        for i in self.sliding_window_layers or ():
+            if not 0 <= i < self.num_layers:
+                raise ValueError(
+                    f"sliding_window_layers lists layer {i}; the model has {self.num_layers}"
+                )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None where it attends to the whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is None or layer in self.sliding_window_layers:
+            return self.sliding_window
+        return None
+
+    def kv_window(self) -> int | None:
+        """The window of the KV cache as a whole: the largest layer window where every
+        layer has one (no position before it is ever read again), else None."""
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
 
 
 def check_architecture(arch: object) -> Architecture:

@@ -15,16 +15,27 @@ from sluice.kernels import attention as paged
 from tests.conftest import LEVELS, kernels_at
 
 
-def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [n, heads, d] attending over k/v [ctx, kv_heads, d], last n positions, causal."""
+def dense_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """q [n, heads, d] attending over k/v [ctx, kv_heads, d], last n positions, causal;
+    with a window, each query sees only its last `window` positions."""
     n, ctx = q.shape[0], k.shape[0]
-    mask = torch.arange(ctx)[None, :] <= (ctx - n + torch.arange(n))[:, None]
+    qpos = (ctx - n + torch.arange(n))[:, None]
+    mask = torch.arange(ctx)[None, :] <= qpos
+    if window is not None:
+        mask &= torch.arange(ctx)[None, :] > qpos - window
     out = F.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None],
         k.float().transpose(0, 1)[None],
         v.float().transpose(0, 1)[None],
         attn_mask=mask,
         enable_gqa=True,
+        scale=scale,
     )
     return out[0].transpose(0, 1)
 
@@ -42,15 +53,22 @@ def attention_kernel(request: pytest.FixtureRequest) -> Iterator[Library | None]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# 64 and 128 take the kernel's vectorized math at the avx2 and avx512 levels; 32 the
+# 64, 128 and 256 take the kernel's vectorized math at the avx2 and avx512 levels; 32 the
 # generic loops (the generic level has only those).
-@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+# Sliding windows (with a score scale of their own, as Gemma's): 4 cuts into every
+# context, mid-block; 9 leaves the shortest ones whole.
+@pytest.mark.parametrize(("window", "scale"), [(None, None), (4, 0.3), (9, None)])
 def test_paged_attention_matches_dense(
-    dtype: torch.dtype, attention_kernel: Library | None, d: int
+    dtype: torch.dtype,
+    attention_kernel: Library | None,
+    d: int,
+    window: int | None,
+    scale: float | None,
 ) -> None:
     kernel = attention_kernel
     if kernel is not None:
-        vectorized = kernels.built_level(kernel) != "generic" and d in (64, 128)
+        vectorized = kernels.built_level(kernel) != "generic" and d in (64, 128, 256)
         assert paged.vectorized(kernel, d) == vectorized
     torch.manual_seed(0)
     heads, kv_heads, bs, num_blocks = 6, 2, 4, 64
@@ -74,6 +92,16 @@ def test_paged_attention_matches_dense(
         blocks, offsets = slots_old // bs, slots_old % bs
         k_cache[blocks, :, offsets] = full_k[i][: c - new[i]]
         v_cache[blocks, :, offsets] = full_v[i][: c - new[i]]
+    if window is not None:
+        # Positions no query sees hold poison: a path that read them would show it
+        # (NaN for the kernel, which must not read them at all; a masked-out value for
+        # the padded torch path, which reads and masks).
+        poison = float("nan") if kernel is not None else 1e4
+        for i, c in enumerate(ctxs):
+            hidden = range(max(0, c - new[i] - window + 1))
+            gone = torch.tensor(slots(i, hidden), dtype=torch.long)
+            k_cache[gone // bs, :, gone % bs] = poison
+            v_cache[gone // bs, :, gone % bs] = poison
     q = torch.randn(sum(new), heads, d, dtype=dtype)
     k = torch.cat([fk[-n:] for fk, n in zip(full_k, new, strict=True)])
     v = torch.cat([fv[-n:] for fv, n in zip(full_v, new, strict=True)])
@@ -92,6 +120,7 @@ def test_paged_attention_matches_dense(
         small_ctx_end=torch.tensor(ctxs[:4]),
         row_block_tables=bt[row_of],
         row_mask=(torch.arange(width * bs) < visible[:, None])[:, None, None, :],
+        row_positions=visible - 1,
         prefills=[
             PrefillSpan(
                 q_start=8,
@@ -101,11 +130,12 @@ def test_paged_attention_matches_dense(
             )
         ],
     )
-    out = backend.forward(q, k, v, k_cache, v_cache, meta)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, window=window, scale=scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     starts = [0, 1, 2, 3, 8]
     for i in range(5):
-        ref = dense_reference(q[starts[i] : starts[i] + new[i]], full_k[i], full_v[i])
+        qi = q[starts[i] : starts[i] + new[i]]
+        ref = dense_reference(qi, full_k[i], full_v[i], window, scale)
         got = out[starts[i] : starts[i] + new[i]].float()
         assert torch.allclose(got, ref, atol=tol, rtol=tol), (i, (got - ref).abs().max())
 
@@ -118,3 +148,12 @@ def test_fresh_prefill_uses_causal_attention_on_new_tokens() -> None:
     out = SDPABackend(None).forward(q, k, v, k_cache, torch.zeros_like(k_cache), meta)
     assert torch.allclose(out, dense_reference(q, k, v), atol=1e-5)
     assert torch.equal(k_cache.transpose(1, 2).reshape(-1, 2, 16)[:7], k)  # cache written
+
+
+def test_fresh_prefill_longer_than_the_window_is_masked_to_it() -> None:
+    torch.manual_seed(2)
+    q, k, v = torch.randn(9, 4, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16)
+    k_cache = torch.zeros(4, 2, 4, 16)
+    meta = AttentionMetadata(slot_mapping=torch.arange(9), prefills=[PrefillSpan(0, 9)])
+    out = SDPABackend(None).forward(q, k, v, k_cache, torch.zeros_like(k_cache), meta, window=3)
+    assert torch.allclose(out, dense_reference(q, k, v, window=3), atol=1e-5)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sluice.core.request import Request
-from sluice.engine.kv_cache import BlockPool, KVCacheManager
+from sluice.engine.kv_cache import NO_BLOCK, BlockPool, KVCacheManager
 from sluice.sampling_params import SamplingParams
 
 
@@ -118,3 +118,37 @@ def test_names_are_provisional_until_the_step_commits() -> None:
     kv.free(second)
     assert kv.find_cached_prefix(make_request(list(range(9)), "e")).num_tokens == 8
     assert kv.num_free_blocks == 8
+
+
+def test_window_releases_blocks_no_later_token_can_see() -> None:
+    # Window 6, blocks of 4: computing from position p sees p - 5 on, so block b is
+    # dead once 4 * (b + 1) <= p - 5.
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True, window=6)
+    r = make_request(list(range(30)))
+    assert kv.allocate_slots(r, 13)  # a 13-token chunk: blocks 0-3
+    r.num_computed_tokens = 13
+    full = list(r.block_ids)
+    assert kv.allocate_slots(r, 1)  # position 13 sees 8 on: blocks 0 and 1 go
+    assert r.block_ids[:2] == [NO_BLOCK, NO_BLOCK] and r.block_ids[2:] == full[2:]
+    assert kv.num_free_blocks == 8 - 2 and kv.num_held_blocks(r) == 2
+    # Released blocks keep their names: evictable, still found by a prefix lookup.
+    other = make_request([*range(8), 99])
+    hit = kv.find_cached_prefix(other)
+    assert hit.blocks == full[:2]
+    r.num_computed_tokens = 14
+    assert kv.allocate_slots(r, 15)  # positions 14-28: blocks 4-7 (14 sees 9 on: none go)
+    assert kv.num_held_blocks(r) == 6
+    r.num_computed_tokens = 29
+    assert kv.allocate_slots(r, 1)  # position 29 sees 24 on: blocks 0-5 dead
+    assert r.block_ids[:6] == [NO_BLOCK] * 6 and kv.num_held_blocks(r) == 2
+    kv.free(r)
+    assert kv.num_free_blocks == 8
+
+
+def test_no_window_keeps_every_block() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    r = make_request(list(range(30)))
+    assert kv.allocate_slots(r, 20)
+    r.num_computed_tokens = 20
+    assert kv.allocate_slots(r, 1)
+    assert NO_BLOCK not in r.block_ids and kv.num_held_blocks(r) == 6

@@ -22,6 +22,11 @@ class PrefillSpan:
     # on this step's fresh K/V with a plain causal mask, without touching the cache.
     context_slots: torch.Tensor | None = None  # [ctx_len] cache slots of positions 0..ctx-1
     mask: torch.Tensor | None = None  # [q_len, ctx_len] bool, True = may attend
+    # (slots, mask) of a sliding window's part of the context, by window size, built
+    # at the first layer with that window (see attention/window.py).
+    windowed: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = field(
+        default_factory=dict
+    )
 
 
 @dataclass
@@ -38,9 +43,12 @@ class AttentionMetadata:
     # (uses_row_mask): each row's block table and its visible positions.
     row_block_tables: torch.Tensor | None = None  # [num_small_tokens, max_blocks]
     row_mask: torch.Tensor | None = None  # [num_small_tokens, 1, 1, max_blocks*block_size]
+    row_positions: torch.Tensor | None = None  # [num_small_tokens] each row's position
     prefills: list[PrefillSpan] = field(default_factory=list)
     # Filled in by the backend at the first layer and reused by the others.
     cache_rows: torch.Tensor | None = None
+    # Row masks of sliding windows, by window size (see attention/window.py).
+    window_row_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class AttentionBackend(abc.ABC):
@@ -56,5 +64,7 @@ class AttentionBackend(abc.ABC):
         k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int | None = None,  # each query sees its last `window` positions
+        scale: float | None = None,  # score scale; None: 1/sqrt(head_dim)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write this step's K/V into the cache, then attend for every query token."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sluice.attention import window as windows
 from sluice.attention.backend import AttentionBackend, AttentionMetadata
 from sluice.kernels import Library
 from sluice.kernels import attention as paged
@@ -38,6 +39,8 @@ class SDPABackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         num_kv_heads, block_size, head_dim = k_cache.shape[1:]
         # Every new token's K/V goes into the cache before anyone reads it, so requests
@@ -64,37 +67,37 @@ class SDPABackend(AttentionBackend):
                 meta.small_block_tables,
                 meta.small_query_start,
                 meta.small_ctx_end,
-                q.shape[-1] ** -0.5,
+                q.shape[-1] ** -0.5 if scale is None else scale,
                 out=out[:n],
+                window=window,
             )
         elif n:
             assert meta.row_block_tables is not None
             # Gather whole blocks: [n, max_blocks, kvh, block_size, d] -> [n, kvh, L, d].
             kd = k_cache[meta.row_block_tables].transpose(1, 2).flatten(2, 3)
             vd = v_cache[meta.row_block_tables].transpose(1, 2).flatten(2, 3)
+            mask = meta.row_mask if window is None else windows.row_mask(meta, window)
             od = F.scaled_dot_product_attention(
-                q[:n].unsqueeze(2), kd, vd, attn_mask=meta.row_mask, enable_gqa=True
+                q[:n].unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=True, scale=scale
             )
             out[:n] = od.squeeze(2)
         for span in meta.prefills:
             s, e = span.q_start, span.q_start + span.q_len
             qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
-            if span.context_slots is None:
+            slots, mask = windows.span_context(span, window)
+            if slots is None:
                 kp, vp = k[s:e], v[s:e]
-                causal, mask = True, None
             else:
-                ctx_blocks = span.context_slots // block_size
-                ctx_offsets = span.context_slots % block_size
-                kp = k_cache[ctx_blocks, :, ctx_offsets]  # [ctx, kvh, d]
-                vp = v_cache[ctx_blocks, :, ctx_offsets]
-                causal, mask = False, span.mask
+                kp = k_cache[slots // block_size, :, slots % block_size]  # [ctx, kvh, d]
+                vp = v_cache[slots // block_size, :, slots % block_size]
             op = F.scaled_dot_product_attention(
                 qp,
                 kp.transpose(0, 1).unsqueeze(0),
                 vp.transpose(0, 1).unsqueeze(0),
                 attn_mask=mask,
-                is_causal=causal,
+                is_causal=mask is None,
                 enable_gqa=True,
+                scale=scale,
             )
             out[s:e] = op.squeeze(0).transpose(0, 1)
         return out

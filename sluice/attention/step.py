@@ -1,7 +1,8 @@
 """How a model layer reaches attention: through the step's context, not its arguments.
 
 The runner sets the step's metadata, backend and KV tensors once per forward pass;
-each layer calls `attend(q, k, v, layer_index)`. Keeping them out of the model's
+each layer calls `attend(q, k, v, layer_index)` (with its sliding window and its score
+scale where the model has them). Keeping them out of the model's
 arguments is what lets `torch.compile` trace the model once for every batch layout:
 under compilation the call goes through an opaque custom op, so the compiler fuses
 everything around attention and never looks inside (block tables, per-request spans
@@ -39,29 +40,60 @@ def step_context(ctx: StepContext) -> Iterator[None]:
         _current = previous
 
 
-def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+def _run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    window: int | None,
+    scale: float | None,
+) -> torch.Tensor:
     ctx = _current
     if ctx is None:
         raise RuntimeError("attention called outside a step (use step_context)")
     k_cache, v_cache = ctx.kv_caches[layer]
-    return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta)
+    return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, window=window, scale=scale)
 
 
 # No mutated arguments as far as the compiler knows: the cache it writes is reached
 # through the context, so no functionalization copies of the pool are ever made.
 @torch.library.custom_op("sluice::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    return _run(q, k, v, layer)
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    window: int | None,
+    scale: float | None,
+) -> torch.Tensor:
+    return _run(q, k, v, layer, window, scale)
 
 
 @_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    window: int | None,
+    scale: float | None,
+) -> torch.Tensor:
     return torch.empty_like(q)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """Write this step's K/V for `layer` into the cache and attend; [T, heads, head_dim]."""
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    window: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Write this step's K/V for `layer` into the cache and attend; [T, heads, head_dim].
+
+    window: a sliding window (each query sees its last `window` positions), None for
+    full causal attention. scale: the score scale, None for 1/sqrt(head_dim)."""
     if torch.compiler.is_compiling():
-        out: torch.Tensor = _attention_op(q, k, v, layer)
+        out: torch.Tensor = _attention_op(q, k, v, layer, window, scale)
         return out
-    return _run(q, k, v, layer)  # eager: skip the custom op's dispatch cost
+    return _run(q, k, v, layer, window, scale)  # eager: skip the custom op's dispatch cost

@@ -29,7 +29,7 @@ WeightQuantization = Literal["none", "int8", "int4", "gguf"]
 WEIGHT_QUANTIZATIONS: tuple[WeightQuantization, ...] = get_args(WeightQuantization)
 
 # Decoder families sluice implements (ModelConfig.architecture): one decoder, flags apart.
-Architecture = Literal["llama", "qwen2", "qwen3"]
+Architecture = Literal["llama", "qwen2", "qwen3", "gemma3"]
 ARCHITECTURES: tuple[Architecture, ...] = get_args(Architecture)
 
 SchedulingPolicy = Literal["fcfs", "priority"]

@@ -180,7 +180,9 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, num_blocks * config.block_size
         )
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, mc.kv_window()
+        )
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.runner = ModelRunner(
             mc,
@@ -479,8 +481,10 @@ class LLMEngine:
     def _track_waste(self) -> None:
         bs = self.config.block_size
         for req in self.scheduler.running:
-            self.waste.allocated_slots += len(req.block_ids) * bs
-            self.waste.used_slots += req.num_computed_tokens
+            held = self.kv.num_held_blocks(req)
+            released = len(req.block_ids) - held  # by a sliding window
+            self.waste.allocated_slots += held * bs
+            self.waste.used_slots += req.num_computed_tokens - released * bs
 
     def _add_logprobs(
         self, req: Request, tok: int, lp: tuple[float, int, list[int], list[float]]

@@ -10,6 +10,12 @@ scheduled, so that requests admitted in the same step can share it, but the name
 provisional until the step that writes its KV has finished: the engine then calls
 `commit_names`, or `forget_uncommitted_names` if the step failed, so a block whose KV
 was never written is never served.
+
+With a sliding window on every layer (`window`), a block wholly before the window of
+the next token a request computes is never read again: it is released as the request
+moves on (dropping its reference, so a named block stays in the prefix cache, evictable,
+like the blocks of a finished request), and its entry in the request's block table
+becomes NO_BLOCK, which the runner and the attention paths never read.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from dataclasses import dataclass
 
 from sluice.core.request import Request
 from sluice.engine.prefix_cache import extend_block_hashes
+
+# A released block's place in a request's block table (see the module docstring).
+NO_BLOCK = -1
 
 
 class BlockPool:
@@ -60,16 +69,22 @@ class BlockPool:
             self.num_evictions += 1
 
     def touch(self, blocks: list[int]) -> None:
-        """Take a reference on blocks found in the cache (reviving free ones)."""
+        """Take a reference on blocks found in the cache (reviving free ones); NO_BLOCK
+        entries are skipped."""
         for block in blocks:
+            if block == NO_BLOCK:
+                continue
             if self.ref_counts[block] == 0:
                 del self.free_queue[block]
             self.ref_counts[block] += 1
 
     def free(self, blocks: list[int]) -> None:
-        """Drop one reference each. Pass a request's blocks tail first: the tail of a
-        sequence is the least likely to be shared again, so it should be evicted first."""
+        """Drop one reference each (NO_BLOCK entries are skipped). Pass a request's
+        blocks tail first: the tail of a sequence is the least likely to be shared
+        again, so it should be evicted first."""
         for block in blocks:
+            if block == NO_BLOCK:
+                continue
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} freed twice"
             if self.ref_counts[block] == 0:
@@ -115,9 +130,18 @@ class CacheHit:
 class KVCacheManager:
     """Allocates, shares (prefix cache, forks with copy-on-write) and frees blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        window: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Every layer's sliding window (ModelConfig.kv_window): blocks before it are
+        # released. None where some layer attends to the whole context.
+        self.window = window
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         # Copies the runner must do before the next forward pass: (src, dst) block ids.
         self.pending_copies: list[tuple[int, int]] = []
@@ -163,8 +187,10 @@ class KVCacheManager:
     ) -> bool:
         """Make room for `num_new_tokens` more tokens of `request` in the cache.
 
-        Returns False, changing nothing, when there are not enough free blocks.
+        Returns False, changing nothing (but the release of blocks its window has
+        left), when there are not enough free blocks.
         """
+        self._release_outside_window(request)
         hit_blocks = hit.blocks if hit else []
         # Hit blocks that sit in the free queue stop being free when we take them.
         revived = sum(1 for b in hit_blocks if self.pool.ref_counts[b] == 0)
@@ -189,6 +215,28 @@ class KVCacheManager:
             # tokens the request keeps enter the cache.
             self._cache_full_blocks(request, min(total, request.num_tokens))
         return True
+
+    def _release_outside_window(self, request: Request) -> None:
+        """Drop the blocks no later token can see: the next token computed sits at
+        position num_computed_tokens and sees num_computed_tokens - window + 1 on; the
+        computed count only grows while the request holds blocks (a rollback takes back
+        drafts computed after it, preemption frees everything)."""
+        if self.window is None:
+            return
+        first_visible = request.num_computed_tokens - self.window + 1
+        dead = max(0, first_visible) // self.block_size  # blocks wholly before it
+        ids = request.block_ids
+        released: list[int] = []
+        i = min(dead, len(ids)) - 1
+        while i >= 0 and ids[i] != NO_BLOCK:  # released ones form a prefix of the table
+            released.append(ids[i])
+            ids[i] = NO_BLOCK
+            i -= 1
+        self.pool.free(released)  # the later blocks first, as in free()
+
+    def num_held_blocks(self, request: Request) -> int:
+        """Blocks the request holds a reference on (released ones not counted)."""
+        return sum(1 for b in request.block_ids if b != NO_BLOCK)
 
     def rollback(self, request: Request, num_rejected: int) -> None:
         """Forget the KV of the last `num_rejected` computed tokens (rejected drafts):
@@ -248,7 +296,7 @@ class KVCacheManager:
         num_full = num_tokens // self.block_size
         for i in range(request.num_named_blocks, num_full):
             block = request.block_ids[i]
-            if self.pool.cache_block(block, hashes[i]):
+            if block != NO_BLOCK and self.pool.cache_block(block, hashes[i]):
                 self._uncommitted.append(block)
         request.num_named_blocks = max(request.num_named_blocks, num_full)
 

@@ -9,10 +9,10 @@ import torch
 from sluice.kernels._ffi import FLOAT, INT, INT64, POINTER, Library, c_function, ptr
 
 # q, k_cache, v_cache, block_tables, max_blocks, query_start, ctx_end, out, seqs, heads,
-# kv_heads, head_dim, block_size, scale, q_stride
+# kv_heads, head_dim, block_size, scale, q_stride, window
 _PAGED_ARGS = (
     *(POINTER, POINTER, POINTER, POINTER, INT64, POINTER, POINTER, POINTER),
-    *(INT, INT, INT, INT, INT, FLOAT, INT64),
+    *(INT, INT, INT, INT, INT, FLOAT, INT64, INT64),
 )
 _PAGED_ATTENTION_F32 = c_function("sluice_paged_attention_f32", None, *_PAGED_ARGS)
 _PAGED_ATTENTION_BF16 = c_function("sluice_paged_attention_bf16", None, *_PAGED_ARGS)
@@ -46,6 +46,7 @@ def paged_attention(
     ctx_end: torch.Tensor,  # [S] int64: context length seen by each sequence's last query
     scale: float,
     out: torch.Tensor | None = None,  # [num_queries, heads, d] contiguous, written in place
+    window: int | None = None,  # sliding window: each query sees its last `window` positions
 ) -> torch.Tensor:
     heads, d = q.shape[1], q.shape[2]
     if q.stride(2) != 1 or q.stride(1) != d:
@@ -70,6 +71,7 @@ def paged_attention(
         k_cache.shape[2],
         scale,
         q.stride(0),
+        window or 0,
     )
     return out
 

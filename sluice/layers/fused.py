@@ -78,3 +78,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         # Tensor.__mul__ is typed as returning Any in torch's stubs.
         return cast(torch.Tensor, F.silu(gate) * up)
     return fused_kernels.silu_and_mul(lib, gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up for gate_up = [gate | up] (GeGLU: Gemma).
+    Plain torch ops: no model that runs it is on the fused decode path yet."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return cast(torch.Tensor, F.gelu(gate, approximate="tanh") * up)

@@ -50,6 +50,14 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3 has four norms a layer; llama.cpp calls the pre-MLP one ffn_norm, which is
+# the post-attention norm of the other families.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -97,6 +105,10 @@ def config_from_gguf(meta: GGUFMetadata, name: str = "model") -> ModelConfig:
 
     head_count_kv = meta.get(f"{arch}.attention.head_count_kv")
     key_length = meta.get(f"{arch}.attention.key_length")
+    head_dim = int(key_length) if key_length is not None else hidden // heads
+    extra: dict[str, Any] = {}
+    if arch == "gemma3":
+        extra = _gemma3_fields(meta, int(req("block_count")), hidden // heads, head_dim)
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -105,15 +117,32 @@ def config_from_gguf(meta: GGUFMetadata, name: str = "model") -> ModelConfig:
         num_layers=int(req("block_count")),
         num_heads=heads,
         num_kv_heads=int(head_count_kv) if head_count_kv is not None else heads,
-        head_dim=int(key_length) if key_length is not None else hidden // heads,
+        head_dim=head_dim,
         rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         name=str(meta.get("general.name") or name),
+        **extra,
+    )
+
+
+def _gemma3_fields(
+    meta: GGUFMetadata, num_layers: int, hidden_per_head: int, head_dim: int
+) -> dict[str, Any]:
+    """What a Gemma 3 GGUF leaves to the reader, as llama.cpp and transformers fill it
+    in: every 6th layer global (the others local), local rope base 10k, scores scaled
+    by head_dim ** -0.5 (hidden / heads for the 62-layer 27B), GeGLU, no softcapping."""
+    window = meta.get("gemma3.attention.sliding_window")
+    return dict(
+        sliding_window=int(window) if window is not None else None,
+        sliding_window_layers=tuple(i for i in range(num_layers) if (i + 1) % 6),
+        rope_local_theta=10_000.0,
+        query_pre_attn_scalar=float(hidden_per_head if num_layers == 62 else head_dim),
+        hidden_act="gelu_pytorch_tanh",
     )
 
 
@@ -123,13 +152,14 @@ def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     m = _BLOCK_RE.fullmatch(name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in layer_names:
         return None
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
 Weight = torch.Tensor | QuantizedTensor
@@ -214,7 +244,7 @@ def tensors_from_gguf(
     out: dict[str, Weight] = {}
     with open(path, "rb") as f:
         for entry in entries:
-            name = _hf_name(entry.name)
+            name = _hf_name(entry.name, config.architecture)
             if name is None:
                 raise ValueError(
                     f"unexpected tensor {entry.name!r} in a {config.architecture} GGUF"
@@ -227,6 +257,11 @@ def tensors_from_gguf(
                     weight = _unpermuted(weight, config.num_heads)
                 elif name.endswith("k_proj.weight"):
                     weight = _unpermuted(weight, config.num_kv_heads)
+            elif config.architecture == "gemma3" and name.endswith("norm.weight"):
+                # llama.cpp's converter stores Gemma's norm scales with the 1 added;
+                # the HF convention (and our loader's) is the offset from 1.
+                assert isinstance(weight, torch.Tensor)
+                weight = weight.float() - 1.0
             out[name] = weight
     return out
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from sluice.config import ModelConfig
 from sluice.core.choices import ARCHITECTURES, Architecture
+from sluice.models.gemma3 import Gemma3ForCausalLM
 from sluice.models.llama import LlamaForCausalLM
 
-# Llama, Mistral (no sliding window), Qwen2 (QKV bias) and Qwen3 (QK-norm) share one
-# decoder; the differences are config flags, not separate code paths. A family with a
-# decoder of its own would get its own entry here.
+# Llama, Mistral (sliding window), Qwen2 (QKV bias) and Qwen3 (QK-norm) share one
+# decoder; the differences are config flags, not separate code paths. Gemma 3 has a
+# layer and an embedding of its own (a subclass of the Llama decoder).
 _REGISTRY: dict[Architecture, type[LlamaForCausalLM]] = {
-    arch: LlamaForCausalLM for arch in ARCHITECTURES
+    **{arch: LlamaForCausalLM for arch in ARCHITECTURES},
+    "gemma3": Gemma3ForCausalLM,
 }
 
 
@@ -24,4 +26,4 @@ def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
         ) from None
 
 
-__all__ = ["LlamaForCausalLM", "model_class"]
+__all__ = ["Gemma3ForCausalLM", "LlamaForCausalLM", "model_class"]

@@ -1,4 +1,5 @@
-"""Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2 (QKV bias), Qwen3 (QK-norm).
+"""Llama-family decoder: Llama 2/3, SmolLM, Mistral (sliding window), Qwen2 (QKV bias),
+Qwen3 (QK-norm). Gemma 3 (sluice/models/gemma3.py) reuses its attention and loading.
 
 It runs on the flat ragged batch of a step: tokens [T], positions [T]. Attention is
 reached through the step context (sluice/attention/step.py), which holds the batch
@@ -48,6 +49,9 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.window = config.layer_window(layer_index)
+        scalar = config.query_pre_attn_scalar
+        self.scale = None if scalar is None else float(scalar) ** -0.5
         # q, k and v in one matmul: one weight read, one kernel launch.
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
@@ -69,7 +73,7 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k heads rotate together, in place where fused.
         q, k = fused.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = attend(q, k, v, self.layer_index)
+        out = attend(q, k, v, self.layer_index, self.window, self.scale)
         projected: torch.Tensor = self.o_proj(out.reshape(t, self.q_size))
         return projected
 
@@ -110,17 +114,24 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # What a subclass changes: its MLP's activation, its decoder layer.
+    hidden_acts: tuple[str, ...] = ("silu",)
+    layer_class: type[nn.Module] = DecoderLayer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+        if config.hidden_act not in self.hidden_acts:
+            raise ValueError(
+                f"unsupported hidden_act {config.hidden_act!r} for {config.architecture} "
+                f"(supported: {', '.join(self.hidden_acts)})"
+            )
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         # A ModuleList (it registers the layers), typed as the sequence of DecoderLayers
         # it is: nn.Module's attribute typing would make each item a Tensor | Module.
         self.layers = cast(
             Sequence[DecoderLayer],
-            nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers)),
+            nn.ModuleList(self.layer_class(config, i) for i in range(config.num_layers)),
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
@@ -150,6 +161,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.lm_head(self.norm(hidden))
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
     @torch.no_grad()
@@ -165,29 +179,33 @@ class LlamaForCausalLM(nn.Module):
         else:
             ck.put(self.embed_tokens.weight, embed)
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            att = layer.self_attn
-            ck.put_linear(att.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
-            if att.qkv_proj.bias is not None:  # config.attention_bias
-                biases = [ck.dense(ck.take(p + f"self_attn.{n}_proj.bias")) for n in "qkv"]
-                ck.put(att.qkv_proj.bias, torch.cat(biases))
-            ck.put_linear(att.o_proj, [p + "self_attn.o_proj.weight"])
-            if att.q_norm is not None and att.k_norm is not None:
-                ck.put(att.q_norm.weight, ck.take(p + "self_attn.q_norm.weight"))
-                ck.put(att.k_norm.weight, ck.take(p + "self_attn.k_norm.weight"))
-            mlp = layer.mlp
-            ck.put_linear(mlp.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
-            ck.put_linear(mlp.down_proj, [p + "mlp.down_proj.weight"])
-            ck.put(layer.input_layernorm.weight, ck.take(p + "input_layernorm.weight"))
-            ck.put(
-                layer.post_attention_layernorm.weight,
-                ck.take(p + "post_attention_layernorm.weight"),
-            )
-        ck.put(self.norm.weight, ck.take("model.norm.weight"))
+            self._load_layer(ck, layer, f"model.layers.{i}.")
+        self._put_norm(ck, self.norm, "model.norm.weight")
         self._load_head(ck)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.method.process_weight(module)
+
+    def _load_layer(self, ck: _Checkpoint, layer: DecoderLayer, p: str) -> None:
+        """One decoder layer's weights, names prefixed with `p`."""
+        att = layer.self_attn
+        ck.put_linear(att.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+        if att.qkv_proj.bias is not None:  # config.attention_bias
+            biases = [ck.dense(ck.take(p + f"self_attn.{n}_proj.bias")) for n in "qkv"]
+            ck.put(att.qkv_proj.bias, torch.cat(biases))
+        ck.put_linear(att.o_proj, [p + "self_attn.o_proj.weight"])
+        if att.q_norm is not None and att.k_norm is not None:
+            self._put_norm(ck, att.q_norm, p + "self_attn.q_norm.weight")
+            self._put_norm(ck, att.k_norm, p + "self_attn.k_norm.weight")
+        mlp = layer.mlp
+        ck.put_linear(mlp.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
+        ck.put_linear(mlp.down_proj, [p + "mlp.down_proj.weight"])
+        self._put_norm(ck, layer.input_layernorm, p + "input_layernorm.weight")
+        self._put_norm(ck, layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
+
+    def _put_norm(self, ck: _Checkpoint, norm: RMSNorm, name: str) -> None:
+        """An RMSNorm's weight as the checkpoint stores it (Gemma's norms add 1)."""
+        ck.put(norm.weight, ck.take(name))
 
     def _load_head(self, ck: _Checkpoint) -> None:
         """A separate output weight, or the embedding's (tied: one copy in memory)."""
@@ -220,6 +238,12 @@ class _Checkpoint:
         if name not in self.tensors:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
         return self.tensors.pop(name)
+
+    def dense_float(self, value: Weight) -> torch.Tensor:
+        """The weight as fp32, whatever the model's dtype (for arithmetic at load)."""
+        if isinstance(value, QuantizedTensor):
+            return dequantize(value, torch.float32)
+        return value.float()
 
     def dense(self, value: Weight) -> torch.Tensor:
         if isinstance(value, QuantizedTensor):

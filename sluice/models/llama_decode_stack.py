@@ -177,9 +177,15 @@ class LlamaDecodeStack:
     ) -> LlamaDecodeStack | None:
         """The stack for this model, or None where some part is not on our kernels."""
         lib = kernels.load()
-        if lib is None or not isinstance(model, LlamaForCausalLM):
+        # Llama's own layer only (Gemma's norms and GeGLU are not in the stack), and no
+        # sliding window: the stack's per-layer table holds tensors, not per-layer
+        # scalars such as a window, so windowed models decode layer by layer (whose
+        # paged kernel takes each layer's window).
+        if lib is None or type(model) is not LlamaForCausalLM:
             return None
         c = model.config
+        if any(c.layer_window(i) is not None for i in range(c.num_layers)):
+            return None
         dtype = model.embed_tokens.weight.dtype
         if (
             c.qk_norm

@@ -153,10 +153,12 @@ class ModelRunner:
         positions = starts[req_of_token] + torch.arange(num_tokens) - cu[:-1][req_of_token]
 
         max_blocks = max(len(r.block_ids) for r, _ in scheduled)
+        # Blocks a sliding window has released (-1) read as block 0: no attention path
+        # reads a position before its window, and the gathers need a valid index.
         table = torch.tensor(
             [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in scheduled],
             dtype=torch.long,
-        )
+        ).clamp_(min=0)
         slot_mapping = table[req_of_token, positions // bs] * bs + positions % bs
 
         # Requests computing few tokens (decodes, short chunks after a prefix-cache hit,
@@ -180,6 +182,7 @@ class ModelRunner:
                 visible = positions[:num_rows] + 1
                 mask = torch.arange(nb * bs) < visible[:, None]
                 meta.row_mask = mask[:, None, None, :].to(dev)
+                meta.row_positions = positions[:num_rows].to(dev)
         for i in range(num_small, n_req):
             start, n = starts_l[i], lens_l[i]
             span = PrefillSpan(q_start=offsets[i], q_len=n)

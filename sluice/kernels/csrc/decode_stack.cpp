@@ -139,7 +139,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
     sluice::attend_tasks(qkv.data(), at<T>(L, kKCache), at<T>(L, kVCache), b.tables,
                          b.max_blocks, b.q_start, b.ctx_end, attn.data(), b.seqs, s.heads,
                          s.kv_heads, s.head_dim, s.block_size, s.scale,
-                         static_cast<int64_t>(qkv_n));
+                         static_cast<int64_t>(qkv_n), /*window=*/0);
 #pragma omp single
     xa.quantize(attn.data(), M, q_size, activation_group(L, kOPacked));
     linear(L, kOPacked, xa, M, q_size, H, h);

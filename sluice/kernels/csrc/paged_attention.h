@@ -1,7 +1,9 @@
 // Paged attention for short query chunks on CPUs: decodes (one query) and small chunks
 // (a few new tokens after a prefix-cache hit, short prompts). K/V are read in place
 // from the block pool, once per (sequence, kv head) whatever the number of queries;
-// query j of a sequence sees positions 0 .. ctx_end - q_len + j (causal). Exact
+// query j of a sequence sees positions 0 .. ctx_end - q_len + j (causal), or with a
+// sliding window W > 0 only the last W of them (a local layer reads no K/V before
+// them, so blocks wholly outside the window may hold anything). Exact
 // two-pass softmax in fp32. Blocks are [kv_heads, block_size, head_dim]: a task reads
 // its head's rows of a block as one contiguous run (DRAM-friendly, unlike 128-byte
 // pieces at a stride of all heads).
@@ -31,10 +33,18 @@ inline void prefetch(const T* p, int64_t elems) {
 template <typename T>
 class HeadRows {
  public:
+  // Rows from token `start` on (a sliding window's first visible token).
   HeadRows(const T* cache, const int64_t* table, int64_t ctx, int block_size,
-           int64_t block_stride, int64_t head_offset, int row)
+           int64_t block_stride, int64_t head_offset, int row, int64_t start)
       : cache_(cache), table_(table), ctx_(ctx), block_size_(block_size),
-        block_stride_(block_stride), head_offset_(head_offset), row_(row) {}
+        block_stride_(block_stride), head_offset_(head_offset), row_(row),
+        block_(start / block_size), in_block_(static_cast<int>(start % block_size)) {
+    if (in_block_ != 0) {  // mid-block: the next call steps one row on from here
+      p_ = cache_ + table_[block_] * block_stride_ + head_offset_ +
+           static_cast<int64_t>(in_block_ - 1) * row_;
+      ++block_;
+    }
+  }
 
   const T* next() {
     if (in_block_ == 0) {
@@ -57,9 +67,9 @@ class HeadRows {
   int block_size_;
   int64_t block_stride_, head_offset_;
   int row_;
+  int64_t block_;
+  int in_block_;
   const T* p_ = nullptr;
-  int64_t block_ = 0;
-  int in_block_ = 0;
 };
 
 // The arithmetic of the kernel: a policy, so the generic and the AVX-512 kernels share
@@ -94,7 +104,7 @@ struct GenericMath {
 };
 
 #if defined(SLUICE_ISA_AVX512)
-// AVX-512 math for the common head sizes (64, 128): dot products, the weighted sum and
+// AVX-512 math for the common head sizes (64, 128, 256): dot products, the weighted sum and
 // exp run 16 lanes at a time. The generic loops leave dot products and exp scalar,
 // which made the kernel compute bound far below memory bandwidth.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -164,7 +174,7 @@ struct Avx512Math {
 template <int D>
 using VecMath = Avx512Math<D>;
 #elif defined(SLUICE_ISA_AVX2)
-// AVX2 math for the common head sizes (64, 128): the AVX-512 policy at 8 lanes. exp has
+// AVX2 math for the common head sizes (64, 128, 256): the AVX-512 policy at 8 lanes. exp has
 // no vscalefps here: 2^n is built from n's bits in the exponent field.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
@@ -242,7 +252,8 @@ template <typename T, typename Math>
 void attend_tasks(const Math& math, const T* q, const T* k_cache, const T* v_cache,
                   const int64_t* block_tables, int64_t max_blocks, const int64_t* query_start,
                   const int64_t* ctx_end, T* out, int num_seqs, int num_heads,
-                  int num_kv_heads, int block_size, float scale, int64_t q_stride) {
+                  int num_kv_heads, int block_size, float scale, int64_t q_stride,
+                  int64_t window) {
   const int head_dim = math.dim();  // a constant where the policy fixes it
   const int group = num_heads / num_kv_heads;
   // Block layout [kv_heads, block_size, head_dim]: one head's tokens are contiguous.
@@ -257,10 +268,14 @@ void attend_tasks(const Math& math, const T* q, const T* k_cache, const T* v_cac
         const int nq = static_cast<int>(query_start[s + 1] - q0);
         const int64_t ctx = ctx_end[s];
         const int64_t first_ctx = ctx - nq + 1;  // context of the first query
+        // Query j sees tokens lo_j .. first_ctx - 1 + j, lo_j = first_ctx + j - window
+        // (0 without a window); scores are kept from t0, the first query's lo, on.
+        const int64_t t0 = window > 0 && first_ctx > window ? first_ctx - window : 0;
+        const int64_t span = ctx - t0;
         const int rows = nq * group;             // (query, head) pairs sharing this K/V
         const int64_t* table = block_tables + s * max_blocks;
         qf.resize(static_cast<size_t>(rows) * head_dim);
-        scores.resize(static_cast<size_t>(rows) * ctx);
+        scores.resize(static_cast<size_t>(rows) * span);
         acc.assign(static_cast<size_t>(rows) * head_dim, 0.f);
         mx.assign(rows, -INFINITY);
         sum.assign(rows, 0.f);
@@ -271,30 +286,44 @@ void attend_tasks(const Math& math, const T* q, const T* k_cache, const T* v_cac
             for (int d = 0; d < head_dim; ++d) dst[d] = sluice::to_float(qp[d]) * scale;
           }
         }
-        // Pass 1: scores and their max. Token t is visible to queries j >= t - first_ctx + 1;
-        // each K row is widened to fp32 once for all query rows of the group.
+        // The query rows that see token t: j >= t - first_ctx + 1 (causal) and, with a
+        // window, j < t - first_ctx + window + 1.
+        auto visible = [&](int64_t t, int* r0, int* r1) {
+          const int64_t j0 = t < first_ctx ? 0 : t - first_ctx + 1;
+          int64_t j1 = window > 0 ? t - first_ctx + window + 1 : nq;
+          j1 = j1 < nq ? j1 : nq;
+          *r0 = static_cast<int>(j0) * group;
+          *r1 = static_cast<int>(j1 > j0 ? j1 : j0) * group;
+        };
+        // Pass 1: scores and their max; each K row is widened to fp32 once for all
+        // query rows of the group.
         HeadRows<T> keys(k_cache, table, ctx, block_size, block_stride, h * head_stride,
-                         head_dim);
-        for (int64_t t = 0; t < ctx; ++t) {
+                         head_dim, t0);
+        for (int64_t t = t0; t < ctx; ++t) {
           const typename Math::Row row = math.widen(keys.next());
-          const int j0 = t < first_ctx ? 0 : static_cast<int>(t - first_ctx + 1);
-          for (int r = j0 * group; r < rows; ++r) {
+          int r0, r1;
+          visible(t, &r0, &r1);
+          for (int r = r0; r < r1; ++r) {
             const float dot = math.dot(qf.data() + r * head_dim, row);
-            scores[r * ctx + t] = dot;
+            scores[r * span + t - t0] = dot;
             mx[r] = dot > mx[r] ? dot : mx[r];
           }
         }
-        // Softmax weights over each row's visible prefix.
-        for (int r = 0; r < rows; ++r)
-          sum[r] = math.exp_sum(scores.data() + r * ctx, first_ctx + r / group, mx[r]);
+        // Softmax weights over each row's visible run.
+        for (int r = 0; r < rows; ++r) {
+          const int64_t j = r / group, hi = first_ctx + j;  // one past the last visible
+          const int64_t lo = window > 0 && hi > window ? hi - window : 0;
+          sum[r] = math.exp_sum(scores.data() + r * span + lo - t0, hi - lo, mx[r]);
+        }
         // Pass 2: weighted sum of V.
         HeadRows<T> values(v_cache, table, ctx, block_size, block_stride, h * head_stride,
-                           head_dim);
-        for (int64_t t = 0; t < ctx; ++t) {
+                           head_dim, t0);
+        for (int64_t t = t0; t < ctx; ++t) {
           const typename Math::Row row = math.widen(values.next());
-          const int j0 = t < first_ctx ? 0 : static_cast<int>(t - first_ctx + 1);
-          for (int r = j0 * group; r < rows; ++r)
-            math.axpy(scores[r * ctx + t], row, acc.data() + r * head_dim);
+          int r0, r1;
+          visible(t, &r0, &r1);
+          for (int r = r0; r < r1; ++r)
+            math.axpy(scores[r * span + t - t0], row, acc.data() + r * head_dim);
         }
         for (int r = 0; r < rows; ++r) {
           const int j = r / group, g = r % group;
@@ -311,7 +340,7 @@ void attend_tasks(const Math& math, const T* q, const T* k_cache, const T* v_cac
 // The head sizes this level's vectorized math covers; the rest take GenericMath.
 inline bool vectorized_head_dim(int head_dim) {
 #if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
-  return head_dim == 64 || head_dim == 128;
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
 #else
   (void)head_dim;
   return false;
@@ -323,17 +352,20 @@ template <typename T>
 void attend_tasks(const T* q, const T* k, const T* v, const int64_t* bt, int64_t max_blocks,
                   const int64_t* qs, const int64_t* ctx, T* out, int num_seqs, int num_heads,
                   int num_kv_heads, int head_dim, int block_size, float scale,
-                  int64_t q_stride) {
+                  int64_t q_stride, int64_t window) {
 #if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
   if (head_dim == 64)
     return attend_tasks(VecMath<64>{}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
-                        num_heads, num_kv_heads, block_size, scale, q_stride);
+                        num_heads, num_kv_heads, block_size, scale, q_stride, window);
   if (head_dim == 128)
     return attend_tasks(VecMath<128>{}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
-                        num_heads, num_kv_heads, block_size, scale, q_stride);
+                        num_heads, num_kv_heads, block_size, scale, q_stride, window);
+  if (head_dim == 256)  // Gemma 3
+    return attend_tasks(VecMath<256>{}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
+                        num_heads, num_kv_heads, block_size, scale, q_stride, window);
 #endif
   attend_tasks(GenericMath{head_dim}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
-               num_heads, num_kv_heads, block_size, scale, q_stride);
+               num_heads, num_kv_heads, block_size, scale, q_stride, window);
 }
 
 // New K and V rows into their cache slots. k/v: [T, kv_heads, head_dim] with token
