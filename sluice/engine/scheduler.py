@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from sluice.config import EngineConfig
 from sluice.core.request import Request, RequestStatus
 from sluice.engine.kv_cache import CacheHit, KVCacheManager
+from sluice.engine.kv_connector.base import BlockTransfer, KVConnectorScheduler
 
 
 @dataclass
@@ -25,6 +26,8 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Blocks a KV connector writes into the pool before the forward pass.
+    kv_loads: list[BlockTransfer] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -43,9 +46,18 @@ class _DraftRoom:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        connector: KVConnectorScheduler | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv
+        # The scheduler half of a KV connector (the disk tier): prefix blocks it can
+        # load count as computed, like a prefix-cache hit.
+        self.connector = connector
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -103,17 +115,21 @@ class Scheduler:
                 self.waiting = deque(sorted(self.waiting, key=self._order_key))
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                hit = (
-                    self.kv.find_cached_prefix(req)
-                    if req.num_computed_tokens == 0
-                    else CacheHit([], 0)
+                fresh = req.num_computed_tokens == 0
+                hit = self.kv.find_cached_prefix(req) if fresh else CacheHit([], 0)
+                loadable = self._loadable_tokens(req, hit) if fresh else 0
+                num_new = min(
+                    req.num_tokens - req.num_computed_tokens - hit.num_tokens - loadable, budget
                 )
-                num_new = min(req.num_tokens - req.num_computed_tokens - hit.num_tokens, budget)
-                if not self.kv.allocate_slots(req, num_new, hit):
+                if not self.kv.allocate_slots(req, num_new, hit, loadable):
                     break
                 self.waiting.popleft()
+                if self.connector is not None and fresh and self.kv.may_reuse_prefix(req):
+                    first = len(hit.blocks)
+                    loaded = req.block_ids[first : first + loadable // self.kv.block_size]
+                    self.connector.request_admitted(req, loaded)
                 if req.num_cached_tokens < 0:  # first admission: count prompt-cache hits
-                    req.num_cached_tokens = hit.num_tokens
+                    req.num_cached_tokens = hit.num_tokens + loadable
                     self.kv.record_prefix_query(req.num_prompt_tokens, hit.num_tokens)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
@@ -121,7 +137,15 @@ class Scheduler:
                 budget -= num_new
 
         out.blocks_to_copy = self.kv.take_pending_copies()
+        if self.connector is not None:
+            out.kv_loads = self.connector.take_loads()
         return out
+
+    def _loadable_tokens(self, req: Request, hit: CacheHit) -> int:
+        """Prompt tokens past the RAM hit that the KV connector can load."""
+        if self.connector is None or not self.kv.may_reuse_prefix(req):
+            return 0
+        return self.connector.num_loadable_tokens(req, hit.num_tokens)
 
     def _draft_room(self, budget: int) -> _DraftRoom:
         """The tokens of the budget and the free blocks that the running requests' own
@@ -173,6 +197,8 @@ class Scheduler:
         elif req.status == RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+        if self.connector is not None:
+            self.connector.request_finished(req)  # what to save, while it holds its blocks
         self.kv.free(req)
 
     def add_running(self, req: Request) -> None:
