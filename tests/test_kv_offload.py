@@ -47,12 +47,8 @@ SHORT = random_prompt(2, 300)  # 18 full blocks
 def attach(eng: LLMEngine, directory: Path, **format_changes: object) -> None:
     """Give `eng` a fresh disk tier on `directory`: what a restart builds (the index is
     read from the directory), optionally as another model or dtype would see it."""
-    if eng.kv_connector is not None:
-        eng.close()
     fmt = dataclasses.replace(eng.kv_block_format(), **format_changes)  # type: ignore[arg-type]
-    conn = disk_tier(directory, 2**30, fmt, eng.runner)
-    eng.kv_connector = conn
-    eng.scheduler.connector = conn.scheduler
+    eng.attach_kv_connector(disk_tier(directory, 2**30, fmt, eng.runner))
 
 
 def run(llm: LLM, prompt: list[int]) -> RequestOutput:

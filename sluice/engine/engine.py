@@ -373,11 +373,17 @@ class LLMEngine:
             self.kv_connector.worker.wait_for_saves()
 
     def close(self) -> None:
-        """Finish the KV connector's saves in flight (the engine cannot step after)."""
+        """Finish the KV connector's saves in flight; the engine goes on without it."""
+        self.attach_kv_connector(None)
+
+    def attach_kv_connector(self, connector: KVConnector | None) -> None:
+        """Replace the KV connector (the old one finishes its saves first), e.g. a disk
+        tier on another directory; None: none. Call between steps."""
         if self.kv_connector is not None:
+            self._save_kv()
             self.kv_connector.close()
-            self.kv_connector = None
-            self.scheduler.connector = None
+        self.kv_connector = connector
+        self.scheduler.connector = connector.scheduler if connector else None
 
     def _undo_step(self, sched: SchedulerOutput) -> None:
         """A step raised: it may have written all, some or none of its KV. The blocks it
