@@ -154,6 +154,9 @@ class DiskStore:
             with open(path, "rb") as f:
                 data = f.read()
             os.utime(path)  # the LRU order survives a restart
+        except FileNotFoundError:  # deleted under us (the writer's LRU, another engine)
+            self._forget(key)
+            return None
         except OSError as exc:
             self._warn_once("read", f"reading {path} failed ({exc}); recomputing")
             self._forget(key)
