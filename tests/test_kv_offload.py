@@ -279,3 +279,31 @@ def test_restart_with_eviction(tmp_path: Path) -> None:
     assert warm.num_cached_tokens == (len(LONG) - 1) // BS * BS
     assert warm.outputs[0].token_ids == first.outputs[0].token_ids
     restarted.engine.close()
+
+
+@pytest.mark.slow
+def test_server_restart_keeps_a_long_system_prompt_warm(tmp_path: Path) -> None:
+    """`sluice serve --kv-offload-dir`: a chat with a long system prompt, a clean
+    shutdown (SIGTERM), a new server on the same directory: the same system prompt
+    loads from disk, and /stats and /metrics say so."""
+    import httpx
+
+    from tests.serving import serve
+
+    system = " ".join(f"Rule {i}: answer in plain words and check every number." for i in range(80))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi!"}]
+    body = {"model": "smollm2-135m", "messages": messages, "max_tokens": 4, "temperature": 0}
+    answers = []
+    for restart in range(2):
+        with serve("--dtype", "float32", "--kv-offload-dir", str(tmp_path)) as srv:
+            r = srv.post("/v1/chat/completions", body)
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["choices"][0]["message"]["content"])
+            stats = httpx.get(f"{srv.url}/stats", headers=srv.headers, timeout=10).json()
+            metrics = srv.metrics()
+        if restart == 0:
+            assert stats["kv_offload_hit_blocks"] == 0
+        else:
+            assert stats["kv_offload_hit_blocks"] >= 40  # ~900 tokens of system prompt
+            assert metrics["sluice_kv_offload_hit_blocks"] == stats["kv_offload_hit_blocks"]
+    assert answers[0] == answers[1]

@@ -111,35 +111,41 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step had to preempt (memory is short).
         if not out.preempted:
-            if self._priority and len(self.waiting) > 1:
-                self.waiting = deque(sorted(self.waiting, key=self._order_key))
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.waiting[0]
-                fresh = req.num_computed_tokens == 0
-                hit = self.kv.find_cached_prefix(req) if fresh else CacheHit([], 0)
-                loadable = self._loadable_tokens(req, hit) if fresh else 0
-                num_new = min(
-                    req.num_tokens - req.num_computed_tokens - hit.num_tokens - loadable, budget
-                )
-                if not self.kv.allocate_slots(req, num_new, hit, loadable):
-                    break
-                self.waiting.popleft()
-                if self.connector is not None and fresh and self.kv.may_reuse_prefix(req):
-                    first = len(hit.blocks)
-                    loaded = req.block_ids[first : first + loadable // self.kv.block_size]
-                    self.connector.request_admitted(req, loaded)
-                if req.num_cached_tokens < 0:  # first admission: count prompt-cache hits
-                    req.num_cached_tokens = hit.num_tokens + loadable
-                    self.kv.record_prefix_query(req.num_prompt_tokens, hit.num_tokens)
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                out.scheduled.append((req, num_new))
-                budget -= num_new
+            self._admit_waiting(out, budget)
 
         out.blocks_to_copy = self.kv.take_pending_copies()
         if self.connector is not None:
             out.kv_loads = self.connector.take_loads()
         return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order while the budget, the seats and the blocks
+        last. A request with nothing computed starts after its prefix-cache hit and the
+        blocks the KV connector can load."""
+        if self._priority and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=self._order_key))
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            fresh = req.num_computed_tokens == 0
+            hit = self.kv.find_cached_prefix(req) if fresh else CacheHit([], 0)
+            loadable = self._loadable_tokens(req, hit) if fresh else 0
+            num_new = min(
+                req.num_tokens - req.num_computed_tokens - hit.num_tokens - loadable, budget
+            )
+            if not self.kv.allocate_slots(req, num_new, hit, loadable):
+                break
+            self.waiting.popleft()
+            if self.connector is not None and fresh and self.kv.may_reuse_prefix(req):
+                first = len(hit.blocks)
+                loaded = req.block_ids[first : first + loadable // self.kv.block_size]
+                self.connector.request_admitted(req, loaded)
+            if req.num_cached_tokens < 0:  # first admission: count prompt-cache hits
+                req.num_cached_tokens = hit.num_tokens + loadable
+                self.kv.record_prefix_query(req.num_prompt_tokens, hit.num_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
 
     def _loadable_tokens(self, req: Request, hit: CacheHit) -> int:
         """Prompt tokens past the RAM hit that the KV connector can load."""
