@@ -118,22 +118,22 @@ def test_corrupt_and_truncated_files_are_recomputed(
 ) -> None:
     eng = llm_fp32.engine
     keys = block_keys(eng.scheduler.connector._root, SHORT, 18, BS, [])  # type: ignore[union-attr]
-    path = tier / (keys[10] + SUFFIX)
+    path = tier / (keys[15] + SUFFIX)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40  # one bit in the payload
     path.write_bytes(data)
     eng.reset_prefix_cache()
     out = run(llm_fp32, SHORT)
-    assert out.num_cached_tokens == 10 * BS  # up to the bad block
+    assert out.num_cached_tokens == 15 * BS  # up to the bad block
     assert list(out.outputs[0].token_ids) == short_reference
     assert eng.stats()["kv_offload_corrupt_files"] == 1
     assert path.exists()  # deleted, then written again by the recompute
 
-    path = tier / (keys[4] + SUFFIX)
+    path = tier / (keys[12] + SUFFIX)
     path.write_bytes(path.read_bytes()[:1000])
     eng.reset_prefix_cache()
     out = run(llm_fp32, SHORT)
-    assert out.num_cached_tokens == 4 * BS
+    assert out.num_cached_tokens == 12 * BS
     assert list(out.outputs[0].token_ids) == short_reference
     assert eng.stats()["kv_offload_corrupt_files"] == 2
 
@@ -142,14 +142,16 @@ def test_another_model_or_dtype_misses(
     llm_fp32: LLM, tier: Path, short_reference: list[int]
 ) -> None:
     eng = llm_fp32.engine
-    for change in ({"model": "another-model"}, {"dtype": "bfloat16", "kv_dtype": "bfloat16"}):
+    prompt = SHORT[:100]  # its 6 full blocks are on disk, written by this model in fp32
+    answers = []
+    for change in ({"model": "another-model"}, {"dtype": "bfloat16", "kv_dtype": "bfloat16"}, {}):
         attach(eng, tier, **change)
         eng.reset_prefix_cache()
-        out = run(llm_fp32, SHORT)
-        assert out.num_cached_tokens == 0
-        assert eng.stats()["kv_offload_hit_blocks"] == 0
-        assert list(out.outputs[0].token_ids) == short_reference
-    attach(eng, tier)
+        out = run(llm_fp32, prompt)
+        answers.append(list(out.outputs[0].token_ids))
+        loaded = eng.stats()["kv_offload_loaded_tokens"]
+        assert out.num_cached_tokens == loaded == (96 if not change else 0)
+    assert answers[0] == answers[1] == answers[2]
 
 
 # ---- the store on its own -----------------------------------------------------------
