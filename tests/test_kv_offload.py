@@ -24,10 +24,19 @@ from sluice import LLM, SamplingParams
 from sluice.cli import build_parser, engine_config
 from sluice.config import EngineConfig
 from sluice.core.errors import ConfigError
+from sluice.core.request import Request, RequestStatus
 from sluice.engine.engine import LLMEngine
-from sluice.engine.kv_connector import BlockFormat, DiskStore, disk_tier
+from sluice.engine.kv_cache import KVCacheManager
+from sluice.engine.kv_connector import (
+    BlockFormat,
+    BlockTransfer,
+    DiskStore,
+    KVConnectorScheduler,
+    disk_tier,
+)
 from sluice.engine.kv_connector.disk_store import SUFFIX
 from sluice.engine.kv_connector.disk_tier import block_keys
+from sluice.engine.scheduler import Scheduler
 from sluice.outputs import RequestOutput
 from sluice.server.metrics import ServerMetrics
 
@@ -152,6 +161,47 @@ def test_another_model_or_dtype_misses(
         loaded = eng.stats()["kv_offload_loaded_tokens"]
         assert out.num_cached_tokens == loaded == (96 if not change else 0)
     assert answers[0] == answers[1] == answers[2]
+
+
+# ---- the scheduler's side of the interface, with a fake connector ----------------------
+
+
+class PromisingConnector(KVConnectorScheduler):
+    """Says every prompt block past the RAM hit but the last is loadable."""
+
+    def __init__(self) -> None:
+        self.admitted: list[tuple[str, list[int]]] = []
+        self.finished: list[str] = []
+
+    def num_loadable_tokens(self, request: Request, num_hit_tokens: int) -> int:
+        return ((request.num_tokens - 1) // 4) * 4 - num_hit_tokens
+
+    def request_admitted(self, request: Request, load_blocks: list[int]) -> None:
+        self.admitted.append((request.request_id, list(load_blocks)))
+
+    def request_finished(self, request: Request) -> None:
+        self.finished.append(request.request_id)
+
+    def take_loads(self) -> list[BlockTransfer]:
+        return [BlockTransfer(b, f"{r}:{i}") for r, bs in self.admitted for i, b in enumerate(bs)]
+
+    def take_saves(self) -> list[BlockTransfer]:
+        return []
+
+
+def test_loadable_tokens_count_as_computed_and_get_blocks() -> None:
+    connector = PromisingConnector()
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    scheduler = Scheduler(EngineConfig(block_size=4), kv, 64, connector)
+    request = Request("r", list(range(1, 15)), SamplingParams())  # 14 tokens: 3 full blocks
+    scheduler.add(request)
+    out = scheduler.schedule()
+    assert out.scheduled == [(request, 2)]  # only the tokens past the 12 loaded ones
+    assert request.num_computed_tokens == 12 and request.num_cached_tokens == 12
+    assert connector.admitted == [("r", request.block_ids[:3])]
+    assert [t.block_id for t in out.kv_loads] == request.block_ids[:3]
+    scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+    assert connector.finished == ["r"] and kv.num_free_blocks == 16
 
 
 # ---- the store on its own -----------------------------------------------------------

@@ -196,7 +196,7 @@ class LLMEngine:
             config.compile,
         )
         del loaded
-        self.kv_connector = self._make_kv_connector(config, mc)
+        self.kv_connector = self._make_kv_connector(config)
         self.scheduler = Scheduler(
             config,
             self.kv,
@@ -211,7 +211,7 @@ class LLMEngine:
         gc.collect()
         return mc, num_blocks
 
-    def _make_kv_connector(self, config: EngineConfig, mc: ModelConfig) -> KVConnector | None:
+    def _make_kv_connector(self, config: EngineConfig) -> KVConnector | None:
         """The disk tier under the prefix cache, where kv_offload_dir asks for one."""
         if config.kv_offload_dir is None:
             return None

@@ -6,6 +6,10 @@ token budget, the cap on running requests and the free KV blocks allow. When a r
 request cannot get a block, the lowest-priority running request (the newest, under
 FCFS) is preempted: its blocks are freed and it is recomputed later from its prompt
 and the tokens it already produced, so nothing is lost or repeated.
+
+A KV connector's scheduler half (the disk tier) may say that more of a waiting
+request's prompt, past its prefix-cache hit, can be loaded: those tokens get blocks and
+count as computed, like the hit, and the step's output lists the loads.
 """
 
 from __future__ import annotations
