@@ -15,6 +15,7 @@ block is skipped: the disk tier only ever costs a recompute.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -23,6 +24,7 @@ import queue
 import struct
 import threading
 import time
+import weakref
 import zlib
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
@@ -86,6 +88,8 @@ class DiskStore:
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="sluice-kv-disk", daemon=True)
         self._writer.start()
+        # A script that ends right after its last request still gets its blocks written.
+        atexit.register(_flush_at_exit, weakref.ref(self))
 
     # ---- the index ------------------------------------------------------------------
 
@@ -265,3 +269,9 @@ class DiskStore:
         if kind not in self._warned:
             self._warned.add(kind)
             logger.warning("KV disk tier: %s (more such errors are counted, not logged)", message)
+
+
+def _flush_at_exit(ref: weakref.ref[DiskStore]) -> None:
+    store = ref()
+    if store is not None and store._writer.is_alive():
+        store.flush()
