@@ -40,6 +40,11 @@ _KV_OFFLOAD_GAUGES = (
         "Prompt blocks looked up on the disk tier after a RAM prefix-cache miss (since start).",
     ),
     (
+        "kv_offload_miss_blocks",
+        "sluice_kv_offload_miss_blocks",
+        "Prompt blocks missing in RAM and on the disk tier, so recomputed (since start).",
+    ),
+    (
         "kv_offload_hit_rate",
         "sluice_kv_offload_hit_rate",
         "Disk-tier hits over lookups since start (0-1).",

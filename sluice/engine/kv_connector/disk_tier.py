@@ -137,6 +137,7 @@ class DiskTierScheduler(KVConnectorScheduler):
         return {
             "kv_offload_queried_blocks": self.num_queried_blocks,
             "kv_offload_hit_blocks": self.num_loaded_blocks,
+            "kv_offload_miss_blocks": self.num_queried_blocks - self.num_loaded_blocks,
             "kv_offload_hit_rate": (
                 self.num_loaded_blocks / self.num_queried_blocks if self.num_queried_blocks else 0.0
             ),
