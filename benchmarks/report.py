@@ -7,7 +7,7 @@ docs/benchmarks.md is hand-written prose around generated blocks:
     <!-- /results -->
 
 The name after `results:` is a benchmark kind (the `benchmark` field that
-`common.write_result` stores): throughput, single_stream, serve, prefix_cache,
+`common.write_result` stores): throughput, single_stream, serve, prefix_cache, kv_offload,
 quantization, cpu_levels, gguf_models, weight_paths, structured, speculative. Every
 row names its result file, machine (CPU model, threads), kernel variant, commit and
 date, so no figure in the doc stands without the run behind it; tests/test_bench.py
@@ -239,6 +239,34 @@ def _prefix_cache(results: Sequence[Result]) -> str:
         "TTFT p99 ms off → on",
         "total s off → on",
         "hit rate",
+        "rounds",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
+def _kv_offload(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        rep, rp = d["repeat"], d["replay"]
+        rows.append(
+            [
+                *_run_cells(name, d),
+                str(rep["prompt_tokens"]),
+                f"{_spread(rep, 'ram', 'ttft_s', 1e3, 0)} → "
+                f"{_spread(rep, 'disk', 'ttft_s', 1e3, 0)}",
+                _ratio(_rmed(rep, "disk", "ttft_s")),
+                f"{rp['num_requests']} requests, {d['config']['kv_blocks']} RAM blocks",
+                f"{_spread(rp, 'ram', 'cached_token_fraction', 100.0)} → "
+                f"{_spread(rp, 'disk', 'cached_token_fraction', 100.0)} %",
+                str(rep["rounds"]),
+            ]
+        )
+    headers = [
+        "prompt tokens",
+        "TTFT ms recompute → disk",
+        "disk/recompute",
+        "chat replay",
+        "not recomputed, RAM → RAM + disk",
         "rounds",
     ]
     return _table(RUN_HEADERS + headers, rows)
@@ -522,6 +550,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "single_stream": _single_stream,
     "serve": _serve,
     "prefix_cache": _prefix_cache,
+    "kv_offload": _kv_offload,
     "quantization": _quantization,
     "gguf_models": _gguf_models,
     "weight_paths": _weight_paths,

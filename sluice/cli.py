@@ -27,6 +27,11 @@ _OPTION_HELP = {
     "AMX, else float32",
     "device": f"{one_of(DEVICE_KINDS)} or cuda:N",
     "kv_cache_memory": "GiB for the K and V pools together",
+    "kv_offload_dir": "a directory for the disk tier under the prefix cache: finished "
+    "requests' KV blocks are written there and loaded instead of recomputed, also after "
+    "a restart (default: off)",
+    "kv_offload_size": "GiB of block files the disk tier keeps, least recently used "
+    "deleted first (default: 8.0)",
     "scheduling_policy": "the order requests are admitted in and preempted in",
     "num_threads": "CPU threads for torch (default: all cores)",
     "quantization": "weight-only quantization on CPU (default: auto, a 4/8-bit GGUF "

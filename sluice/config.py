@@ -194,6 +194,12 @@ class EngineConfig:
     # like `model`); it must share the target's tokenizer. Giving it alone implies
     # speculative_method="draft".
     speculative_model: str | None = None
+    # The disk tier under the prefix cache: full blocks of finished requests are written
+    # to this directory (one file each, checksummed) and loaded by later requests whose
+    # prefix misses in RAM but is on disk; it survives restarts. At most kv_offload_size
+    # GiB of files, least recently used deleted first. None: off.
+    kv_offload_dir: str | None = None
+    kv_offload_size: float = 8.0
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -218,6 +224,7 @@ class EngineConfig:
         )
         self.dtype = parse_choice("dtype", self.dtype, DTYPES, ConfigError)
         self._check_speculation()
+        self._check_offload()
         if self.chat_template is not None and (
             not isinstance(self.chat_template, str) or not self.chat_template.strip()
         ):
@@ -229,6 +236,27 @@ class EngineConfig:
             raise ConfigError(
                 "device",
                 f"device must be one of {one_of(DEVICE_KINDS)} or cuda:N; got {self.device!r}",
+            )
+
+    def _check_offload(self) -> None:
+        size = self.kv_offload_size
+        if isinstance(size, bool) or not isinstance(size, int | float) or not size > 0:
+            raise ConfigError(
+                "kv_offload_size",
+                f"kv_offload_size must be a positive number of GiB, got {size!r}",
+            )
+        directory = self.kv_offload_dir
+        if directory is None:
+            return
+        if not isinstance(directory, str) or not directory.strip():
+            raise ConfigError(
+                "kv_offload_dir", f"kv_offload_dir must be a directory path, got {directory!r}"
+            )
+        if not self.enable_prefix_caching:
+            raise ConfigError(
+                "kv_offload_dir",
+                "kv_offload_dir is a tier under the prefix cache: it needs "
+                "enable_prefix_caching=True",
             )
 
     def _check_speculation(self) -> None:

@@ -401,7 +401,15 @@ def test_double_dash_keeps_its_meaning_elsewhere(monkeypatch: pytest.MonkeyPatch
 
 
 def test_comparison_scripts_take_rounds_and_output() -> None:
-    scripts = ["throughput", "single_stream", "serve", "prefix_cache", "gguf_models", "structured"]
+    scripts = [
+        "throughput",
+        "single_stream",
+        "serve",
+        "prefix_cache",
+        "kv_offload",
+        "gguf_models",
+        "structured",
+    ]
     # One interpreter for all of them: torch is imported once.
     code = (
         "import runpy, sys\n"

@@ -312,6 +312,7 @@ class AsyncLLM:
                     for fut in accepted:
                         if not fut.cancelled():
                             fut.set_exception(EngineShutdownError("the server is shutting down"))
+                    self._close_engine()
                     return
                 if isinstance(cmd, _Add):
                     num_adds += 1
@@ -344,6 +345,16 @@ class AsyncLLM:
             # at once, and admission control must not count the first as waiting.
             self._update_snapshot()
             self._dispatch(outputs)
+
+    def _close_engine(self) -> None:
+        """Let the engine finish what it writes in the background (the KV disk tier's
+        block files); engines without a close() have nothing to finish."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                logger.exception("closing the engine failed")
 
     def _handle_abort(self, cmd: _Abort) -> None:
         self._streams.pop(cmd.request_id, None)

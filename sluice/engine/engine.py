@@ -13,9 +13,10 @@ import torch
 
 from sluice import kernels
 from sluice.config import EngineConfig, ModelConfig, resolve_dtype, resolve_quantization
-from sluice.core.errors import RequestError
+from sluice.core.errors import ConfigError, RequestError
 from sluice.core.request import DraftRow, Request, RequestStatus, SamplingRow
 from sluice.engine.kv_cache import KVCacheManager
+from sluice.engine.kv_connector import BlockFormat, KVConnector, disk_tier, model_fingerprint
 from sluice.engine.output import SequenceOutputState
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.engine.speculative import Speculator
@@ -183,7 +184,6 @@ class LLMEngine:
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, mc.kv_window()
         )
-        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.runner = ModelRunner(
             mc,
             loaded.tensors,  # consumed: each weight is freed once its layer holds it
@@ -196,6 +196,13 @@ class LLMEngine:
             config.compile,
         )
         del loaded
+        self.kv_connector = self._make_kv_connector(config)
+        self.scheduler = Scheduler(
+            config,
+            self.kv,
+            self.max_model_len,
+            self.kv_connector.scheduler if self.kv_connector else None,
+        )
         self.draft: DraftModelProposer | None = None
         if draft is not None:
             self.draft = build_draft_proposer(
@@ -203,6 +210,38 @@ class LLMEngine:
             )
         gc.collect()
         return mc, num_blocks
+
+    def _make_kv_connector(self, config: EngineConfig) -> KVConnector | None:
+        """The disk tier under the prefix cache, where kv_offload_dir asks for one."""
+        if config.kv_offload_dir is None:
+            return None
+        try:
+            return disk_tier(
+                Path(config.kv_offload_dir),
+                int(config.kv_offload_size * 2**30),
+                self.kv_block_format(),
+                self.runner,
+            )
+        except OSError as exc:
+            raise ConfigError(
+                "kv_offload_dir", f"kv_offload_dir {config.kv_offload_dir!r} is unusable: {exc}"
+            ) from exc
+
+    def kv_block_format(self) -> BlockFormat:
+        """What one KV block's bytes mean here: a stored block is reused only where all
+        of it matches."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        # The KV cache's own dtype where the config has one (a quantized KV cache).
+        kv_dtype = getattr(self.config, "kv_cache_dtype", None)
+        return BlockFormat(
+            model=model_fingerprint(Path(self.model_path)),
+            quantization=self.quantization,
+            dtype=dtype,
+            kv_dtype=dtype if kv_dtype in (None, "auto") else str(kv_dtype),
+            block_size=self.config.block_size,
+            layout=self.runner.kv_block_layout(),
+            nbytes=self.runner.read_block(0).numel(),
+        )
 
     # ---- requests in ----------------------------------------------------------
 
@@ -296,6 +335,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self._retire(seq, RequestStatus.FINISHED_ABORTED)
             self._seqs.pop(seq.request_id, None)
+        self._save_kv()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -318,18 +358,48 @@ class LLMEngine:
         # Only now is this step's KV known to be written (on CUDA the kernels run
         # asynchronously, and a failure surfaces at the first sync, in sampling).
         self.kv.commit_names()
+        self._save_kv()
         return outputs
+
+    def _save_kv(self) -> None:
+        """Hand the blocks of requests that just finished to the KV connector, before
+        anything can write the pool again (their blocks are free now)."""
+        if self.kv_connector is not None:
+            self.kv_connector.worker.save(self.kv_connector.scheduler.take_saves())
+
+    def wait_for_kv_saves(self) -> None:
+        """Block until the KV connector has stored every block handed to it."""
+        if self.kv_connector is not None:
+            self.kv_connector.worker.wait_for_saves()
+
+    def close(self) -> None:
+        """Finish the KV connector's saves in flight; the engine goes on without it."""
+        self.attach_kv_connector(None)
+
+    def attach_kv_connector(self, connector: KVConnector | None) -> None:
+        """Replace the KV connector (the old one finishes its saves first), e.g. a disk
+        tier on another directory; None: none. Call between steps."""
+        if self.kv_connector is not None:
+            self._save_kv()
+            self.kv_connector.close()
+        self.kv_connector = connector
+        self.scheduler.connector = connector.scheduler if connector else None
 
     def _undo_step(self, sched: SchedulerOutput) -> None:
         """A step raised: it may have written all, some or none of its KV. The blocks it
         named leave the prefix cache, and the requests it scheduled go back to be
         recomputed, so nothing reads what it left. The caller may abort them or step again."""
         self.kv.forget_uncommitted_names()
+        if self.kv_connector is not None:
+            self.kv_connector.step_failed()
         self.scheduler.requeue([req for req, _ in sched.scheduled])
         self._release_drafts([req for req, _ in sched.scheduled])
 
     def _run_step(self, sched: SchedulerOutput) -> list[RequestOutput]:
         now = time.monotonic()
+        if sched.kv_loads:
+            assert self.kv_connector is not None
+            self.kv_connector.worker.load(sched.kv_loads)
         self.runner.copy_blocks(sched.blocks_to_copy)
         result = self.runner.execute(sched.scheduled)
         for req, n in sched.scheduled:
@@ -596,6 +666,7 @@ class LLMEngine:
             "num_generated_tokens": self.num_generated_tokens,
             "num_forced_tokens": self.num_forced_tokens,
             **self._spec_stats(),
+            **(self.kv_connector.stats() if self.kv_connector else {}),
             "grammars_compiled": self.grammars.num_compiled,
             "block_size": self.config.block_size,
             "max_model_len": self.max_model_len,

@@ -163,13 +163,18 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def may_reuse_prefix(self, request: Request) -> bool:
+        """Whether a prefix computed elsewhere (the cache, a KV connector) may stand in
+        for computing it: not where the prompt's own logits are asked for."""
+        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+
     def find_cached_prefix(self, request: Request) -> CacheHit:
         """Longest run of the prompt's full blocks already in the cache.
 
         At least one prompt token is always left to compute: its logits are needed to
         sample the first output token.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.may_reuse_prefix(request):
             return CacheHit([], 0)
         bs = self.block_size
         extend_block_hashes(request.block_hashes, request.all_token_ids, request.num_tokens, bs)
@@ -183,9 +188,15 @@ class KVCacheManager:
         return CacheHit(blocks, len(blocks) * bs)
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, hit: CacheHit | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hit: CacheHit | None = None,
+        num_loaded_tokens: int = 0,
     ) -> bool:
-        """Make room for `num_new_tokens` more tokens of `request` in the cache.
+        """Make room for `num_new_tokens` more tokens of `request` in the cache, after
+        the RAM `hit` and `num_loaded_tokens` (whole blocks a KV connector loads into the
+        blocks allocated right after the hit's; they count as computed, like the hit).
 
         Returns False, changing nothing (but the release of blocks its window has
         left), when there are not enough free blocks.
@@ -195,7 +206,9 @@ class KVCacheManager:
         # Hit blocks that sit in the free queue stop being free when we take them.
         revived = sum(1 for b in hit_blocks if self.pool.ref_counts[b] == 0)
         num_held = len(request.block_ids) + len(hit_blocks)
-        num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
+        num_computed = (
+            request.num_computed_tokens + (hit.num_tokens if hit else 0) + num_loaded_tokens
+        )
         total = num_computed + num_new_tokens
         new_blocks = max(0, self.blocks_needed(total) - num_held)
         cow = self._needs_copy_on_write(request, num_computed) and num_new_tokens > 0
@@ -210,6 +223,7 @@ class KVCacheManager:
             self._copy_on_write(request, num_computed)
         if new_blocks:
             request.block_ids.extend(self.pool.allocate(new_blocks))
+        request.num_computed_tokens += num_loaded_tokens
         if self.enable_prefix_caching:
             # Draft tokens past the known ones are never named: only blocks full of
             # tokens the request keeps enter the cache.

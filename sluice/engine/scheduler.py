@@ -6,6 +6,10 @@ token budget, the cap on running requests and the free KV blocks allow. When a r
 request cannot get a block, the lowest-priority running request (the newest, under
 FCFS) is preempted: its blocks are freed and it is recomputed later from its prompt
 and the tokens it already produced, so nothing is lost or repeated.
+
+A KV connector's scheduler half (the disk tier) may say that more of a waiting
+request's prompt, past its prefix-cache hit, can be loaded: those tokens get blocks and
+count as computed, like the hit, and the step's output lists the loads.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 from sluice.config import EngineConfig
 from sluice.core.request import Request, RequestStatus
 from sluice.engine.kv_cache import CacheHit, KVCacheManager
+from sluice.engine.kv_connector.base import BlockTransfer, KVConnectorScheduler
 
 
 @dataclass
@@ -25,6 +30,8 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Blocks a KV connector writes into the pool before the forward pass.
+    kv_loads: list[BlockTransfer] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -43,9 +50,18 @@ class _DraftRoom:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        connector: KVConnectorScheduler | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv
+        # The scheduler half of a KV connector (the disk tier): prefix blocks it can
+        # load count as computed, like a prefix-cache hit.
+        self.connector = connector
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -99,29 +115,47 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step had to preempt (memory is short).
         if not out.preempted:
-            if self._priority and len(self.waiting) > 1:
-                self.waiting = deque(sorted(self.waiting, key=self._order_key))
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.waiting[0]
-                hit = (
-                    self.kv.find_cached_prefix(req)
-                    if req.num_computed_tokens == 0
-                    else CacheHit([], 0)
-                )
-                num_new = min(req.num_tokens - req.num_computed_tokens - hit.num_tokens, budget)
-                if not self.kv.allocate_slots(req, num_new, hit):
-                    break
-                self.waiting.popleft()
-                if req.num_cached_tokens < 0:  # first admission: count prompt-cache hits
-                    req.num_cached_tokens = hit.num_tokens
-                    self.kv.record_prefix_query(req.num_prompt_tokens, hit.num_tokens)
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                out.scheduled.append((req, num_new))
-                budget -= num_new
+            self._admit_waiting(out, budget)
 
         out.blocks_to_copy = self.kv.take_pending_copies()
+        if self.connector is not None:
+            out.kv_loads = self.connector.take_loads()
         return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order while the budget, the seats and the blocks
+        last. A request with nothing computed starts after its prefix-cache hit and the
+        blocks the KV connector can load."""
+        if self._priority and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=self._order_key))
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            fresh = req.num_computed_tokens == 0
+            hit = self.kv.find_cached_prefix(req) if fresh else CacheHit([], 0)
+            loadable = self._loadable_tokens(req, hit) if fresh else 0
+            num_new = min(
+                req.num_tokens - req.num_computed_tokens - hit.num_tokens - loadable, budget
+            )
+            if not self.kv.allocate_slots(req, num_new, hit, loadable):
+                break
+            self.waiting.popleft()
+            if self.connector is not None and fresh and self.kv.may_reuse_prefix(req):
+                first = len(hit.blocks)
+                loaded = req.block_ids[first : first + loadable // self.kv.block_size]
+                self.connector.request_admitted(req, loaded)
+            if req.num_cached_tokens < 0:  # first admission: count prompt-cache hits
+                req.num_cached_tokens = hit.num_tokens + loadable
+                self.kv.record_prefix_query(req.num_prompt_tokens, hit.num_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+
+    def _loadable_tokens(self, req: Request, hit: CacheHit) -> int:
+        """Prompt tokens past the RAM hit that the KV connector can load."""
+        if self.connector is None or not self.kv.may_reuse_prefix(req):
+            return 0
+        return self.connector.num_loadable_tokens(req, hit.num_tokens)
 
     def _draft_room(self, budget: int) -> _DraftRoom:
         """The tokens of the budget and the free blocks that the running requests' own
@@ -173,6 +207,8 @@ class Scheduler:
         elif req.status == RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+        if self.connector is not None:
+            self.connector.request_finished(req)  # what to save, while it holds its blocks
         self.kv.free(req)
 
     def add_running(self, req: Request) -> None:

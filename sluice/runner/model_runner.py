@@ -129,6 +129,22 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in copies], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
+    def read_block(self, block: int) -> torch.Tensor:
+        """A copy of one block's bytes, every layer's K and V (a flat uint8 tensor): what
+        a KV connector saves. Built on the pool's block axis only, not its inner layout."""
+        data = self.kv_cache[:, :, block].clone(memory_format=torch.contiguous_format)
+        return data.view(torch.uint8).reshape(-1)
+
+    def write_block(self, block: int, data: torch.Tensor) -> None:
+        """Put bytes `read_block` gave (here or in an earlier process) into `block`."""
+        target = self.kv_cache[:, :, block]
+        target.copy_(data.view(target.dtype).view(target.shape))
+
+    def kv_block_layout(self) -> str:
+        """The pool's element type and one block's shape, e.g. float32[30,2,3,16,64]."""
+        shape = self.kv_cache[:, :, 0].shape
+        return f"{str(self.kv_cache.dtype).removeprefix('torch.')}[{','.join(map(str, shape))}]"
+
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> ModelOutput:
         """Run one step over (request, num_new_tokens) pairs, in any order."""

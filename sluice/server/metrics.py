@@ -27,6 +27,53 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
+# The disk tier under the prefix cache (--kv-offload-dir); set only when it is on.
+_KV_OFFLOAD_GAUGES = (
+    (
+        "kv_offload_hit_blocks",
+        "sluice_kv_offload_hit_blocks",
+        "KV blocks loaded from the disk tier instead of recomputed (since start).",
+    ),
+    (
+        "kv_offload_queried_blocks",
+        "sluice_kv_offload_queried_blocks",
+        "Prompt blocks looked up on the disk tier after a RAM prefix-cache miss (since start).",
+    ),
+    (
+        "kv_offload_miss_blocks",
+        "sluice_kv_offload_miss_blocks",
+        "Prompt blocks missing in RAM and on the disk tier, so recomputed (since start).",
+    ),
+    (
+        "kv_offload_hit_rate",
+        "sluice_kv_offload_hit_rate",
+        "Disk-tier hits over lookups since start (0-1).",
+    ),
+    ("kv_offload_files", "sluice_kv_offload_files", "Block files on the disk tier."),
+    ("kv_offload_disk_bytes", "sluice_kv_offload_disk_bytes", "Bytes of block files on disk."),
+    (
+        "kv_offload_bytes_read",
+        "sluice_kv_offload_read_bytes",
+        "Payload bytes loaded from the disk tier (since start).",
+    ),
+    (
+        "kv_offload_bytes_written",
+        "sluice_kv_offload_written_bytes",
+        "Bytes of block files written to the disk tier (since start).",
+    ),
+    (
+        "kv_offload_corrupt_files",
+        "sluice_kv_offload_corrupt_files",
+        "Truncated, corrupt or foreign block files found and deleted (since start).",
+    ),
+    (
+        "kv_offload_write_errors",
+        "sluice_kv_offload_write_errors",
+        "Block files that could not be written, e.g. a full disk (since start).",
+    ),
+)
+
+
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -133,6 +180,7 @@ class ServerMetrics:
                     "Tokens emitted per verification since start (1 when no draft passes; "
                     "0 before any).",
                 ),
+                *_KV_OFFLOAD_GAUGES,
                 (
                     "rss_bytes",
                     "sluice_process_resident_bytes",
