@@ -200,7 +200,8 @@ def main() -> None:
             llms, speed_ids, n, args.context, args.steps, args.rounds
         )
         gc.collect()
-    print(_speed_table(result))
+    if streams:
+        print(_speed_table(result))
     path = write_result("kv_cache", result, args.output)
     print(f"\nwrote {shown_path(path)}")
 
