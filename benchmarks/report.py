@@ -544,6 +544,66 @@ def _speculative(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _kv_cache(results: Sequence[Result]) -> str:
+    acc_rows, speed_rows = [], []
+    for name, d in results:
+        cfg, cap = d.get("config", {}), d["capacity"]
+        dtype = cfg.get("dtype", "?")
+        acc = d.get("accuracy")
+        if acc:
+            a, q = acc["auto"], acc["int8"]
+            n = cfg.get("prompts")
+            ident = q.get("greedy_identical")
+            acc_rows.append(
+                [
+                    *_run_cells(name, d),
+                    dtype,
+                    f"{cfg.get('windows')} × {cfg.get('window')}",
+                    f"{a['perplexity']:.3f} → {q['perplexity']:.3f} "
+                    f"({q['perplexity'] / a['perplexity'] - 1:+.2%})",
+                    f"{q['mean_kld_vs_auto']:.5f}",
+                    f"{q['top1_agreement_vs_auto']:.1%}",
+                    "–" if ident is None else f"{round(ident * n)}/{n}" if n else f"{ident:.0%}",
+                    _cell(q, "greedy_mean_common_prefix", lambda x: f"{x:.1f}"),
+                ]
+            )
+        for streams, sp in d.get("speed", {}).items():
+            speed_rows.append(
+                [
+                    *_run_cells(name, d),
+                    dtype,
+                    f"{streams} × {cfg.get('context')}",
+                    " / ".join(f"{cap[kv]['kv_tokens']:,}" for kv in ("auto", "int8")),
+                    " / ".join(f"{sp['step_ms'][kv]:.1f}" for kv in ("auto", "int8")),
+                    " / ".join(f"{sp['tok_per_s'][kv]:.0f}" for kv in ("auto", "int8")),
+                    _ratio(sp["speedup_int8"]),
+                    str(len(sp["step_ms_rounds"]["auto"])),
+                ]
+            )
+    acc_headers = [
+        "dtype",
+        "windows × tokens",
+        "perplexity auto → int8",
+        "mean KLD",
+        "top-1 same",
+        "greedy identical",
+        "mean common prefix",
+    ]
+    speed_headers = [
+        "dtype",
+        "streams × context",
+        "KV tokens auto / int8",
+        "step ms auto / int8",
+        "tok/s auto / int8",
+        "int8 speed-up",
+        "bursts",
+    ]
+    out = _table(RUN_HEADERS + acc_headers, acc_rows) if acc_rows else ""
+    if speed_rows:
+        out += ("\n" if out else "") + _table(RUN_HEADERS + speed_headers, speed_rows)
+    return out
+
+
 RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "cpu_levels": _cpu_levels,
     "throughput": _throughput,
@@ -556,6 +616,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "weight_paths": _weight_paths,
     "structured": _structured,
     "speculative": _speculative,
+    "kv_cache": _kv_cache,
 }
 
 

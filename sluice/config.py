@@ -12,11 +12,13 @@ from sluice.core.choices import (
     ARCHITECTURES,
     DEVICE_KINDS,
     DTYPES,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     Architecture,
     DType,
+    KVCacheDType,
     Quantization,
     SchedulingPolicy,
     SpeculativeMethod,
@@ -170,6 +172,11 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     kv_cache_memory: float = 2.0  # GiB for the K and V pools together
+    # How K/V are stored: "auto" (the compute dtype) or "int8" (int8 rows with fp16
+    # scales: 1.88x the tokens of bf16 in the same memory). kv_cache_skip_layers keeps
+    # the listed layers (0-based) at full precision in a pool of their own.
+    kv_cache_dtype: KVCacheDType = "auto"
+    kv_cache_skip_layers: tuple[int, ...] = ()
     seed: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
@@ -223,6 +230,7 @@ class EngineConfig:
             "quantization", self.quantization, QUANTIZATIONS, ConfigError
         )
         self.dtype = parse_choice("dtype", self.dtype, DTYPES, ConfigError)
+        self._check_kv_cache_dtype()
         self._check_speculation()
         self._check_offload()
         if self.chat_template is not None and (
@@ -257,6 +265,32 @@ class EngineConfig:
                 "kv_offload_dir",
                 "kv_offload_dir is a tier under the prefix cache: it needs "
                 "enable_prefix_caching=True",
+            )
+
+    def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype in ("fp8", "fp8_e4m3"):
+            raise ConfigError(
+                "kv_cache_dtype",
+                "kv_cache_dtype='fp8' is not supported: CPUs have no fp8 arithmetic, and "
+                "'int8' stores the same bytes per value with finer (per 32 channels) scales",
+            )
+        self.kv_cache_dtype = parse_choice(
+            "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES, ConfigError
+        )
+        layers = self.kv_cache_skip_layers or ()
+        if isinstance(layers, int | str) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers
+        ):
+            raise ConfigError(
+                "kv_cache_skip_layers",
+                f"kv_cache_skip_layers must be layer indices (integers >= 0), got {layers!r}",
+            )
+        self.kv_cache_skip_layers = tuple(sorted(set(layers)))
+        if self.kv_cache_skip_layers and self.kv_cache_dtype == "auto":
+            raise ConfigError(
+                "kv_cache_skip_layers",
+                "kv_cache_skip_layers keeps layers out of a quantized KV cache; it needs "
+                "kv_cache_dtype='int8'",
             )
 
     def _check_speculation(self) -> None:

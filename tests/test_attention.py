@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from sluice import kernels
-from sluice.attention import AttentionMetadata, PrefillSpan, SDPABackend
+from sluice.attention import AttentionMetadata, PrefillSpan, SDPABackend, kv_int8
 from sluice.kernels import Library
 from sluice.kernels import attention as paged
 from tests.conftest import LEVELS, kernels_at
@@ -52,6 +52,12 @@ def attention_kernel(request: pytest.FixtureRequest) -> Iterator[Library | None]
         yield kernel
 
 
+def as_stored(x: torch.Tensor, kv: str) -> torch.Tensor:
+    """x as an int8 pool holds it (quantized and back), or x itself."""
+    return x if kv == "auto" else kv_int8.dequantize(kv_int8.quantize(x), x.shape[-1], x.dtype)
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # 64, 128 and 256 take the kernel's vectorized math at the avx2 and avx512 levels; 32 the
 # generic loops (the generic level has only those).
@@ -60,6 +66,7 @@ def attention_kernel(request: pytest.FixtureRequest) -> Iterator[Library | None]
 # context, mid-block; 9 leaves the shortest ones whole.
 @pytest.mark.parametrize(("window", "scale"), [(None, None), (4, 0.3), (9, None)])
 def test_paged_attention_matches_dense(
+    kv: str,
     dtype: torch.dtype,
     attention_kernel: Library | None,
     d: int,
@@ -73,8 +80,17 @@ def test_paged_attention_matches_dense(
     torch.manual_seed(0)
     heads, kv_heads, bs, num_blocks = 6, 2, 4, 64
     backend = SDPABackend(kernel)
-    k_cache = torch.zeros(num_blocks, kv_heads, bs, d, dtype=dtype)
+    # An int8 pool (kv="int8") holds rows of bytes; every path attends to K/V as the
+    # pool holds them, this step's new tokens included.
+    if kv == "auto":
+        k_cache = torch.zeros(num_blocks, kv_heads, bs, d, dtype=dtype)
+    else:
+        k_cache = torch.zeros(num_blocks, kv_heads, bs, kv_int8.row_bytes(d), dtype=torch.uint8)
     v_cache = torch.zeros_like(k_cache)
+
+    def stored(x: torch.Tensor) -> torch.Tensor:
+        return x if kv == "auto" else kv_int8.quantize(x)
+
     # Small group: three decodes (contexts 1, 19, 37) and a 5-token chunk after 16 cached
     # tokens; then an SDPA span: 7 tokens after 4 cached. Block ids scattered on purpose.
     perm = torch.randperm(num_blocks).tolist()
@@ -90,8 +106,8 @@ def test_paged_attention_matches_dense(
         old = slots(i, range(c - new[i]))
         slots_old = torch.tensor(old, dtype=torch.long)
         blocks, offsets = slots_old // bs, slots_old % bs
-        k_cache[blocks, :, offsets] = full_k[i][: c - new[i]]
-        v_cache[blocks, :, offsets] = full_v[i][: c - new[i]]
+        k_cache[blocks, :, offsets] = stored(full_k[i][: c - new[i]])
+        v_cache[blocks, :, offsets] = stored(full_v[i][: c - new[i]])
     if window is not None:
         # Positions no query sees hold poison: a path that read them would show it
         # (NaN for the kernel, which must not read them at all; a masked-out value for
@@ -100,8 +116,12 @@ def test_paged_attention_matches_dense(
         for i, c in enumerate(ctxs):
             hidden = range(max(0, c - new[i] - window + 1))
             gone = torch.tensor(slots(i, hidden), dtype=torch.long)
-            k_cache[gone // bs, :, gone % bs] = poison
-            v_cache[gone // bs, :, gone % bs] = poison
+            bad = stored(torch.full((len(gone), kv_heads, d), poison, dtype=dtype))
+            if kv == "int8" and kernel is not None:
+                # NaN scales (fp16 0x7E00, little-endian): whatever reads them is NaN.
+                bad[..., d::2], bad[..., d + 1 :: 2] = 0x00, 0x7E
+            k_cache[gone // bs, :, gone % bs] = bad
+            v_cache[gone // bs, :, gone % bs] = bad
     q = torch.randn(sum(new), heads, d, dtype=dtype)
     k = torch.cat([fk[-n:] for fk, n in zip(full_k, new, strict=True)])
     v = torch.cat([fv[-n:] for fv, n in zip(full_v, new, strict=True)])
@@ -135,7 +155,7 @@ def test_paged_attention_matches_dense(
     starts = [0, 1, 2, 3, 8]
     for i in range(5):
         qi = q[starts[i] : starts[i] + new[i]]
-        ref = dense_reference(qi, full_k[i], full_v[i], window, scale)
+        ref = dense_reference(qi, as_stored(full_k[i], kv), as_stored(full_v[i], kv), window, scale)
         got = out[starts[i] : starts[i] + new[i]].float()
         assert torch.allclose(got, ref, atol=tol, rtol=tol), (i, (got - ref).abs().max())
 

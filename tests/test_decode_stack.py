@@ -120,6 +120,21 @@ def assert_stack_equals_model_on_smollm2(quantization: str, dtype: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("level", "dtype"),
+    [
+        (level, "bfloat16" if level == cpu.level() else "float32")
+        for level in cpu.available_levels()
+    ],
+)
+def test_stack_equals_model_with_an_int8_kv_cache(level: str, dtype: str) -> None:
+    # The stack writes and reads int8 K/V rows with the same kernels as the layers.
+    with kernels_at(level):
+        llm = LLM(quantization="gguf", dtype=dtype, kv_cache_memory=0.05, kv_cache_dtype="int8")
+        assert built_stack(llm).shape.kv_int8
+        assert_stack_equals_model(llm, PROMPTS)
+
+
+@pytest.mark.parametrize(
     ("kind", "quantization"), [("llama", "int4"), ("qwen2", "int4"), ("qwen2", "int8")]
 )
 def test_stack_equals_model_on_random_models(

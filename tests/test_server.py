@@ -637,7 +637,7 @@ def test_metrics_parse_and_move(server: Server) -> None:
     info = [k for k in after if k.startswith("sluice_engine_info{")]
     assert info == [
         f"sluice_engine_info{{cpu_kernels={cpu.level()},dtype={stats['dtype']},"
-        f"quantization={stats['quantization']}}}"
+        f"kv_cache_dtype={stats['dtype']},quantization={stats['quantization']}}}"
     ]
     assert stats["cpu_kernels"] == cpu.level()
 

@@ -54,7 +54,7 @@ class FailingExecute:
         bs = self.runner.block_size
         for req, n in scheduled:
             for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
-                self.runner.kv_cache[:, :, req.block_ids[pos // bs], :, pos % bs].normal_()
+                self.runner.kv_pools[0][:, :, req.block_ids[pos // bs], :, pos % bs].normal_()
         raise InjectedFailure("injected: the forward pass died")
 
 

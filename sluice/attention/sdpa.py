@@ -3,6 +3,12 @@
 On CPU, decodes and short chunks go to our paged kernel when it could be built: it
 reads K/V in place from the blocks, where SDPA needs them gathered into a padded copy
 first (several times slower at high concurrency).
+
+An int8 pool (kv_cache_dtype="int8", a uint8 tensor of rows: attention/kv_int8.py) is
+read by the paged kernel in place; the torch paths dequantize only the rows they
+gather. Every query attends to K/V as the cache holds them, the fresh K/V of a prompt's
+first chunk included, so a prompt's result does not depend on how it was chunked or
+whether its prefix came from the cache.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sluice.attention import kv_int8
 from sluice.attention import window as windows
 from sluice.attention.backend import AttentionBackend, AttentionMetadata
 from sluice.kernels import Library
@@ -42,17 +49,10 @@ class SDPABackend(AttentionBackend):
         window: int | None = None,
         scale: float | None = None,
     ) -> torch.Tensor:
-        num_kv_heads, block_size, head_dim = k_cache.shape[1:]
+        block_size = k_cache.shape[2]
         # Every new token's K/V goes into the cache before anyone reads it, so requests
         # that share blocks within one step see each other's writes.
-        if self.kernel is not None:
-            paged.write_kv(self.kernel, k, v, k_cache, v_cache, meta.slot_mapping)
-        else:
-            if meta.cache_rows is None:  # once per step, shared by every layer
-                meta.cache_rows = cache_rows(meta.slot_mapping, num_kv_heads, block_size)
-            rows = meta.cache_rows
-            k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim))
-            v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim))
+        self._write(k, v, k_cache, v_cache, meta)
 
         out = q.new_empty(q.shape)  # contiguous even where q is a strided slice of qkv
         n = meta.num_small_tokens
@@ -74,8 +74,8 @@ class SDPABackend(AttentionBackend):
         elif n:
             assert meta.row_block_tables is not None
             # Gather whole blocks: [n, max_blocks, kvh, block_size, d] -> [n, kvh, L, d].
-            kd = k_cache[meta.row_block_tables].transpose(1, 2).flatten(2, 3)
-            vd = v_cache[meta.row_block_tables].transpose(1, 2).flatten(2, 3)
+            kd = _read(k_cache[meta.row_block_tables], q).transpose(1, 2).flatten(2, 3)
+            vd = _read(v_cache[meta.row_block_tables], q).transpose(1, 2).flatten(2, 3)
             mask = meta.row_mask if window is None else windows.row_mask(meta, window)
             od = F.scaled_dot_product_attention(
                 q[:n].unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=True, scale=scale
@@ -85,11 +85,13 @@ class SDPABackend(AttentionBackend):
             s, e = span.q_start, span.q_start + span.q_len
             qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
             slots, mask = windows.span_context(span, window)
+            if slots is None and k_cache.dtype == torch.uint8:
+                slots = meta.slot_mapping[s:e]  # the span's own rows, as quantized
             if slots is None:
                 kp, vp = k[s:e], v[s:e]
-            else:
-                kp = k_cache[slots // block_size, :, slots % block_size]  # [ctx, kvh, d]
-                vp = v_cache[slots // block_size, :, slots % block_size]
+            else:  # [ctx, kvh, d]
+                kp = _read(k_cache[slots // block_size, :, slots % block_size], q)
+                vp = _read(v_cache[slots // block_size, :, slots % block_size], q)
             op = F.scaled_dot_product_attention(
                 qp,
                 kp.transpose(0, 1).unsqueeze(0),
@@ -101,3 +103,29 @@ class SDPABackend(AttentionBackend):
             )
             out[s:e] = op.squeeze(0).transpose(0, 1)
         return out
+
+    def _write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        if self.kernel is not None:
+            paged.write_kv(self.kernel, k, v, k_cache, v_cache, meta.slot_mapping)
+            return
+        num_kv_heads, block_size, row = k_cache.shape[1:]
+        if meta.cache_rows is None:  # once per step, shared by every layer
+            meta.cache_rows = cache_rows(meta.slot_mapping, num_kv_heads, block_size)
+        if k_cache.dtype == torch.uint8:
+            k, v = kv_int8.quantize(k), kv_int8.quantize(v)
+        k_cache.view(-1, row).index_copy_(0, meta.cache_rows, k.reshape(-1, row))
+        v_cache.view(-1, row).index_copy_(0, meta.cache_rows, v.reshape(-1, row))
+
+
+def _read(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Gathered cache rows as q's dtype: int8 rows dequantized, others as they are."""
+    if rows.dtype != torch.uint8:
+        return rows
+    return kv_int8.dequantize(rows, q.shape[-1], q.dtype)

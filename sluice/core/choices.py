@@ -32,6 +32,11 @@ WEIGHT_QUANTIZATIONS: tuple[WeightQuantization, ...] = get_args(WeightQuantizati
 Architecture = Literal["llama", "qwen2", "qwen3", "gemma3"]
 ARCHITECTURES: tuple[Architecture, ...] = get_args(Architecture)
 
+# How the KV cache stores K and V: "auto" in the compute dtype, "int8" as int8 rows
+# with an fp16 scale per 32 channels (sluice/attention/kv_int8.py).
+KVCacheDType = Literal["auto", "int8"]
+KV_CACHE_DTYPES: tuple[KVCacheDType, ...] = get_args(KVCacheDType)
+
 SchedulingPolicy = Literal["fcfs", "priority"]
 SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = get_args(SchedulingPolicy)
 

@@ -12,12 +12,14 @@ from typing import Any
 import torch
 
 from sluice import kernels
+from sluice.attention import kv_int8
 from sluice.config import EngineConfig, ModelConfig, resolve_dtype, resolve_quantization
 from sluice.core.errors import ConfigError, RequestError
 from sluice.core.request import DraftRow, Request, RequestStatus, SamplingRow
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.kv_connector import BlockFormat, KVConnector, disk_tier, model_fingerprint
 from sluice.engine.output import SequenceOutputState
+from sluice.engine.prefix_cache import root_hash
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.engine.speculative import Speculator
 from sluice.engine.speculative.draft_load import (
@@ -111,7 +113,7 @@ class LLMEngine:
         self.weight_bytes = self.runner.weight_bytes()
         logger.info(
             "sluice ready in %.1fs: %s, %s, weights %s (%.0f MiB in memory; the file: %.0f "
-            "MiB), CPU kernels %s, %d KV blocks of %d tokens, max_model_len %d",
+            "MiB), CPU kernels %s, %d KV blocks of %d tokens (KV cache %s), max_model_len %d",
             self.startup_seconds,
             mc.name,
             self.dtype,
@@ -121,6 +123,7 @@ class LLMEngine:
             self.cpu_kernels,
             num_blocks,
             config.block_size,
+            self.kv_cache_dtype,
             self.max_model_len,
         )
 
@@ -170,7 +173,16 @@ class LLMEngine:
         self.quantization = resolve_quantization(
             config.quantization, device, self.dtype, loaded.quantized, config.dtype
         )
-        per_block = kv_bytes_per_block(mc, config.block_size, self.dtype)
+        self._check_kv_cache_dtype(config, mc)
+        # What the pool stores: the compute dtype's name, or "int8".
+        self.kv_cache_dtype = (
+            str(self.dtype).removeprefix("torch.")
+            if config.kv_cache_dtype == "auto"
+            else config.kv_cache_dtype
+        )
+        per_block = kv_bytes_per_block(
+            mc, config.block_size, self.dtype, config.kv_cache_dtype, config.kv_cache_skip_layers
+        )
         # A draft model is loaded (and checked against the tokenizer) before anything is
         # built; its KV pool gets as many blocks as the target's, from the same memory.
         draft: DraftModel | None = None
@@ -182,7 +194,11 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, num_blocks * config.block_size
         )
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, mc.kv_window()
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            mc.kv_window(),
+            root_hash(config.kv_cache_dtype),
         )
         self.runner = ModelRunner(
             mc,
@@ -194,6 +210,8 @@ class LLMEngine:
             self.max_model_len,
             self.quantization,
             config.compile,
+            config.kv_cache_dtype,
+            config.kv_cache_skip_layers,
         )
         del loaded
         self.kv_connector = self._make_kv_connector(config)
@@ -242,6 +260,24 @@ class LLMEngine:
             layout=self.runner.kv_block_layout(),
             nbytes=self.runner.read_block(0).numel(),
         )
+
+    @staticmethod
+    def _check_kv_cache_dtype(config: EngineConfig, mc: ModelConfig) -> None:
+        if config.kv_cache_dtype != "int8":
+            return
+        if mc.head_dim % kv_int8.GROUP:
+            raise ConfigError(
+                "kv_cache_dtype",
+                f"kv_cache_dtype='int8' needs a head size divisible by {kv_int8.GROUP}; this "
+                f"model's is {mc.head_dim}",
+            )
+        bad = [i for i in config.kv_cache_skip_layers if i >= mc.num_layers]
+        if bad:
+            raise ConfigError(
+                "kv_cache_skip_layers",
+                f"kv_cache_skip_layers names layer {bad[0]}, but the model has "
+                f"{mc.num_layers} layers (0..{mc.num_layers - 1})",
+            )
 
     # ---- requests in ----------------------------------------------------------
 
@@ -672,6 +708,7 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "dtype": str(self.dtype).removeprefix("torch."),
             "quantization": self.quantization,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "cpu_kernels": self.cpu_kernels,
             "weight_bytes": self.weight_bytes,
         }

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from sluice.core.request import Request
-from sluice.engine.prefix_cache import extend_block_hashes
+from sluice.engine.prefix_cache import ROOT_HASH, extend_block_hashes
 
 # A released block's place in a request's block table (see the module docstring).
 NO_BLOCK = -1
@@ -136,8 +136,10 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool,
         window: int | None = None,
+        hash_root: int = ROOT_HASH,
     ) -> None:
         self.block_size = block_size
+        self.hash_root = hash_root  # the prefix chain's seed (prefix_cache.root_hash)
         self.enable_prefix_caching = enable_prefix_caching
         # Every layer's sliding window (ModelConfig.kv_window): blocks before it are
         # released. None where some layer attends to the whole context.
@@ -177,7 +179,9 @@ class KVCacheManager:
         if not self.may_reuse_prefix(request):
             return CacheHit([], 0)
         bs = self.block_size
-        extend_block_hashes(request.block_hashes, request.all_token_ids, request.num_tokens, bs)
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, request.num_tokens, bs, self.hash_root
+        )
         max_blocks = (request.num_tokens - 1) // bs
         blocks: list[int] = []
         for h in request.block_hashes[:max_blocks]:
@@ -305,7 +309,7 @@ class KVCacheManager:
         # before any request of the batch reads them. The names stay provisional until
         # the step has finished (commit_names).
         hashes = extend_block_hashes(
-            request.block_hashes, request.all_token_ids, num_tokens, self.block_size
+            request.block_hashes, request.all_token_ids, num_tokens, self.block_size, self.hash_root
         )
         num_full = num_tokens // self.block_size
         for i in range(request.num_named_blocks, num_full):

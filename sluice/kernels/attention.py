@@ -1,6 +1,7 @@
 """Bindings of the paged decode-attention kernel (csrc/paged_attention.cpp): attention of
 a few queries per sequence over K/V read in place from the block pool, and the write of
-new K/V into it."""
+new K/V into it. A pool is either the activations' dtype or int8 rows (a uint8 tensor
+whose last dimension is a row's bytes; sluice/attention/kv_int8.py)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,18 @@ _PAGED_ARGS = (
 )
 _PAGED_ATTENTION_F32 = c_function("sluice_paged_attention_f32", None, *_PAGED_ARGS)
 _PAGED_ATTENTION_BF16 = c_function("sluice_paged_attention_bf16", None, *_PAGED_ARGS)
+_PAGED_ATTENTION_F32_KV8 = c_function("sluice_paged_attention_f32_kv8", None, *_PAGED_ARGS)
+_PAGED_ATTENTION_BF16_KV8 = c_function("sluice_paged_attention_bf16_kv8", None, *_PAGED_ARGS)
 # k, v, src_stride, k_cache, v_cache, slots, tokens, kv_heads, block_size, head_dim,
 # element size
 _WRITE_KV = c_function(
     "sluice_write_kv",
+    None,
+    *(POINTER, POINTER, INT64, POINTER, POINTER, POINTER, INT64, INT, INT, INT, INT),
+)
+# k, v, src_stride, k_cache, v_cache, slots, tokens, kv_heads, block_size, head_dim, bf16
+_WRITE_KV_INT8 = c_function(
+    "sluice_write_kv_int8",
     None,
     *(POINTER, POINTER, INT64, POINTER, POINTER, POINTER, INT64, INT, INT, INT, INT),
 )
@@ -48,12 +57,16 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_queries, heads, d] contiguous, written in place
     window: int | None = None,  # sliding window: each query sees its last `window` positions
 ) -> torch.Tensor:
-    heads, d = q.shape[1], q.shape[2]
+    heads, d = q.shape[1], q.shape[2]  # d, not the pool's last dim: an int8 row is longer
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
     if out is None:
         out = q.new_empty(q.shape)
-    fn = _PAGED_ATTENTION_BF16 if q.dtype == torch.bfloat16 else _PAGED_ATTENTION_F32
+    bf16 = q.dtype == torch.bfloat16
+    if k_cache.dtype == torch.uint8:  # int8 rows
+        fn = _PAGED_ATTENTION_BF16_KV8 if bf16 else _PAGED_ATTENTION_F32_KV8
+    else:
+        fn = _PAGED_ATTENTION_BF16 if bf16 else _PAGED_ATTENTION_F32
     fn(
         lib,
         ptr(q),
@@ -84,9 +97,17 @@ def write_kv(
     v_cache: torch.Tensor,
     slots: torch.Tensor,  # [T] int64, contiguous
 ) -> None:
-    """Copy each token's K/V into its cache slot, in place."""
+    """Copy each token's K/V into its cache slot, in place (quantized, into an int8 pool)."""
     if k.stride(2) != 1 or k.stride(1) != k.shape[2] or k.stride() != v.stride():
         k, v = k.contiguous(), v.contiguous()
+    if k_cache.dtype == torch.uint8:
+        _WRITE_KV_INT8(
+            lib,
+            *(ptr(k), ptr(v), k.stride(0), ptr(k_cache), ptr(v_cache), ptr(slots)),
+            *(k.shape[0], k_cache.shape[1], k_cache.shape[2], k.shape[2]),
+            int(k.dtype == torch.bfloat16),
+        )
+        return
     _WRITE_KV(
         lib,
         ptr(k),

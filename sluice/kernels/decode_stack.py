@@ -41,8 +41,8 @@ _DECODE_STACK = c_function(
     *(INT, INT, INT, INT, INT, INT, INT, FLOAT, FLOAT),
     # h, cos, sin, rows
     *(POINTER, POINTER, POINTER, INT),
-    # slots, block tables, max_blocks, query_start, ctx_end, seqs
-    *(POINTER, POINTER, INT64, POINTER, POINTER, INT),
+    # slots, block tables, max_blocks, query_start, ctx_end, seqs, kv_int8
+    *(POINTER, POINTER, INT64, POINTER, POINTER, INT, INT),
 )
 
 
@@ -104,6 +104,7 @@ class StackShape:
     block_size: int
     eps: float
     scale: float  # of the attention scores
+    kv_int8: bool = False  # the K/V pools hold int8 rows (sluice/attention/kv_int8.py)
 
 
 def decode_stack(
@@ -143,5 +144,6 @@ def decode_stack(
         ptr(query_start),
         ptr(ctx_end),
         block_tables.shape[0],
+        int(shape.kv_int8),
     )
     return h

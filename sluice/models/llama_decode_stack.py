@@ -121,7 +121,8 @@ def layer_fields(
     found = [f for f in linears if f is not None]
     if len(found) < len(linears):
         return None
-    if any(w.dtype != dtype for w in norms) or k_cache.dtype != dtype:
+    # The pools hold the activations' type, or int8 rows (one byte tensor, every layer).
+    if any(w.dtype != dtype for w in norms) or k_cache.dtype not in (dtype, torch.uint8):
         return None
     bias = attn.qkv_proj.bias
     if bias is not None and bias.dtype != dtype:
@@ -149,6 +150,7 @@ class LlamaDecodeStack:
         table: decode_stack.LayerTable,
         max_rows: int,
         block_size: int,
+        kv_int8: bool,
     ) -> None:
         self.lib = lib
         self.formats = formats  # of the linears' weights (decode_stack.FORMAT_*, qblock's)
@@ -166,6 +168,7 @@ class LlamaDecodeStack:
             block_size=block_size,
             eps=c.rms_norm_eps,
             scale=c.head_dim**-0.5,
+            kv_int8=kv_int8,
         )
 
     @classmethod
@@ -218,7 +221,11 @@ class LlamaDecodeStack:
             return None
         block_size = kv_caches[0][0].shape[2]  # pools are [blocks, kv_heads, block_size, d]
         table = decode_stack.LayerTable(lib, rows)  # in the library's field order
-        return cls(lib, model, frozenset(formats), table, max_rows, block_size)
+        kv_dtypes = {k.dtype for k, _ in kv_caches}
+        if len(kv_dtypes) != 1:  # one pool format for the whole stack
+            return None
+        kv_int8 = kv_dtypes == {torch.uint8}
+        return cls(lib, model, frozenset(formats), table, max_rows, block_size, kv_int8)
 
     def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Steps whose tokens all go to the paged kernel and our weight-only kernels (and

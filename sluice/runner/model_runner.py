@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sluice.attention import AttentionMetadata, PrefillSpan, select_backend
+from sluice.attention import AttentionMetadata, PrefillSpan, kv_int8, select_backend
 from sluice.attention.step import StepContext, step_context
 from sluice.config import ModelConfig
-from sluice.core.choices import WeightQuantization
+from sluice.core.choices import KVCacheDType, WeightQuantization
 from sluice.core.quantized_tensor import QuantizedTensor
 from sluice.core.request import Request
 from sluice.layers.block_quant import weight_bytes
@@ -40,9 +40,60 @@ class ModelOutput:
 SMALL_CHUNK_TOKENS = 16
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * elem
+def kv_bytes_per_block(
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: KVCacheDType = "auto",
+    skip_layers: tuple[int, ...] = (),
+) -> int:
+    """Bytes one block takes over all layers' K and V pools."""
+    rows = 2 * block_size * config.num_kv_heads  # K and V rows of one layer's block
+    full = config.head_dim * torch.empty((), dtype=dtype).element_size()
+    if kv_cache_dtype == "auto":
+        return config.num_layers * rows * full
+    num_full = len(_full_precision_layers(config, kv_cache_dtype, skip_layers))
+    int8_row = kv_int8.row_bytes(config.head_dim)
+    return rows * (num_full * full + (config.num_layers - num_full) * int8_row)
+
+
+def _full_precision_layers(
+    config: ModelConfig, kv_cache_dtype: KVCacheDType, skip_layers: tuple[int, ...]
+) -> list[int]:
+    if kv_cache_dtype == "auto":
+        return list(range(config.num_layers))
+    return [i for i in skip_layers if i < config.num_layers]
+
+
+def allocate_kv_pools(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cache_dtype: KVCacheDType = "auto",
+    skip_layers: tuple[int, ...] = (),
+) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The pools (one per storage format: [layers, 2, blocks, kv_heads, block_size, row])
+    and each layer's (K, V) view into its pool. Within a block each head's tokens are
+    contiguous (what the decode kernel streams); a row is head_dim values of `dtype`,
+    or an int8 row's bytes (attention/kv_int8.py) for quantized layers."""
+    full = _full_precision_layers(config, kv_cache_dtype, skip_layers)
+    quantized = [i for i in range(config.num_layers) if i not in full]
+    pools: list[torch.Tensor] = []
+    caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    kv_heads, d = config.num_kv_heads, config.head_dim
+    for layers, elem, row in (
+        (full, dtype, d),
+        (quantized, torch.uint8, kv_int8.row_bytes(d)),
+    ):
+        if not layers:
+            continue
+        shape = (len(layers), 2, num_blocks, kv_heads, block_size, row)
+        pool = allocate_zeroed(shape, elem, device)
+        pools.append(pool)
+        caches.update({layer: (pool[j, 0], pool[j, 1]) for j, layer in enumerate(layers)})
+    return pools, [caches[i] for i in range(config.num_layers)]
 
 
 def allocate_zeroed(
@@ -78,6 +129,8 @@ class ModelRunner:
         max_model_len: int,
         quantization: WeightQuantization = "none",
         compile: bool = False,
+        kv_cache_dtype: KVCacheDType = "auto",
+        kv_cache_skip_layers: tuple[int, ...] = (),
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -108,13 +161,13 @@ class ModelRunner:
         self.forward = (
             torch.compile(self.model, dynamic=True, fullgraph=True) if compile else self.model
         )
-        # Per layer, K and V pools of [blocks, kv_heads, block_size, head_dim]: within a
-        # block each head's tokens are contiguous (what the decode kernel streams).
-        shape = (config.num_layers, 2, num_blocks, config.num_kv_heads, block_size, config.head_dim)
-        self.kv_cache = allocate_zeroed(shape, dtype, device)
-        self.kv_caches = [
-            (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)
-        ]
+        if kv_cache_dtype == "int8":
+            kv_int8.check_head_dim(config.head_dim)
+        self.kv_cache_dtype = kv_cache_dtype
+        # Per layer, K and V pools of [blocks, kv_heads, block_size, row].
+        self.kv_pools, self.kv_caches = allocate_kv_pools(
+            config, num_blocks, block_size, dtype, device, kv_cache_dtype, kv_cache_skip_layers
+        )
         # Small decode steps skip the Python model where all of it runs on our kernels.
         self.decode_stack = LlamaDecodeStack.build(self.model, self.backend, self.kv_caches)
 
@@ -127,23 +180,35 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        for pool in self.kv_pools:
+            pool[:, :, dst] = pool[:, :, src]
 
     def read_block(self, block: int) -> torch.Tensor:
-        """A copy of one block's bytes, every layer's K and V (a flat uint8 tensor): what
-        a KV connector saves. Built on the pool's block axis only, not its inner layout."""
-        data = self.kv_cache[:, :, block].clone(memory_format=torch.contiguous_format)
-        return data.view(torch.uint8).reshape(-1)
+        """A copy of one block's bytes, every layer's K and V in every pool (a flat uint8
+        tensor): what a KV connector saves. Built on the pools' block axis only, not their
+        inner layout (an int8 pool's rows are bytes already)."""
+        parts = [
+            pool[:, :, block].clone(memory_format=torch.contiguous_format).view(torch.uint8)
+            for pool in self.kv_pools
+        ]
+        return torch.cat([p.reshape(-1) for p in parts])
 
     def write_block(self, block: int, data: torch.Tensor) -> None:
         """Put bytes `read_block` gave (here or in an earlier process) into `block`."""
-        target = self.kv_cache[:, :, block]
-        target.copy_(data.view(target.dtype).view(target.shape))
+        offset = 0
+        for pool in self.kv_pools:
+            target = pool[:, :, block]
+            n = target.numel() * target.element_size()
+            target.copy_(data[offset : offset + n].view(target.dtype).view(target.shape))
+            offset += n
 
     def kv_block_layout(self) -> str:
-        """The pool's element type and one block's shape, e.g. float32[30,2,3,16,64]."""
-        shape = self.kv_cache[:, :, 0].shape
-        return f"{str(self.kv_cache.dtype).removeprefix('torch.')}[{','.join(map(str, shape))}]"
+        """Each pool's element type and one block's shape, e.g. float32[30,2,3,16,64], or
+        float32[2,2,3,16,64]+uint8[28,2,3,16,68] with full-precision layers beside int8."""
+        return "+".join(
+            f"{str(p.dtype).removeprefix('torch.')}[{','.join(map(str, p[:, :, 0].shape))}]"
+            for p in self.kv_pools
+        )
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> ModelOutput:

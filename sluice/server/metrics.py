@@ -193,8 +193,9 @@ class ServerMetrics:
         # dashboard can tell which kernel level (avx512, avx2, generic) served a figure.
         self._engine_info = Gauge(
             "sluice_engine_info",
-            "The engine's configuration: dtype, weight quantization, CPU kernel level.",
-            [*labels, "dtype", "quantization", "cpu_kernels"],
+            "The engine's configuration: dtype, weight quantization, KV cache dtype, CPU "
+            "kernel level.",
+            [*labels, "dtype", "quantization", "kv_cache_dtype", "cpu_kernels"],
             registry=r,
         )
 
@@ -223,7 +224,8 @@ class ServerMetrics:
             value = stats.get(key)
             if isinstance(value, int | float):
                 gauge.set(float(value))
-        info = [str(stats.get(k, "unknown")) for k in ("dtype", "quantization", "cpu_kernels")]
+        keys = ("dtype", "quantization", "kv_cache_dtype", "cpu_kernels")
+        info = [str(stats.get(k, "unknown")) for k in keys]
         self._engine_info.clear()
         self._engine_info.labels(self._model, *info).set(1)
         return generate_latest(self.registry)

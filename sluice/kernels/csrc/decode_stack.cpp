@@ -54,6 +54,7 @@ static_assert(sizeof(kFieldNames) / sizeof(kFieldNames[0]) == kLayerFields, "fie
 struct Shape {
   int layers, hidden, heads, kv_heads, head_dim, inter, block_size;
   float eps, scale;
+  bool kv_int8;  // the K/V pools are int8 rows (kv_int8.h), else the activations' type
 };
 
 struct Batch {
@@ -97,6 +98,21 @@ inline int activation_group(const int64_t* layer, Field packed) {
   return format == kFormatInt4 || format == kFormatInt8 ? 0 : static_cast<int>(format % 100);
 }
 
+// This step's new K/V rows (token stride `stride`) into layer L's pools.
+template <typename T>
+void write_kv(const Shape& s, const int64_t* L, const Batch& b, const T* k, const T* v,
+              int64_t stride, int rows) {
+  void* kc = reinterpret_cast<void*>(L[kKCache]);
+  void* vc = reinterpret_cast<void*>(L[kVCache]);
+  if (s.kv_int8)
+    sluice::write_kv_int8(k, v, stride, static_cast<sluice::kv8*>(kc),
+                          static_cast<sluice::kv8*>(vc), b.slots, rows, s.kv_heads,
+                          s.block_size, s.head_dim);
+  else
+    sluice::write_kv(k, v, stride, kc, vc, b.slots, rows, s.kv_heads, s.block_size, s.head_dim,
+                     sizeof(T));
+}
+
 template <typename T>
 void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* cos,
          const T* sin) {
@@ -132,14 +148,18 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
           }
       // q and k heads rotate together; then k and v go to the cache before attention.
       sluice::rotary(qkv.data(), M, qkv_n, s.heads + s.kv_heads, s.head_dim, cos, sin);
-      sluice::write_kv(qkv.data() + q_size, qkv.data() + q_size + kv_size, qkv_n,
-                       reinterpret_cast<void*>(L[kKCache]), reinterpret_cast<void*>(L[kVCache]),
-                       b.slots, M, s.kv_heads, s.block_size, s.head_dim, sizeof(T));
+      write_kv<T>(s, L, b, qkv.data() + q_size, qkv.data() + q_size + kv_size, qkv_n, M);
     }
-    sluice::attend_tasks(qkv.data(), at<T>(L, kKCache), at<T>(L, kVCache), b.tables,
-                         b.max_blocks, b.q_start, b.ctx_end, attn.data(), b.seqs, s.heads,
-                         s.kv_heads, s.head_dim, s.block_size, s.scale,
-                         static_cast<int64_t>(qkv_n), /*window=*/0);
+    if (s.kv_int8)
+      sluice::attend_tasks(qkv.data(), at<sluice::kv8>(L, kKCache), at<sluice::kv8>(L, kVCache),
+                           b.tables, b.max_blocks, b.q_start, b.ctx_end, attn.data(), b.seqs,
+                           s.heads, s.kv_heads, s.head_dim, s.block_size, s.scale,
+                           static_cast<int64_t>(qkv_n), /*window=*/0);
+    else
+      sluice::attend_tasks(qkv.data(), at<T>(L, kKCache), at<T>(L, kVCache), b.tables,
+                           b.max_blocks, b.q_start, b.ctx_end, attn.data(), b.seqs, s.heads,
+                           s.kv_heads, s.head_dim, s.block_size, s.scale,
+                           static_cast<int64_t>(qkv_n), /*window=*/0);
 #pragma omp single
     xa.quantize(attn.data(), M, q_size, activation_group(L, kOPacked));
     linear(L, kOPacked, xa, M, q_size, H, h);
@@ -173,13 +193,16 @@ const char* sluice_decode_stack_field(int i) {
 }
 
 // h [rows, hidden]: the embeddings in, the stack's output (before the final norm) out.
-// cos/sin [rows, head_dim / 2]; slots, tables, q_start, ctx_end as for the paged kernel.
+// cos/sin [rows, head_dim / 2]; slots, tables, q_start, ctx_end as for the paged kernel;
+// kv_int8: the layers' K/V pools are int8 rows (kv_int8.h).
 void sluice_decode_stack(int bf16, const int64_t* fields, int layers, int hidden, int heads,
                          int kv_heads, int head_dim, int inter, int block_size, float eps,
                          float scale, void* h, const void* cos, const void* sin, int rows,
                          const int64_t* slots, const int64_t* tables, int64_t max_blocks,
-                         const int64_t* q_start, const int64_t* ctx_end, int seqs) {
-  const Shape s{layers, hidden, heads, kv_heads, head_dim, inter, block_size, eps, scale};
+                         const int64_t* q_start, const int64_t* ctx_end, int seqs,
+                         int kv_int8) {
+  const Shape s{layers,     hidden, heads, kv_heads,     head_dim,
+                inter,      block_size, eps, scale, kv_int8 != 0};
   const Batch b{rows, slots, tables, max_blocks, q_start, ctx_end, seqs};
   if (bf16)
     run(s, fields, b, static_cast<uint16_t*>(h), static_cast<const uint16_t*>(cos),

@@ -8,8 +8,8 @@
 
 namespace {
 
-template <typename T>
-void attend(const T* q, const T* k, const T* v, const int64_t* bt, int64_t max_blocks,
+template <typename T, typename C>
+void attend(const T* q, const C* k, const C* v, const int64_t* bt, int64_t max_blocks,
             const int64_t* qs, const int64_t* ctx, T* out, int num_seqs, int num_heads,
             int num_kv_heads, int head_dim, int block_size, float scale, int64_t q_stride,
             int64_t window) {
@@ -43,6 +43,45 @@ void sluice_paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uin
                                  float scale, int64_t q_stride, int64_t window) {
   attend(q, k, v, bt, max_blocks, qs, ctx, out, num_seqs, num_heads, num_kv_heads, head_dim,
          block_size, scale, q_stride, window);
+}
+
+// The same over an int8 pool (kv_int8.h): k and v point at its rows' bytes.
+void sluice_paged_attention_f32_kv8(const float* q, const void* k, const void* v,
+                                    const int64_t* bt, int64_t max_blocks, const int64_t* qs,
+                                    const int64_t* ctx, float* out, int num_seqs,
+                                    int num_heads, int num_kv_heads, int head_dim,
+                                    int block_size, float scale, int64_t q_stride,
+                                    int64_t window) {
+  attend(q, static_cast<const sluice::kv8*>(k), static_cast<const sluice::kv8*>(v), bt,
+         max_blocks, qs, ctx, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+         scale, q_stride, window);
+}
+
+void sluice_paged_attention_bf16_kv8(const uint16_t* q, const void* k, const void* v,
+                                     const int64_t* bt, int64_t max_blocks, const int64_t* qs,
+                                     const int64_t* ctx, uint16_t* out, int num_seqs,
+                                     int num_heads, int num_kv_heads, int head_dim,
+                                     int block_size, float scale, int64_t q_stride,
+                                     int64_t window) {
+  attend(q, static_cast<const sluice::kv8*>(k), static_cast<const sluice::kv8*>(v), bt,
+         max_blocks, qs, ctx, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+         scale, q_stride, window);
+}
+
+// New K/V rows quantized into an int8 pool; bf16: the rows are bf16, else fp32.
+void sluice_write_kv_int8(const void* k, const void* v, int64_t src_stride, void* k_cache,
+                          void* v_cache, const int64_t* slots, int64_t num_tokens,
+                          int num_kv_heads, int block_size, int head_dim, int bf16) {
+  auto* kc = static_cast<sluice::kv8*>(k_cache);
+  auto* vc = static_cast<sluice::kv8*>(v_cache);
+  if (bf16)
+    sluice::write_kv_int8(static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v),
+                          src_stride, kc, vc, slots, num_tokens, num_kv_heads, block_size,
+                          head_dim);
+  else
+    sluice::write_kv_int8(static_cast<const float*>(k), static_cast<const float*>(v),
+                          src_stride, kc, vc, slots, num_tokens, num_kv_heads, block_size,
+                          head_dim);
 }
 
 void sluice_write_kv(const void* k, const void* v, int64_t src_stride, void* k_cache,

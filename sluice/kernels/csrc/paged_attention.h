@@ -6,7 +6,8 @@
 // them, so blocks wholly outside the window may hold anything). Exact
 // two-pass softmax in fp32. Blocks are [kv_heads, block_size, head_dim]: a task reads
 // its head's rows of a block as one contiguous run (DRAM-friendly, unlike 128-byte
-// pieces at a stride of all heads).
+// pieces at a stride of all heads). An int8 pool (kv_int8.h) is read the same way, its
+// rows widened to fp32 in registers as they are used: no dequantized copy anywhere.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -15,6 +16,7 @@
 
 #include "dtype.h"
 #include "isa.h"
+#include "kv_int8.h"
 
 namespace sluice {
 
@@ -87,6 +89,14 @@ struct GenericMath {
     for (int i = 0; i < d; ++i) row.v[i] = sluice::to_float(p[i]);
     return row;
   }
+  Row widen(const kv8* p) const {
+    Row row;
+    for (int g = 0; g < d / kKvGroup; ++g) {
+      const float s = half_to_float(kv8_scale_bits(p, d, g));
+      for (int i = g * kKvGroup; i < (g + 1) * kKvGroup; ++i) row.v[i] = p[i].v * s;
+    }
+    return row;
+  }
   float dot(const float* q, const Row& row) const {
     float s = 0.f;
     for (int i = 0; i < d; ++i) s += q[i] * row.v[i];
@@ -141,6 +151,19 @@ struct Avx512Math {
   Row widen(const T* p) const {
     Row row;
     for (int i = 0; i < kVecs; ++i) row.v[i] = load16(p + 16 * i);
+    return row;
+  }
+  // Int8 rows: 16 bytes sign-extended to 16 floats, times their group's scale.
+  Row widen(const kv8* p) const {
+    const char* b = reinterpret_cast<const char*>(p);
+    Row row;
+    for (int g = 0; g < D / kKvGroup; ++g) {
+      const __m512 s = _mm512_set1_ps(_cvtsh_ss(kv8_scale_bits(p, D, g)));
+      for (int j = 0; j < 2; ++j) {
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 * g + 16 * j));
+        row.v[2 * g + j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)), s);
+      }
+    }
     return row;
   }
   float dot(const float* q, const Row& row) const {
@@ -214,6 +237,19 @@ struct Avx2Math {
     for (int i = 0; i < kVecs; ++i) row.v[i] = load8(p + 8 * i);
     return row;
   }
+  // Int8 rows: 8 bytes sign-extended to 8 floats, times their group's scale.
+  Row widen(const kv8* p) const {
+    const char* b = reinterpret_cast<const char*>(p);
+    Row row;
+    for (int g = 0; g < D / kKvGroup; ++g) {
+      const __m256 s = _mm256_set1_ps(_cvtsh_ss(kv8_scale_bits(p, D, g)));
+      for (int j = 0; j < 4; ++j) {
+        const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 32 * g + 8 * j));
+        row.v[4 * g + j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)), s);
+      }
+    }
+    return row;
+  }
   float dot(const float* q, const Row& row) const {
     __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(q), row.v[0]);
     __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(q + 8), row.v[1]);
@@ -248,16 +284,18 @@ using VecMath = Avx2Math<D>;
 
 // The (sequence, kv head) tasks, shared out by an orphaned `omp for`: called by every
 // thread of an enclosing parallel region (or alone, serially), with a barrier at the end.
-template <typename T, typename Math>
-void attend_tasks(const Math& math, const T* q, const T* k_cache, const T* v_cache,
+template <typename T, typename C, typename Math>
+void attend_tasks(const Math& math, const T* q, const C* k_cache, const C* v_cache,
                   const int64_t* block_tables, int64_t max_blocks, const int64_t* query_start,
                   const int64_t* ctx_end, T* out, int num_seqs, int num_heads,
                   int num_kv_heads, int block_size, float scale, int64_t q_stride,
                   int64_t window) {
   const int head_dim = math.dim();  // a constant where the policy fixes it
   const int group = num_heads / num_kv_heads;
-  // Block layout [kv_heads, block_size, head_dim]: one head's tokens are contiguous.
-  const int64_t head_stride = static_cast<int64_t>(block_size) * head_dim;
+  // Block layout [kv_heads, block_size, row]: one head's tokens are contiguous. A row
+  // is head_dim values, or an int8 row's bytes (kv_int8.h).
+  const int row = row_elems(k_cache, head_dim);
+  const int64_t head_stride = static_cast<int64_t>(block_size) * row;
   const int64_t block_stride = head_stride * num_kv_heads;
   {
     std::vector<float> qf, scores, acc, mx, sum;
@@ -297,8 +335,8 @@ void attend_tasks(const Math& math, const T* q, const T* k_cache, const T* v_cac
         };
         // Pass 1: scores and their max; each K row is widened to fp32 once for all
         // query rows of the group.
-        HeadRows<T> keys(k_cache, table, ctx, block_size, block_stride, h * head_stride,
-                         head_dim, t0);
+        HeadRows<C> keys(k_cache, table, ctx, block_size, block_stride, h * head_stride, row,
+                         t0);
         for (int64_t t = t0; t < ctx; ++t) {
           const typename Math::Row row = math.widen(keys.next());
           int r0, r1;
@@ -316,8 +354,8 @@ void attend_tasks(const Math& math, const T* q, const T* k_cache, const T* v_cac
           sum[r] = math.exp_sum(scores.data() + r * span + lo - t0, hi - lo, mx[r]);
         }
         // Pass 2: weighted sum of V.
-        HeadRows<T> values(v_cache, table, ctx, block_size, block_stride, h * head_stride,
-                           head_dim, t0);
+        HeadRows<C> values(v_cache, table, ctx, block_size, block_stride, h * head_stride,
+                           row, t0);
         for (int64_t t = t0; t < ctx; ++t) {
           const typename Math::Row row = math.widen(values.next());
           int r0, r1;
@@ -347,9 +385,10 @@ inline bool vectorized_head_dim(int head_dim) {
 #endif
 }
 
-// attend_tasks with the fastest math for head_dim; inside a parallel region.
-template <typename T>
-void attend_tasks(const T* q, const T* k, const T* v, const int64_t* bt, int64_t max_blocks,
+// attend_tasks with the fastest math for head_dim; inside a parallel region. C is the
+// pool's element: T itself, or kv8 for an int8 pool.
+template <typename T, typename C>
+void attend_tasks(const T* q, const C* k, const C* v, const int64_t* bt, int64_t max_blocks,
                   const int64_t* qs, const int64_t* ctx, T* out, int num_seqs, int num_heads,
                   int num_kv_heads, int head_dim, int block_size, float scale,
                   int64_t q_stride, int64_t window) {
