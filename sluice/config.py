@@ -11,11 +11,13 @@ import torch
 from sluice.core.choices import (
     ARCHITECTURES,
     DEVICE_KINDS,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPES,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     Architecture,
+    DistributedExecutorBackend,
     DType,
     Quantization,
     SchedulingPolicy,
@@ -194,6 +196,12 @@ class EngineConfig:
     # like `model`); it must share the target's tokenizer. Giving it alone implies
     # speculative_method="draft".
     speculative_model: str | None = None
+    # Data parallelism: this many whole engines (each its own process, threads and KV
+    # pool) behind one front end; 1 runs the engine in the serving process itself.
+    data_parallel_size: int = 1
+    # How the replicas run: "mp" (processes on this machine) or "ray" (Ray actors,
+    # on any machine of a Ray cluster).
+    distributed_executor_backend: DistributedExecutorBackend = "mp"
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -201,7 +209,7 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(name, f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "data_parallel_size"):
             positive(name)
         if self.max_model_len is not None:
             positive("max_model_len")
@@ -217,6 +225,12 @@ class EngineConfig:
             "quantization", self.quantization, QUANTIZATIONS, ConfigError
         )
         self.dtype = parse_choice("dtype", self.dtype, DTYPES, ConfigError)
+        self.distributed_executor_backend = parse_choice(
+            "distributed_executor_backend",
+            self.distributed_executor_backend,
+            DISTRIBUTED_EXECUTOR_BACKENDS,
+            ConfigError,
+        )
         self._check_speculation()
         if self.chat_template is not None and (
             not isinstance(self.chat_template, str) or not self.chat_template.strip()
