@@ -31,13 +31,3 @@ class ReplicaHandle(Protocol):
 
 StartReplica = Callable[[int, EngineConfig], ReplicaHandle]
 
-
-def starter(backend: str) -> StartReplica:
-    """How replicas start under `backend` ("mp" or "ray"); Ray is imported only here."""
-    if backend == "ray":
-        from sluice.distributed.ray_backend import start_ray_replica
-
-        return start_ray_replica
-    from sluice.distributed.mp_backend import start_mp_replica
-
-    return start_mp_replica

@@ -31,7 +31,7 @@ from sluice.core.errors import (
     QueueFullError,
     RequestError,
 )
-from sluice.distributed.backend import StartReplica, starter
+from sluice.distributed.backend import StartReplica
 from sluice.distributed.messages import (
     AbortRequest,
     Accepted,
@@ -52,6 +52,17 @@ from sluice.sampling_params import SamplingParams
 logger = logging.getLogger("sluice.distributed")
 
 STARTUP_TIMEOUT_S = 600.0
+
+
+def starter(backend: str) -> StartReplica:
+    """How replicas start under `backend` ("mp" or "ray"); Ray is imported only here."""
+    if backend == "ray":
+        from sluice.distributed.ray_backend import start_ray_replica
+
+        return start_ray_replica
+    from sluice.distributed.mp_backend import start_mp_replica
+
+    return start_mp_replica
 
 
 def replica_config(config: EngineConfig) -> EngineConfig:
@@ -107,6 +118,9 @@ class DataParallelLLM:
         self._requests: dict[str, _Inflight] = {}
         self._parked: list[_Inflight] = []
         self._loads = [0] * n
+        # Requests of dead replicas: sent again elsewhere, or ended with an error.
+        self.num_resent = 0
+        self.num_lost = 0
         self._ids = itertools.count()
         self._accepting = True
         self._stopped = False
@@ -191,6 +205,8 @@ class DataParallelLLM:
             loads = list(self._loads)
         snap = merged_stats(self.replicas, loads, self.router.counts)
         snap["num_pending"] = pending
+        snap["num_resent_after_replica_death"] = self.num_resent
+        snap["num_lost_to_replica_death"] = self.num_lost
         snap["engine_alive"] = self.is_running
         return snap
 
@@ -327,6 +343,8 @@ class DataParallelLLM:
             for e in lost:
                 del self._requests[e.request_id]
             moves = [(e, self._place(e)) for e in mine if not e.streamed]
+            self.num_resent += len(moves)
+            self.num_lost += len(lost)
         if was_alive:
             logger.warning(
                 "replica %d died: %d requests re-sent, %d ended with an error",
