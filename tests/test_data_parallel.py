@@ -135,7 +135,9 @@ def test_zz_a_killed_replica_loses_only_what_it_streamed(server: Server) -> None
         jobs = [asyncio.to_thread(_stream, server, p, max_tokens) for p in prompts]
         tasks = [asyncio.ensure_future(j) for j in jobs]
         deadline = time.monotonic() + 60
-        while stats(server)["replicas"][0]["num_running"] == 0:  # let it start generating
+        # Kill once replica 0 has sent tokens (so some of its streams have begun).
+        generated = victim["num_generated_tokens"]
+        while stats(server)["replicas"][0]["num_generated_tokens"] < generated + 4:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
         os.kill(victim["pid"], signal.SIGKILL)

@@ -57,8 +57,9 @@ STARTUP_TIMEOUT_S = 600.0
 def starter(backend: str) -> StartReplica:
     """How replicas start under `backend` ("mp" or "ray"); Ray is imported only here."""
     if backend == "ray":
-        from sluice.distributed.ray_backend import start_ray_replica
+        from sluice.distributed.ray_backend import connect, start_ray_replica
 
+        connect()  # here, before the replicas' threads start
         return start_ray_replica
     from sluice.distributed.mp_backend import start_mp_replica
 

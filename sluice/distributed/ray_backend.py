@@ -79,11 +79,20 @@ class ReplicaActor:
 _RemoteActor: Any = ray.remote(ReplicaActor)
 
 
+_init_lock = threading.Lock()
+
+
+def connect() -> None:
+    """Join the cluster RAY_ADDRESS or `ray start` names, else start a local one; once,
+    whichever thread asks first."""
+    with _init_lock:
+        if not ray.is_initialized():
+            ray.init(log_to_driver=False)
+
+
 class RayReplica:
     def __init__(self, index: int, config: EngineConfig) -> None:
-        if not ray.is_initialized():
-            # Joins the cluster RAY_ADDRESS or `ray start` names, else starts a local one.
-            ray.init(ignore_reinit_error=True, log_to_driver=False)
+        connect()
         self.actor = _RemoteActor.options(
             name=None, num_cpus=config.threads(), max_concurrency=4
         ).remote(config)

@@ -65,6 +65,7 @@ def _one(r: ReplicaClient, load: int, counts: RouteCounts) -> dict[str, Any]:
         "num_running": s.get("num_running", 0),
         "num_waiting": s.get("num_waiting", 0),
         "num_requests": s.get("num_requests", 0),
+        "num_generated_tokens": s.get("num_generated_tokens", 0),
         "kv_usage": s.get("kv_usage", 0.0),
         "kv_free_blocks": s.get("kv_free_blocks", 0),
         "kv_total_blocks": s.get("kv_total_blocks", 0),
