@@ -40,6 +40,13 @@ _OPTION_HELP = {
     "alias, .gguf file or Hugging Face directory with the target's tokenizer",
     "num_speculative_tokens": "at most this many draft tokens verified per request and "
     "step (default: 4); fewer, or none, where the cost model says they would not pay",
+    "data_parallel_size": "engine replicas behind one server, each its own process (or Ray "
+    "actor) with its own KV pool; requests go to the replica holding their prefix, else the "
+    "least loaded; --num-threads is shared out among them (default: 1, the engine in the "
+    "server's process)",
+    "distributed_executor_backend": "how replicas run: mp, processes on this machine; ray, "
+    "Ray actors on a Ray cluster (joins the one `ray start` made, else starts a local one; "
+    "pip install 'sluice[dist]') (default: mp)",
     "chat_template": "a Jinja chat template to use instead of the model's: a file, the "
     "template text, or a bundled one (hermes_tools: Hermes-style tool calling for ChatML "
     "models; default: the model's own)",

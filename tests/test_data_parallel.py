@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +23,14 @@ import pytest
 from conftest import PROMPTS
 from serving import Server, serve, wait_idle
 
+from sluice.config import EngineConfig
+from sluice.core.errors import EngineStepError
+from sluice.distributed import DataParallelLLM
+from sluice.distributed.backend import ReplicaDied
+from sluice.distributed.messages import Stop
+from sluice.distributed.replica import run_replica
 from sluice.distributed.router import Router
+from sluice.outputs import CompletionOutput, RequestOutput
 from sluice.sampling_params import SamplingParams
 
 # The server's tests start two replica processes (a minute on two busy cores): `make
@@ -199,3 +208,136 @@ def test_router_remembers_at_most_a_replicas_capacity() -> None:
     assert router.counts[0].routed_by_prefix == 0  # forgotten, so not a prefix hit
     with pytest.raises(ValueError, match="no replica is alive"):
         router.choose([1, 2], [0], [False])
+
+
+# ---- the front end's bookkeeping on fake replicas (threads, no model) ------------------
+
+
+class OneAtATimeEngine:
+    """Runs its requests one after another, one token "x" per step: the others wait,
+    unstreamed, as queued requests do in a busy replica."""
+
+    max_model_len = 64
+
+    def __init__(self, config: Any) -> None:
+        self.groups: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+
+    def add_request(
+        self, request_id: str, prompt: Any, params: Any = None, **kw: Any
+    ) -> None:
+        self.groups[request_id] = (prompt, params, [])
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.groups.pop(request_id, None) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(0.01)
+        rid, (prompt, params, toks) = next(iter(self.groups.items()))
+        toks.append(7)
+        done = len(toks) >= params.max_tokens
+        if done:
+            del self.groups[rid]
+        text = "x" * len(toks)
+        out = CompletionOutput(0, text, list(toks), "length" if done else None, "x", [7])
+        return [RequestOutput(rid, None, prompt, [out], done)]
+
+    def stats(self) -> dict[str, Any]:
+        n = len(self.groups)
+        return {"num_running": min(n, 1), "num_waiting": max(n - 1, 0), "num_requests": n}
+
+
+class ThreadChannel:
+    """The replica's side of an in-process transport; silent once `dead` is set."""
+
+    def __init__(self, dead: threading.Event) -> None:
+        self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.dead = dead
+
+    def receive(self, timeout: float | None) -> list[Any]:
+        if self.dead.is_set():
+            return [Stop()]
+        try:
+            return [self.commands.get(timeout=0.05 if timeout is None else max(timeout, 1e-3))]
+        except queue.Empty:
+            return []
+
+    def send(self, event: Any) -> None:
+        if not self.dead.is_set():
+            self.events.put(event)
+
+
+class ThreadHandle:
+    """A ReplicaHandle running the real replica loop on a thread with OneAtATimeEngine;
+    `kill()` cuts the transport, as a dead process's pipe does."""
+
+    def __init__(self, index: int, config: Any) -> None:
+        self.dead = threading.Event()
+        self.channel = ThreadChannel(self.dead)
+        self.thread = threading.Thread(
+            target=run_replica, args=(config, self.channel, OneAtATimeEngine), daemon=True
+        )
+        self.thread.start()
+
+    def send(self, command: Any) -> None:
+        if not self.dead.is_set():
+            self.channel.commands.put(command)
+
+    def receive(self) -> Any:
+        while not self.dead.is_set():
+            try:
+                return self.channel.events.get(timeout=0.05)
+            except queue.Empty:
+                continue
+        raise ReplicaDied("killed")
+
+    def kill(self) -> None:
+        self.dead.set()
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+
+def test_a_dead_replicas_unstreamed_requests_move_and_streamed_ones_fail() -> None:
+    async def main() -> None:
+        dp = DataParallelLLM(EngineConfig(data_parallel_size=2), start=ThreadHandle)
+        try:
+            params = SamplingParams(max_tokens=20)
+            streams = [await dp.generate([i + 1] * 3, params) for i in range(6)]
+            on_zero = [s.request_id for s in streams if dp._requests[s.request_id].replica == 0]
+            assert len(on_zero) == 3  # least loaded alternates
+
+            async def consume(s: Any) -> int | str:
+                n = 0
+                try:
+                    async for out in s:
+                        n = len(out.outputs[0].token_ids)
+                        if s.request_id == on_zero[0] and n == 2:
+                            dp.replicas[0].kill()
+                except EngineStepError as exc:
+                    return str(exc)
+                return n
+
+            results = await asyncio.wait_for(asyncio.gather(*map(consume, streams)), 30)
+            by_id = dict(zip([s.request_id for s in streams], results, strict=True))
+            assert by_id.pop(on_zero[0]) == "replica 0 died while generating this request"
+            assert set(by_id.values()) == {20}  # the rest ran whole, two of them moved
+            stats = dp.stats()
+            assert stats["num_resent_after_replica_death"] == 2
+            assert stats["num_lost_to_replica_death"] == 1
+            deadline = time.monotonic() + 10
+            while not dp.replicas[0].alive:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert dp.replicas[0].restarts == 1
+            again = await dp.generate([5, 5], SamplingParams(max_tokens=3))
+            assert [len(o.outputs[0].token_ids) async for o in again][-1] == 3
+            assert dp.stats()["num_requests"] == 0 and not dp._requests
+        finally:
+            dp.shutdown()
+        assert not dp.is_running
+
+    asyncio.run(main())

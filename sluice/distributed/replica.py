@@ -12,6 +12,7 @@ import logging
 import os
 import pickle
 import time
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from sluice.config import EngineConfig
@@ -30,9 +31,19 @@ from sluice.distributed.messages import (
     Stop,
     Stopped,
 )
+from sluice.engine.async_engine import EngineLike
 from sluice.engine.engine import LLMEngine
 
 logger = logging.getLogger("sluice.distributed")
+
+
+class ReplicaEngine(EngineLike, Protocol):
+    """What the loop needs of its engine (LLMEngine; tests pass fakes)."""
+
+    @property
+    def groups(self) -> Mapping[str, object]:
+        """The requests it holds, by id."""
+        ...
 
 
 class ReplicaChannel(Protocol):
@@ -55,10 +66,14 @@ def portable(exc: BaseException) -> BaseException:
     return exc
 
 
-def run_replica(config: EngineConfig, channel: ReplicaChannel) -> None:
+def run_replica(
+    config: EngineConfig,
+    channel: ReplicaChannel,
+    make_engine: Callable[[EngineConfig], ReplicaEngine] = LLMEngine,
+) -> None:
     """Build the engine on this thread, then serve commands until Stop."""
     try:
-        engine = LLMEngine(config)
+        engine = make_engine(config)
     except Exception as exc:
         logger.exception("replica failed to start")
         channel.send(StartFailed(portable(exc)))
@@ -75,7 +90,7 @@ def run_replica(config: EngineConfig, channel: ReplicaChannel) -> None:
             _step(engine, channel)
 
 
-def _handle(engine: LLMEngine, channel: ReplicaChannel, commands: list[Command]) -> bool:
+def _handle(engine: ReplicaEngine, channel: ReplicaChannel, commands: list[Command]) -> bool:
     """Apply `commands`; False on Stop."""
     accepted: list[str] = []
     aborted = False
@@ -102,7 +117,7 @@ def _handle(engine: LLMEngine, channel: ReplicaChannel, commands: list[Command])
     return True
 
 
-def _step(engine: LLMEngine, channel: ReplicaChannel) -> None:
+def _step(engine: ReplicaEngine, channel: ReplicaChannel) -> None:
     try:
         outputs = engine.step()
     except Exception as exc:
