@@ -53,6 +53,10 @@ _OPTION_HELP = {
 }
 
 
+# Options of the server's data-parallel replicas: `generate` and `chat` run one engine.
+_ONE_ENGINE = frozenset({"data_parallel_size", "distributed_executor_backend"})
+
+
 def _flag_type(annotation: Any) -> tuple[type, tuple[str, ...] | None]:
     """The scalar type of a field annotated `T` or `T | None`, and its choices when T is
     a Literal."""
@@ -154,12 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     _sampling_options(gen, 256)
-    add_engine_options(gen, skip=frozenset({"seed"}))
+    add_engine_options(gen, skip=_ONE_ENGINE | {"seed"})
 
     chat = sub.add_parser("chat", help="interactive chat (reads stdin; /exit or EOF quits)")
     chat.add_argument("--system", default=None, help="a system prompt")
     _sampling_options(chat, 512)
-    add_engine_options(chat, skip=frozenset({"seed"}))
+    add_engine_options(chat, skip=_ONE_ENGINE | {"seed"})
 
     bench = sub.add_parser(
         "bench",

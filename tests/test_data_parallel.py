@@ -24,12 +24,13 @@ from conftest import PROMPTS
 from serving import Server, serve, wait_idle
 
 from sluice.config import EngineConfig
-from sluice.core.errors import EngineStepError
+from sluice.core.errors import ConfigError, EngineStepError, QueueFullError, RequestError
 from sluice.distributed import DataParallelLLM
 from sluice.distributed.backend import ReplicaDied
 from sluice.distributed.messages import Stop
 from sluice.distributed.replica import run_replica
 from sluice.distributed.router import Router
+from sluice.engine.engine import LLMEngine
 from sluice.outputs import CompletionOutput, RequestOutput
 from sluice.sampling_params import SamplingParams
 
@@ -341,3 +342,27 @@ def test_a_dead_replicas_unstreamed_requests_move_and_streamed_ones_fail() -> No
         assert not dp.is_running
 
     asyncio.run(main())
+
+
+def test_bad_options_name_their_field() -> None:
+    for kwargs, field in [
+        ({"data_parallel_size": 0}, "data_parallel_size"),
+        ({"data_parallel_size": 1.5}, "data_parallel_size"),
+        ({"distributed_executor_backend": "mpi"}, "distributed_executor_backend"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            EngineConfig(**kwargs)
+        assert err.value.param == field
+    # An engine in this process is one replica: the option is the server's.
+    with pytest.raises(ConfigError, match="sluice serve") as err:
+        LLMEngine(EngineConfig(data_parallel_size=2))
+    assert err.value.param == "data_parallel_size"
+
+
+def test_errors_cross_processes_with_their_field() -> None:
+    import pickle
+
+    err = pickle.loads(pickle.dumps(RequestError("prompt", "too long")))
+    assert (type(err), err.param, str(err)) == (RequestError, "prompt", "too long")
+    full = pickle.loads(pickle.dumps(QueueFullError(3, 2)))
+    assert (full.num_waiting, full.limit) == (3, 2)

@@ -13,7 +13,7 @@ import torch
 
 from sluice import kernels
 from sluice.config import EngineConfig, ModelConfig, resolve_dtype, resolve_quantization
-from sluice.core.errors import RequestError
+from sluice.core.errors import ConfigError, RequestError
 from sluice.core.request import DraftRow, Request, RequestStatus, SamplingRow
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.output import SequenceOutputState
@@ -81,6 +81,12 @@ class _WasteCounter:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
+        if config.data_parallel_size != 1:
+            raise ConfigError(
+                "data_parallel_size",
+                "data_parallel_size > 1 is for `sluice serve` (replicas behind one server); "
+                "an engine in this process is one replica",
+            )
         self.config = config
         device = config.torch_device()
         if device.type == "cpu":
