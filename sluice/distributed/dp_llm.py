@@ -115,7 +115,9 @@ class DataParallelLLM:
         self.vocab_size = model_config.vocab_size
         n = config.data_parallel_size
         self.router = Router(n, config.block_size)
-        self._lock = threading.Lock()
+        # Re-entrant: a dropped stream's __del__ aborts its request, and the collector may
+        # run it on a thread that already holds the lock.
+        self._lock = threading.RLock()
         self._requests: dict[str, _Inflight] = {}
         self._parked: list[_Inflight] = []
         self._loads = [0] * n

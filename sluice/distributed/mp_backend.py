@@ -47,9 +47,11 @@ class _PipeChannel:
 
 
 def _replica_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
-    # Ctrl-C in a terminal reaches the whole process group: the front end drains and
-    # stops the replicas itself.
+    # Ctrl-C in a terminal (or a SIGTERM to the whole process group) reaches the
+    # replicas too: the front end drains and stops them itself, and a replica whose
+    # front end is gone exits when its pipe closes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run_replica(config, _PipeChannel(conn))
 
