@@ -223,9 +223,7 @@ class OneAtATimeEngine:
     def __init__(self, config: Any) -> None:
         self.groups: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
 
-    def add_request(
-        self, request_id: str, prompt: Any, params: Any = None, **kw: Any
-    ) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: Any = None, **kw: Any) -> None:
         self.groups[request_id] = (prompt, params, [])
 
     def abort_request(self, request_id: str) -> bool:

@@ -30,4 +30,3 @@ class ReplicaHandle(Protocol):
 
 
 StartReplica = Callable[[int, EngineConfig], ReplicaHandle]
-
