@@ -364,3 +364,39 @@ def test_errors_cross_processes_with_their_field() -> None:
     assert (type(err), err.param, str(err)) == (RequestError, "prompt", "too long")
     full = pickle.loads(pickle.dumps(QueueFullError(3, 2)))
     assert (full.num_waiting, full.limit) == (3, 2)
+
+
+def test_a_replayable_request_runs_again_after_its_replica_dies() -> None:
+    """A request whose consumer keeps only the final output (a non-streamed response)
+    is run again from the start elsewhere, though it had outputs."""
+
+    async def main() -> None:
+        dp = DataParallelLLM(EngineConfig(data_parallel_size=2), start=ThreadHandle)
+        try:
+            params = SamplingParams(max_tokens=20)
+            streams = [await dp.generate([9, i], params, replayable=True) for i in range(2)]
+            victim = next(s for s in streams if dp._requests[s.request_id].replica == 0)
+
+            async def final(s: Any) -> list[int]:
+                last = None
+                async for out in s:
+                    last = out
+                    if s is victim and len(out.outputs[0].token_ids) == 2:
+                        dp.replicas[0].kill()
+                assert last is not None and last.finished
+                return list(last.outputs[0].token_ids)
+
+            results = await asyncio.wait_for(asyncio.gather(*map(final, streams)), 30)
+            assert [len(r) for r in results] == [20, 20]
+            stats = dp.stats()
+            assert (
+                stats["num_resent_after_replica_death"],
+                stats["num_lost_to_replica_death"],
+            ) == (
+                1,
+                0,
+            )
+        finally:
+            dp.shutdown()
+
+    asyncio.run(main())

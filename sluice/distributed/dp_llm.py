@@ -88,6 +88,7 @@ class _Inflight:
     accepted: concurrent.futures.Future[None]
     replica: int | None = None  # None: parked until a replica is up
     streamed: bool = False  # an output reached the stream: it can no longer move
+    replayable: bool = False  # ...unless its consumer keeps only the final output
 
     def add_command(self) -> AddRequest:
         age = time.monotonic() - self.arrival
@@ -161,9 +162,13 @@ class DataParallelLLM:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        *,
+        replayable: bool = False,
     ) -> RequestStream:
         """Submit a request and return its output stream; its replica's validation
-        errors and QueueFullError are raised here, before any output."""
+        errors and QueueFullError are raised here, before any output. A `replayable`
+        request (its consumer keeps only the final output) is run again from the start
+        on another replica if its replica dies, even after outputs came."""
         if not self._accepting or not self.is_running:
             raise EngineShutdownError("the engine is shutting down")
         rid = request_id or self.new_request_id()
@@ -177,6 +182,7 @@ class DataParallelLLM:
             weakref.ref(stream),
             stream._loop,
             concurrent.futures.Future(),
+            replayable=replayable,
         )
         with self._lock:
             self._admit(entry)
@@ -340,12 +346,12 @@ class DataParallelLLM:
             replica.stats = {}
             self.router.forget(replica.index)
             mine = [e for e in self._requests.values() if e.replica == replica.index]
-            lost = [e for e in mine if e.streamed]
+            lost = [e for e in mine if e.streamed and not e.replayable]
             for e in mine:
                 self._release(e)
             for e in lost:
                 del self._requests[e.request_id]
-            moves = [(e, self._place(e)) for e in mine if not e.streamed]
+            moves = [(e, self._place(e)) for e in mine if e not in lost]
             self.num_resent += len(moves)
             self.num_lost += len(lost)
         if was_alive:

@@ -165,7 +165,12 @@ class EngineClient(Protocol):
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
-    ) -> RequestStream: ...
+        *,
+        replayable: bool = False,
+    ) -> RequestStream:
+        """`replayable`: the consumer keeps only the final output (a non-streamed
+        response), so after a fault the request may be run again from the start."""
+        ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -243,6 +248,8 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        *,
+        replayable: bool = False,  # one engine: a failed step has nowhere else to go
     ) -> RequestStream:
         """Submit a request and return its output stream.
 
