@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve run test test-slow lint bench llamacpp llama-server clean
+.PHONY: install serve run test test-slow test-dist lint bench llamacpp llama-server clean
 
 install: $(STAMP)
 
@@ -28,6 +28,12 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# Data-parallel servers: replica processes (mp) and Ray actors on a local Ray cluster
+# (installs the `dist` extra, Ray). A few minutes: each test module starts replicas.
+test-dist: install
+	$(BIN)/pip install -q -e '.[dist]'
+	$(BIN)/python -m pytest -q -m dist
 
 # ruff, and mypy --strict on the package ([tool.mypy] in pyproject.toml).
 lint: install

@@ -50,6 +50,13 @@ _OPTION_HELP = {
     "alias, .gguf file or Hugging Face directory with the target's tokenizer",
     "num_speculative_tokens": "at most this many draft tokens verified per request and "
     "step (default: 4); fewer, or none, where the cost model says they would not pay",
+    "data_parallel_size": "engine replicas behind one server, each its own process (or Ray "
+    "actor) with its own KV pool; requests go to the replica holding their prefix, else the "
+    "least loaded; --num-threads is shared out among them (default: 1, the engine in the "
+    "server's process)",
+    "distributed_executor_backend": "how replicas run: mp, processes on this machine; ray, "
+    "Ray actors on a Ray cluster (joins the one `ray start` made, else starts a local one; "
+    "pip install 'sluice[dist]') (default: mp)",
     "chat_template": "a Jinja chat template to use instead of the model's: a file, the "
     "template text, or a bundled one (hermes_tools: Hermes-style tool calling for ChatML "
     "models; default: the model's own)",
@@ -64,6 +71,10 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}"
         ) from None
+
+
+# Options of the server's data-parallel replicas: `generate` and `chat` run one engine.
+_ONE_ENGINE = frozenset({"data_parallel_size", "distributed_executor_backend"})
 
 
 def _flag_type(annotation: Any) -> tuple[Any, tuple[str, ...] | None]:
@@ -169,12 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     _sampling_options(gen, 256)
-    add_engine_options(gen, skip=frozenset({"seed"}))
+    add_engine_options(gen, skip=_ONE_ENGINE | {"seed"})
 
     chat = sub.add_parser("chat", help="interactive chat (reads stdin; /exit or EOF quits)")
     chat.add_argument("--system", default=None, help="a system prompt")
     _sampling_options(chat, 512)
-    add_engine_options(chat, skip=frozenset({"seed"}))
+    add_engine_options(chat, skip=_ONE_ENGINE | {"seed"})
 
     bench = sub.add_parser(
         "bench",

@@ -11,12 +11,14 @@ import torch
 from sluice.core.choices import (
     ARCHITECTURES,
     DEVICE_KINDS,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPES,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     Architecture,
+    DistributedExecutorBackend,
     DType,
     KVCacheDType,
     Quantization,
@@ -207,6 +209,12 @@ class EngineConfig:
     # GiB of files, least recently used deleted first. None: off.
     kv_offload_dir: str | None = None
     kv_offload_size: float = 8.0
+    # Data parallelism: this many whole engines (each its own process, threads and KV
+    # pool) behind one front end; 1 runs the engine in the serving process itself.
+    data_parallel_size: int = 1
+    # How the replicas run: "mp" (processes on this machine) or "ray" (Ray actors,
+    # on any machine of a Ray cluster).
+    distributed_executor_backend: DistributedExecutorBackend = "mp"
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -214,7 +222,7 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(name, f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "data_parallel_size"):
             positive(name)
         if self.max_model_len is not None:
             positive("max_model_len")
@@ -231,6 +239,12 @@ class EngineConfig:
         )
         self.dtype = parse_choice("dtype", self.dtype, DTYPES, ConfigError)
         self._check_kv_cache_dtype()
+        self.distributed_executor_backend = parse_choice(
+            "distributed_executor_backend",
+            self.distributed_executor_backend,
+            DISTRIBUTED_EXECUTOR_BACKENDS,
+            ConfigError,
+        )
         self._check_speculation()
         self._check_offload()
         if self.chat_template is not None and (

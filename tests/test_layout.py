@@ -31,7 +31,9 @@ ALLOWED: dict[str, set[str]] = {
     "structured": {"core"},
     # The engine reports which CPU kernel level it runs.
     "engine": {"core", "settings", "config", "kernels", "loader", "runner", "structured"},
-    "server": {"core", "settings", "config", "loader", "engine"},
+    # Data-parallel replicas: whole engines in other processes, a router in front.
+    "distributed": {"core", "settings", "config", "loader", "engine"},
+    "server": {"core", "settings", "config", "loader", "engine", "distributed"},
     # The front doors: LLM (and the package's __init__), the CLI, `sluice bench`.
     "api": {"core", "settings", "config", "engine"},
     "cli": {"core", "settings", "config", "engine", "server", "bench"},

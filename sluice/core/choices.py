@@ -59,6 +59,13 @@ CPU_ISAS: tuple[CpuIsa, ...] = get_args(CpuIsa)
 SpeculativeMethod = Literal["ngram", "suffix", "draft"]
 SPECULATIVE_METHODS: tuple[SpeculativeMethod, ...] = get_args(SpeculativeMethod)
 
+# How data-parallel replicas run: "mp", processes on this machine; "ray", Ray actors
+# placed by a Ray cluster (several machines).
+DistributedExecutorBackend = Literal["mp", "ray"]
+DISTRIBUTED_EXECUTOR_BACKENDS: tuple[DistributedExecutorBackend, ...] = get_args(
+    DistributedExecutorBackend
+)
+
 LogLevel = Literal["debug", "info", "warning", "error"]
 LOG_LEVELS: tuple[LogLevel, ...] = get_args(LogLevel)
 

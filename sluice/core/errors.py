@@ -20,6 +20,10 @@ class InvalidValueError(SluiceError, ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple[type[InvalidValueError], tuple[str, str]]:
+        # Picklable with its param: a replica process sends its request errors back.
+        return type(self), (self.param, str(self))
+
 
 class SamplingParamsError(InvalidValueError):
     """An invalid sampling option; ``param`` names the offending field."""
@@ -51,6 +55,9 @@ class QueueFullError(SluiceError, RuntimeError):
         )
         self.num_waiting = num_waiting
         self.limit = limit
+
+    def __reduce__(self) -> tuple[type[QueueFullError], tuple[int, int]]:
+        return type(self), (self.num_waiting, self.limit)
 
 
 class EngineShutdownError(SluiceError, RuntimeError):

@@ -81,6 +81,13 @@ class _Stop:
 _Command = _Add | _Abort | _Stop
 
 
+class Aborter(Protocol):
+    """Who a stream tells when its consumer gives up (AsyncLLM, or the data-parallel
+    front end)."""
+
+    def abort(self, request_id: str) -> None: ...
+
+
 class RequestStream:
     """The outputs of one request, as an async iterator on the caller's event loop.
 
@@ -88,7 +95,7 @@ class RequestStream:
     (cancelled, ``aclose()``, or the stream is dropped), the request is aborted.
     """
 
-    def __init__(self, owner: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, owner: Aborter, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self._owner = owner
         self._loop = loop
@@ -137,6 +144,39 @@ class RequestStream:
         # A stream dropped mid-way must not keep generating (and holding KV blocks).
         if not self.finished:
             self._owner.abort(self.request_id)
+
+
+class EngineClient(Protocol):
+    """What the server needs from an engine: AsyncLLM (one engine in this process) or
+    DataParallelLLM (sluice.distributed: replicas in other processes)."""
+
+    max_model_len: int
+    max_waiting_requests: int
+
+    @property
+    def is_running(self) -> bool: ...
+
+    def new_request_id(self, prefix: str = "req") -> str: ...
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        *,
+        replayable: bool = False,
+    ) -> RequestStream:
+        """`replayable`: the consumer keeps only the final output (a non-streamed
+        response), so after a fault the request may be run again from the start."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def shutdown(self, timeout: float = 0.0) -> None: ...
 
 
 class AsyncLLM:
@@ -208,6 +248,8 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        *,
+        replayable: bool = False,  # one engine: a failed step has nowhere else to go
     ) -> RequestStream:
         """Submit a request and return its output stream.
 

@@ -84,6 +84,12 @@ class _WasteCounter:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
+        if config.data_parallel_size != 1:
+            raise ConfigError(
+                "data_parallel_size",
+                "data_parallel_size > 1 is for `sluice serve` (replicas behind one server); "
+                "an engine in this process is one replica",
+            )
         self.config = config
         device = config.torch_device()
         if device.type == "cpu":

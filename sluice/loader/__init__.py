@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,9 +14,9 @@ from sluice.core.quantized_tensor import QuantizedTensor
 from sluice.settings import cache_dir
 
 from .chat_template import bundled_templates, resolve_chat_template
-from .gguf_loader import load_gguf
+from .gguf_loader import load_gguf, load_gguf_header
 from .gguf_tokenizer import tokenizer_from_gguf
-from .hf_loader import load_hf_dir
+from .hf_loader import config_from_hf, load_hf_dir
 from .resolve import KNOWN_MODELS, resolve_model_path
 from .tokenizer import Tokenizer
 
@@ -27,6 +28,7 @@ __all__ = [
     "bundled_templates",
     "cache_dir",
     "load_model",
+    "load_tokenizer",
     "resolve_chat_template",
     "resolve_model_path",
     "tokenizer_from_gguf",
@@ -55,3 +57,13 @@ def load_model(model: str | None) -> LoadedModel:
         return LoadedModel(config, dict(dense), tokenizer, path)
     config, tensors, tokenizer = load_gguf(path)
     return LoadedModel(config, tensors, tokenizer, path)
+
+
+def load_tokenizer(model: str | None) -> tuple[ModelConfig, Tokenizer]:
+    """The config and tokenizer of `model`, without its weights: what a front end needs
+    that tokenizes and routes for engines running in other processes."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        cfg = json.loads((path / "config.json").read_text())
+        return config_from_hf(cfg, name=path.name), Tokenizer.from_hf_dir(path)
+    return load_gguf_header(path)

@@ -323,6 +323,12 @@ def _cached_header(path: Path) -> Header:
     return header
 
 
+def load_gguf_header(path: str | os.PathLike[str]) -> tuple[ModelConfig, Tokenizer]:
+    """Config and tokenizer of a GGUF model, without reading its weights."""
+    config, tokenizer, _ = _cached_header(Path(path))
+    return config, tokenizer
+
+
 def load_gguf(path: str | os.PathLike[str], keep_quantized: bool = True) -> GGUFModel:
     """Config, HF-named weights (quantized ones in our layouts unless keep_quantized is
     False) and tokenizer of a GGUF model. Weights are read from the file every time:

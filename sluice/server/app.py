@@ -1,4 +1,4 @@
-"""The OpenAI-compatible FastAPI app over an AsyncLLM, assembled from its parts.
+"""The OpenAI-compatible FastAPI app over an engine client, assembled from its parts.
 
 The endpoints live in ``routes/`` (one module per group; the chat playground's page
 and assets in ``static/``), request validation in ``validation.py`` and
@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from sluice.engine.async_engine import AsyncLLM
+from sluice.engine.async_engine import EngineClient
 from sluice.loader.tokenizer import Tokenizer
 from sluice.server.auth import ApiKeyMiddleware
 from sluice.server.context import ServerContext
@@ -31,7 +31,7 @@ from sluice.server.routes.playground import static_files
 
 
 def build_app(
-    llm: AsyncLLM,
+    llm: EngineClient,
     tokenizer: Tokenizer,
     model_name: str,
     *,

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from sluice.engine.async_engine import AsyncLLM
+from sluice.engine.async_engine import EngineClient
 from sluice.loader.tokenizer import Tokenizer
 from sluice.server.metrics import ServerMetrics
 
 
 @dataclass
 class ServerContext:
-    llm: AsyncLLM
+    llm: EngineClient
     tokenizer: Tokenizer
     model_name: str
     vocab_size: int

@@ -103,8 +103,11 @@ async def submit(
     base_id: str,
     priority: int,
     prompt_param: str,
+    *,
+    streamed: bool = True,
 ) -> list[Tracked]:
-    """Queue one request per prompt; all or nothing: a batch with one bad prompt runs none."""
+    """Queue one request per prompt; all or nothing: a batch with one bad prompt runs none.
+    A request not `streamed` to its client may be run again after a replica fault."""
     if ctx.draining:
         raise shutting_down()
     arrival = time.monotonic()
@@ -113,7 +116,9 @@ async def submit(
         with engine_errors(prompt_param):
             for i, ids in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                stream = await ctx.llm.generate(ids, params, rid, priority, arrival)
+                stream = await ctx.llm.generate(
+                    ids, params, rid, priority, arrival, replayable=not streamed
+                )
                 tracked.append(Tracked(stream, ctx.metrics, params.n))
     except BaseException:
         for t in tracked:

@@ -20,13 +20,15 @@ from typing import TYPE_CHECKING, cast
 import uvicorn
 
 from sluice.config import EngineConfig
-from sluice.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLM
+from sluice.distributed import DataParallelLLM
+from sluice.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLM, EngineClient
 from sluice.loader.resolve import DEFAULT_MODEL
 from sluice.server.app import build_app
 from sluice.server.context import ServerContext
 
 if TYPE_CHECKING:
     from sluice.engine.engine import LLMEngine
+    from sluice.loader.tokenizer import Tokenizer
 
 logger = logging.getLogger("sluice.server")
 
@@ -71,6 +73,19 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+def _engine_client(
+    config: EngineConfig, max_waiting_requests: int
+) -> tuple[EngineClient, Tokenizer, int]:
+    """The engine in this process, or data-parallel replicas in others (with Ray, also
+    one replica: it then runs where the Ray cluster puts it); its tokenizer and vocab."""
+    if config.data_parallel_size > 1 or config.distributed_executor_backend == "ray":
+        dp = DataParallelLLM(config, max_waiting_requests=max_waiting_requests)
+        return dp, dp.tokenizer, dp.vocab_size
+    llm = AsyncLLM.from_config(config, max_waiting_requests=max_waiting_requests)
+    engine = cast("LLMEngine", llm.engine)  # from_config builds an LLMEngine
+    return llm, engine.tokenizer, engine.model_config.vocab_size
+
+
 def run_server(
     config: EngineConfig,
     *,
@@ -84,13 +99,11 @@ def run_server(
     log_level: str = "info",
 ) -> int:
     """Serve until a signal arrives; returns the process exit code."""
-    llm = AsyncLLM.from_config(config, max_waiting_requests=max_waiting_requests)
-    engine = cast("LLMEngine", llm.engine)  # from_config builds an LLMEngine
+    llm, tokenizer, vocab = _engine_client(config, max_waiting_requests)
     name = served_model_name or config.model or DEFAULT_MODEL
-    vocab = engine.model_config.vocab_size if hasattr(engine, "model_config") else None
     app = build_app(
         llm,
-        engine.tokenizer,
+        tokenizer,
         name,
         vocab_size=vocab,
         api_key=api_key,

@@ -199,6 +199,29 @@ class ServerMetrics:
             registry=r,
         )
 
+        # Data-parallel replicas, one series each (labelled by replica index); present
+        # only when the server runs replicas. Counts since start are mirrored as gauges.
+        self._replica_gauges = {
+            key: Gauge(name, doc, [*labels, "replica"], registry=r)
+            for key, name, doc in (
+                ("alive", "sluice_replica_up", "1 while the replica serves, 0 while it restarts."),
+                ("load", "sluice_replica_load", "Requests in flight on the replica."),
+                ("kv_usage", "sluice_replica_kv_cache_usage_perc", "Replica's KV use (0-1)."),
+                (
+                    "prefix_cache_hit_rate",
+                    "sluice_replica_prefix_cache_hit_rate",
+                    "Fraction of the replica's queried prompt tokens found in its cache (0-1).",
+                ),
+                ("routed", "sluice_replica_requests_routed", "Requests routed to the replica."),
+                (
+                    "routed_by_prefix",
+                    "sluice_replica_requests_routed_by_prefix",
+                    "Requests routed to the replica because it held part of their prompt.",
+                ),
+                ("restarts", "sluice_replica_restarts", "Times the replica was restarted."),
+            )
+        }
+
     def finished(self, reason: str, count: int = 1) -> None:
         self._finished.labels(self._model, reason).inc(count)
 
@@ -224,6 +247,9 @@ class ServerMetrics:
             value = stats.get(key)
             if isinstance(value, int | float):
                 gauge.set(float(value))
+        for replica in stats.get("replicas", ()):
+            for key, family in self._replica_gauges.items():
+                family.labels(self._model, str(replica["replica"])).set(float(replica[key]))
         keys = ("dtype", "quantization", "kv_cache_dtype", "cpu_kernels")
         info = [str(stats.get(k, "unknown")) for k in keys]
         self._engine_info.clear()

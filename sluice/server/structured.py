@@ -106,7 +106,8 @@ def _field(extra: tuple[Any, str] | None, param: str) -> str:
 async def check_compiles(ctx: ServerContext, constraint: StructuredOutput, param: str) -> None:
     """Compile the constraint now (off the event loop; cached for the engine), so a
     grammar the library rejects is a 400 naming `param`."""
-    compiler = getattr(ctx.llm.engine, "grammars", None)
+    # Data-parallel replicas compile in their own processes (a bad grammar is their 400).
+    compiler = getattr(getattr(ctx.llm, "engine", None), "grammars", None)
     if compiler is None:
         return
     try:

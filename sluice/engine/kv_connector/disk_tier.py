@@ -56,8 +56,9 @@ def model_fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
-def block_keys(root: bytes, token_ids: list[int], num_blocks: int, block_size: int,
-               keys: list[str]) -> list[str]:
+def block_keys(
+    root: bytes, token_ids: list[int], num_blocks: int, block_size: int, keys: list[str]
+) -> list[str]:
     """Extend `keys` (the chain of a request's first len(keys) blocks) to `num_blocks`."""
     for i in range(len(keys), num_blocks):
         parent = bytes.fromhex(keys[-1]) if keys else root

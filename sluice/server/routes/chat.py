@@ -101,7 +101,9 @@ async def chat_completions(request: Request) -> Response | dict[str, Any]:
     params, ids, plan = _validate(ctx, req)
     params = await with_tool_constraint(ctx, await constrained(ctx, req, params), plan)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    tracked = await submit(ctx, [ids], params, rid, req.priority, "messages")
+    tracked = await submit(
+        ctx, [ids], params, rid, req.priority, "messages", streamed=bool(req.stream)
+    )
     if req.stream:
         return streamed_response(ctx, req, rid, params, tracked, [ids], plan.new_parser)
     (final,) = await until_disconnected(request, collect(tracked))

@@ -100,7 +100,9 @@ async def completions(request: Request) -> Response | dict[str, Any]:
     params, prompts = _validate(ctx, req)
     params = await constrained(ctx, req, params)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    tracked = await submit(ctx, prompts, params, rid, req.priority, "prompt")
+    tracked = await submit(
+        ctx, prompts, params, rid, req.priority, "prompt", streamed=bool(req.stream)
+    )
     if req.stream:
         return streamed_response(ctx, req, rid, params, tracked, prompts)
     finals = await until_disconnected(request, collect(tracked))

@@ -1,0 +1,84 @@
+"""What the front end and a replica say to each other; plain picklable dataclasses, so
+a pipe (mp) and Ray's object store (ray) carry them alike.
+
+Front end -> replica: AddRequest, AbortRequest, Stop. Replica -> front end: Ready (or
+StartFailed) once, then Accepted/Rejected for each add, Outputs after each step,
+StepFailed when a step raises, and Stopped last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.outputs import RequestOutput
+from sluice.sampling_params import SamplingParams
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    priority: int
+    # Seconds since the request arrived at the front end: monotonic clocks differ
+    # between machines, so the replica takes its own clock minus this.
+    age: float
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class Stop:
+    """Abort everything and exit."""
+
+
+Command = AddRequest | AbortRequest | Stop
+
+
+@dataclass
+class Ready:
+    pid: int
+    max_model_len: int
+    stats: dict[str, Any]
+
+
+@dataclass
+class StartFailed:
+    error: BaseException
+
+
+@dataclass
+class Accepted:
+    request_ids: list[str]
+    stats: dict[str, Any]
+
+
+@dataclass
+class Rejected:
+    request_id: str
+    error: BaseException
+
+
+@dataclass
+class Outputs:
+    outputs: list[RequestOutput]
+    stats: dict[str, Any]
+
+
+@dataclass
+class StepFailed:
+    request_ids: list[str]
+    message: str
+    stats: dict[str, Any]
+
+
+@dataclass
+class Stopped:
+    """The replica aborted its requests and is exiting."""
+
+
+Event = Ready | StartFailed | Accepted | Rejected | Outputs | StepFailed | Stopped
