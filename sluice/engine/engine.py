@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from sluice import kernels
-from sluice.attention import kv_int8
 from sluice.config import EngineConfig, ModelConfig, resolve_dtype, resolve_quantization
 from sluice.core.errors import ConfigError, RequestError
 from sluice.core.request import DraftRow, Request, RequestStatus, SamplingRow
@@ -32,7 +31,12 @@ from sluice.engine.speculative.step_costs import StepCostMeasurement, load_or_me
 from sluice.kernels import large_allocations_mapped
 from sluice.loader import load_model, resolve_chat_template
 from sluice.outputs import CompletionOutput, Logprob, RequestMetricsOut, RequestOutput
-from sluice.runner.model_runner import ModelOutput, ModelRunner, kv_bytes_per_block
+from sluice.runner.model_runner import (
+    ModelOutput,
+    ModelRunner,
+    check_kv_cache_dtype,
+    kv_bytes_per_block,
+)
 from sluice.runner.sampler import Sampler
 from sluice.runner.spec_verify import accepted_length
 from sluice.sampling_params import SamplingParams
@@ -179,7 +183,7 @@ class LLMEngine:
         self.quantization = resolve_quantization(
             config.quantization, device, self.dtype, loaded.quantized, config.dtype
         )
-        self._check_kv_cache_dtype(config, mc)
+        check_kv_cache_dtype(config.kv_cache_dtype, config.kv_cache_skip_layers, mc)
         # What the pool stores: the compute dtype's name, or "int8".
         self.kv_cache_dtype = (
             str(self.dtype).removeprefix("torch.")
@@ -266,24 +270,6 @@ class LLMEngine:
             layout=self.runner.kv_block_layout(),
             nbytes=self.runner.read_block(0).numel(),
         )
-
-    @staticmethod
-    def _check_kv_cache_dtype(config: EngineConfig, mc: ModelConfig) -> None:
-        if config.kv_cache_dtype != "int8":
-            return
-        if mc.head_dim % kv_int8.GROUP:
-            raise ConfigError(
-                "kv_cache_dtype",
-                f"kv_cache_dtype='int8' needs a head size divisible by {kv_int8.GROUP}; this "
-                f"model's is {mc.head_dim}",
-            )
-        bad = [i for i in config.kv_cache_skip_layers if i >= mc.num_layers]
-        if bad:
-            raise ConfigError(
-                "kv_cache_skip_layers",
-                f"kv_cache_skip_layers names layer {bad[0]}, but the model has "
-                f"{mc.num_layers} layers (0..{mc.num_layers - 1})",
-            )
 
     # ---- requests in ----------------------------------------------------------
 

@@ -14,6 +14,7 @@ from sluice.attention import AttentionMetadata, PrefillSpan, kv_int8, select_bac
 from sluice.attention.step import StepContext, step_context
 from sluice.config import ModelConfig
 from sluice.core.choices import KVCacheDType, WeightQuantization
+from sluice.core.errors import ConfigError
 from sluice.core.quantized_tensor import QuantizedTensor
 from sluice.core.request import Request
 from sluice.layers.block_quant import weight_bytes
@@ -55,6 +56,27 @@ def kv_bytes_per_block(
     num_full = len(_full_precision_layers(config, kv_cache_dtype, skip_layers))
     int8_row = kv_int8.row_bytes(config.head_dim)
     return rows * (num_full * full + (config.num_layers - num_full) * int8_row)
+
+
+def check_kv_cache_dtype(
+    kv_cache_dtype: KVCacheDType, skip_layers: tuple[int, ...], config: ModelConfig
+) -> None:
+    """Refuse an int8 KV cache the model's shapes cannot hold, naming the setting."""
+    if kv_cache_dtype != "int8":
+        return
+    if config.head_dim % kv_int8.GROUP:
+        raise ConfigError(
+            "kv_cache_dtype",
+            f"kv_cache_dtype='int8' needs a head size divisible by {kv_int8.GROUP}; this "
+            f"model's is {config.head_dim}",
+        )
+    bad = [i for i in skip_layers if i >= config.num_layers]
+    if bad:
+        raise ConfigError(
+            "kv_cache_skip_layers",
+            f"kv_cache_skip_layers names layer {bad[0]}, but the model has "
+            f"{config.num_layers} layers (0..{config.num_layers - 1})",
+        )
 
 
 def _full_precision_layers(
