@@ -60,6 +60,8 @@ class PrefillScheduler(KVConnectorScheduler):
         params = request.sampling_params.kv_transfer_params
         if request.status == RequestStatus.FINISHED_ABORTED or not wants_remote_decode(params):
             return
+        if request.index != 0:  # an n > 1 request's forks share the first one's prompt
+            return
         # The decode side loads whole prompt blocks short of the last prompt token,
         # and only blocks this instance has computed.
         last = request.num_prompt_tokens - 1

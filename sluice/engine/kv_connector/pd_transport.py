@@ -157,6 +157,9 @@ class BlockServer:
     def close(self) -> None:
         self._stop.set()
         with contextlib.suppress(OSError):
+            # shutdown wakes the thread blocked in accept(); close alone may not.
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
             self._sock.close()
         with self._lock:
             self._held.clear()
