@@ -29,11 +29,14 @@ from serving import free_port, serve
 from sluice import LLM, SamplingParams
 from sluice.config import EngineConfig
 from sluice.core.errors import ConfigError, SamplingParamsError
-from sluice.core.request import Request
+from sluice.core.request import Request, RequestStatus
 from sluice.engine.engine import LLMEngine
+from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.kv_connector import (
     BlockFormat,
+    BlockTransfer,
     KVConnector,
+    KVConnectorScheduler,
     pd_decode_connector,
     pd_prefill_connector,
 )
@@ -45,6 +48,7 @@ from sluice.engine.kv_connector.pd_transport import (
     recv_json,
     send_json,
 )
+from sluice.engine.scheduler import Scheduler
 from sluice.server.pd_proxy import build_proxy_app
 
 BS = 16
@@ -205,6 +209,58 @@ def test_decode_gone_mid_transfer_frees_the_blocks(
     # Its pool is all free too: it copied the blocks out when the request finished.
     stats = llm_fp32.engine.stats()
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+
+
+# ---- parking in the scheduler ---------------------------------------------------------------
+
+
+class Parking(KVConnectorScheduler):
+    """Holds back the requests named in `parked` (their KV is on its way)."""
+
+    def __init__(self, parked: set[str]) -> None:
+        self.parked = parked
+
+    def is_ready(self, request: Request) -> bool:
+        return request.request_id not in self.parked
+
+    def num_loadable_tokens(self, request: Request, num_hit_tokens: int) -> int:
+        return 0
+
+    def request_admitted(self, request: Request, load_blocks: list[int]) -> None:
+        pass
+
+    def request_finished(self, request: Request) -> None:
+        pass
+
+    def take_loads(self) -> list[BlockTransfer]:
+        return []
+
+    def take_saves(self) -> list[BlockTransfer]:
+        return []
+
+
+def test_a_parked_request_keeps_its_place_and_others_pass() -> None:
+    connector = Parking({"a"})
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    scheduler = Scheduler(EngineConfig(block_size=4), kv, 64, connector)
+    a, b, c = (Request(r, [1, 2, 3, 4, 5], SamplingParams()) for r in "abc")
+    for r in (a, b, c):
+        scheduler.add(r)
+    out = scheduler.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["b", "c"]
+    assert list(scheduler.waiting) == [a] and a.num_computed_tokens == 0 and not a.block_ids
+    connector.parked.clear()  # its KV arrived
+    d = Request("d", [1, 2, 3], SamplingParams())
+    scheduler.add(d)
+    out = scheduler.schedule()
+    assert [r.request_id for r, _ in out.scheduled][-2:] == ["a", "d"]
+    # A parked request can be aborted like any waiting one.
+    e = Request("e", [7, 8], SamplingParams())
+    connector.parked.add("e")
+    scheduler.add(e)
+    scheduler.schedule()
+    scheduler.finish(e, RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.waiting
 
 
 # ---- the block server alone ------------------------------------------------------------
