@@ -49,8 +49,9 @@ from benchmarks.serve import METRICS, _free_port, run_level, stop, wait_healthy
 class Processes:
     """Several server processes stopped as one (what benchmarks/serve.py's stop takes)."""
 
-    def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
+    def __init__(self, procs: list[subprocess.Popen[bytes]], urls: dict[str, str]) -> None:
         self.procs = procs
+        self.urls = urls  # the instances behind the proxy, by role
 
     def send_signal(self, sig: int) -> None:
         for p in reversed(self.procs):  # the proxy first
@@ -91,9 +92,10 @@ def start_side(name: str, cpus: tuple[int, int], common: list[str]) -> tuple[Any
         proxy_args = ["--role", "proxy", "--prefill-url", pre_url, "--decode-url", dec_url]
         proxy, url = start(proxy_args, None)
         procs.append(proxy)
-        return Processes(procs), wait_healthy(proxy, url, "proxy")
+        group = Processes(procs, {"prefill": pre_url, "decode": dec_url})
+        return group, wait_healthy(proxy, url, "proxy")
     except BaseException:
-        Processes(procs).kill()
+        Processes(procs, {}).kill()
         raise
 
 
@@ -121,7 +123,8 @@ def measure(
         # Token-id prompts go in the same "prompt" field as text.
         ids: list[Any] = list(prompts)
         res = asyncio.run(run_level(url, model, ids, args.streams, args.max_tokens, {}))
-        stats = _stats(url if name == "colocated" else None)
+        urls = proc.urls if isinstance(proc, Processes) else {"colocated": url}
+        stats = {role: _stats(u) for role, u in urls.items()}
     finally:
         stop(proc)
     print(
@@ -130,13 +133,16 @@ def measure(
         f"ms ({res.completed}/{res.num_prompts} ok, {res.duration_s:.1f} s)",
         flush=True,
     )
-    return {**vars(res), **stats}
+    pulls = stats.get("decode", {})
+    if pulls.get("pd_pulled_transfers"):
+        mean = pulls["pd_pull_seconds"] / pulls["pd_pulled_transfers"]
+        print(f"  {'':<10} mean KV pull {mean * 1e3:.0f} ms per request", flush=True)
+    return {**vars(res), "stats": stats}
 
 
-def _stats(url: str | None) -> dict[str, Any]:
-    if url is None:
-        return {}
-    return {"stats": httpx.get(f"{url}/stats", timeout=10).json()}
+def _stats(url: str) -> dict[str, Any]:
+    """The instance's /stats: KV use, and the pd_* counters (pull times, held blocks)."""
+    return dict(httpx.get(f"{url}/stats", timeout=10).json())
 
 
 def main() -> None:
