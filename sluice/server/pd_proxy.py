@@ -35,8 +35,9 @@ logger = logging.getLogger("sluice.server")
 
 # Fields that ask for more than the prefill instance's one token; the decode instance
 # gets the client's request as it came.
-_PREFILL_DROPS = ("stream", "stream_options", "max_completion_tokens", "min_tokens", "best_of")
-_PREFILL_DROPS += ("logprobs", "top_logprobs", "n")
+_PREFILL_DROPS = frozenset(
+    ("stream", "stream_options", "max_completion_tokens", "min_tokens", "best_of", "n")
+) | {"logprobs", "top_logprobs"}
 
 
 def _unreachable(role: str, url: str, exc: Exception) -> OpenAIError:
@@ -111,7 +112,7 @@ class Proxy:
         """The decode instance's events as they come; if it fails mid-stream, an
         error event and [DONE], as the server itself ends a stream that failed."""
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.aiter_bytes():
                 yield chunk
         except httpx.HTTPError as exc:
             err = _unreachable("decode", self.decode_url, exc)

@@ -228,9 +228,10 @@ class BlockServer:
         header = {"ok": True, "format": self._fmt, "token_ids": held.token_ids}
         send_json(conn, {**header, "num_blocks": held.num_blocks})
         for i in range(held.num_blocks):
-            data = held.blocks[i].numpy()
-            conn.sendall(memoryview(data))
-            self.counters.bytes_sent += data.nbytes
+            block = held.blocks[i]
+            # The tensor's own bytes, without a copy (a uint8 tensor: one byte each).
+            conn.sendall(memoryview(block.numpy().data))
+            self.counters.bytes_sent += block.numel()
 
 
 def fetch_blocks(
