@@ -463,6 +463,13 @@ def _check_proxy(prefill: str, decode: str, headers: dict[str, str]) -> None:
         assert stats["pd_pulled_transfers"] == 2 and stats["pd_failed_transfers"] == 0
         n_prompt = got.json()["usage"]["prompt_tokens"]
         assert stats["pd_loaded_tokens"] == (n_prompt - 1) // BS * BS
+        chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 8}
+        chat |= {"temperature": 0}
+        want = httpx.post(f"{prefill}/v1/chat/completions", json=chat, headers=headers, timeout=120)
+        got = httpx.post(f"{url}/v1/chat/completions", json=chat, headers=headers, timeout=120)
+        assert got.status_code == 200, got.text
+        message = got.json()["choices"][0]["message"]["content"]
+        assert message == want.json()["choices"][0]["message"]["content"]
     finally:
         proc.terminate()
         proc.wait(30)
