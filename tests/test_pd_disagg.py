@@ -17,7 +17,7 @@ import json
 import random
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -355,10 +355,13 @@ PARAMS |= {"transfer_id": "x", "num_blocks": 1}
 class Fakes:
     """A prefill and a decode instance as the proxy sees them (what they were sent)."""
 
-    def __init__(self, decode_up: bool = True, prefill_status: int = 200) -> None:
+    def __init__(
+        self, decode_up: bool = True, prefill_status: int = 200, decode_breaks: bool = False
+    ) -> None:
         self.sent: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
         self.decode_up = decode_up
         self.prefill_status = prefill_status
+        self.decode_breaks = decode_breaks  # it goes away after its first event
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         role = request.url.host
@@ -371,12 +374,23 @@ class Fakes:
             return httpx.Response(200, json={"choices": [], "kv_transfer_params": PARAMS})
         if not self.decode_up:
             raise httpx.ConnectError("connection refused")
+        if body.get("stream") and self.decode_breaks:
+            sse = {"content-type": "text/event-stream"}
+            return httpx.Response(200, stream=BreaksOff(), headers=sse)
         if body.get("stream"):
             events = b'data: {"choices": [{"text": "hi"}]}\n\ndata: [DONE]\n\n'
             return httpx.Response(
                 200, content=events, headers={"content-type": "text/event-stream"}
             )
         return httpx.Response(200, json={"choices": [{"text": "hello"}]})
+
+
+class BreaksOff(httpx.AsyncByteStream):
+    """A decode instance's stream that ends in a broken connection after one event."""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"text": "hi"}]}\n\n'
+        raise httpx.ReadError("connection reset by peer")
 
 
 def proxy_client(fakes: Fakes) -> TestClient:
@@ -408,6 +422,13 @@ def test_proxy_errors_are_openai_errors() -> None:
             err = r.json()["error"]
             assert err["code"] == "decode_unavailable"
             assert "decode instance at http://decode" in err["message"]
+    with proxy_client(Fakes(decode_breaks=True)) as client:
+        r = client.post("/v1/completions", json={"prompt": "x", "stream": True})
+        assert r.status_code == 200  # the headers were out before it broke
+        events = [e for e in r.text.split("\n\n") if e]
+        assert events[0] == 'data: {"choices": [{"text": "hi"}]}'
+        assert json.loads(events[1][6:])["error"]["code"] == "decode_unavailable"
+        assert events[-1] == "data: [DONE]"
     with proxy_client(Fakes(prefill_status=400)) as client:
         r = client.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 400 and r.json()["error"]["message"] == "bad n"
