@@ -164,7 +164,9 @@ def main() -> None:
         ["colocated", "disagg"], args.rounds, lambda name: measure(name, args, prompts, common)
     )
     cmp = compare(runs, METRICS, baseline="colocated")
+    # The raw runs too: compare() keeps only the metrics, not each instance's /stats.
     result = {"config": vars(args), "common_server_args": common, "comparison": cmp}
+    result["runs"] = runs
     print(
         f"\n== {n} prompts of {args.prompt_tokens} tokens, {args.streams} streams, "
         f"{args.max_tokens} output tokens: median (min-max) of {cmp['rounds']} rounds =="
