@@ -604,6 +604,35 @@ def _kv_cache(results: Sequence[Result]) -> str:
     return out
 
 
+def _pd_disagg(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        cmp, c = d["comparison"], d["config"]
+        rows.append(
+            [
+                *_run_cells(name, d),
+                f"{c['streams']} streams, {c['num_prompts'] or c['streams']} × "
+                f"{c['prompt_tokens']} tokens, {c['max_tokens']} out",
+                _pair(cmp, "disagg", "colocated", "ttft_p50_ms", 0),
+                _pair(cmp, "disagg", "colocated", "ttft_p99_ms", 0),
+                _pair(cmp, "disagg", "colocated", "tpot_p50_ms", 1),
+                _pair(cmp, "disagg", "colocated", "tpot_p99_ms", 1),
+                _pair(cmp, "disagg", "colocated", "output_tok_per_s", 1),
+                str(cmp["rounds"]),
+            ]
+        )
+    headers = [
+        "workload",
+        "TTFT p50 ms (disagg / colocated)",
+        "TTFT p99 ms",
+        "TPOT p50 ms",
+        "TPOT p99 ms",
+        "output tok/s",
+        "rounds",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
 RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "cpu_levels": _cpu_levels,
     "throughput": _throughput,
@@ -617,6 +646,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "structured": _structured,
     "speculative": _speculative,
     "kv_cache": _kv_cache,
+    "pd_disagg": _pd_disagg,
 }
 
 

@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 from sluice.bench import BENCHMARKS
 from sluice.config import EngineConfig
-from sluice.core.choices import DEVICE_KINDS, LOG_LEVELS, one_of
+from sluice.core.choices import DEVICE_KINDS, KV_ROLES, LOG_LEVELS, one_of
 from sluice.core.errors import SamplingParamsError
 from sluice.core.sampling_params import SamplingParams
 from sluice.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
@@ -57,6 +57,15 @@ _OPTION_HELP = {
     "distributed_executor_backend": "how replicas run: mp, processes on this machine; ray, "
     "Ray actors on a Ray cluster (joins the one `ray start` made, else starts a local one; "
     "pip install 'sluice[dist]') (default: mp)",
+    "kv_role": "prefill/decode disaggregation: prefill holds finished prompts' KV blocks "
+    "for a decode instance to pull; decode pulls them (`sluice serve --role` sets it; "
+    "default: off)",
+    "kv_transfer_host": "where a prefill instance listens for KV transfers (default: "
+    "127.0.0.1; another host's decode instance needs a reachable address)",
+    "kv_transfer_port": "the port of a prefill instance's KV transfers (default: 0, any "
+    "free port; responses name it)",
+    "kv_transfer_timeout": "seconds a prefill instance holds a prompt's blocks for a decode "
+    "instance that does not come, and a pull waits for a silent peer (default: 60.0)",
     "chat_template": "a Jinja chat template to use instead of the model's: a file, the "
     "template text, or a bundled one (hermes_tools: Hermes-style tool calling for ChatML "
     "models; default: the model's own)",
@@ -174,6 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted",
     )
+    serve.add_argument(
+        "--role",
+        choices=(*KV_ROLES, "proxy"),
+        default=None,
+        help="prefill/decode disaggregation: prefill or decode (the same as --kv-role), or "
+        "proxy: no model, only the front end that sends each request to --prefill-url, "
+        "then to --decode-url with the KV transfer's address (default: one instance)",
+    )
+    serve.add_argument(
+        "--prefill-url", default=None, help="with --role proxy: the prefill instance"
+    )
+    serve.add_argument("--decode-url", default=None, help="with --role proxy: the decode instance")
     add_engine_options(serve)
 
     gen = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
@@ -321,6 +342,12 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.role == "proxy":
+        return _proxy(args)
+    if args.role is not None:
+        if getattr(args, "kv_role", args.role) != args.role:
+            raise ValueError(f"--role {args.role} and --kv-role {args.kv_role} disagree")
+        args.kv_role = args.role
     from sluice.server.launch import run_server
 
     return run_server(
@@ -332,6 +359,20 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level or "info",
+    )
+
+
+def _proxy(args: argparse.Namespace) -> int:
+    from sluice.server.pd_proxy import run_proxy
+
+    if not args.prefill_url or not args.decode_url:
+        raise ValueError("--role proxy needs --prefill-url and --decode-url")
+    return run_proxy(
+        args.prefill_url,
+        args.decode_url,
+        host=args.host,
+        port=args.port,
         log_level=args.log_level or "info",
     )
 

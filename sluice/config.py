@@ -14,6 +14,7 @@ from sluice.core.choices import (
     DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPES,
     KV_CACHE_DTYPES,
+    KV_ROLES,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
@@ -21,6 +22,7 @@ from sluice.core.choices import (
     DistributedExecutorBackend,
     DType,
     KVCacheDType,
+    KVRole,
     Quantization,
     SchedulingPolicy,
     SpeculativeMethod,
@@ -209,6 +211,15 @@ class EngineConfig:
     # GiB of files, least recently used deleted first. None: off.
     kv_offload_dir: str | None = None
     kv_offload_size: float = 8.0
+    # Prefill/decode disaggregation (None: off). "prefill": requests that ask for it
+    # (kv_transfer_params) leave their prompt's KV blocks on a TCP block server at
+    # kv_transfer_host:kv_transfer_port (0: any free port) for kv_transfer_timeout
+    # seconds or until a decode instance confirms it pulled them; "decode": requests
+    # that name such a transfer pull the blocks instead of computing them.
+    kv_role: KVRole | None = None
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_port: int = 0
+    kv_transfer_timeout: float = 60.0
     # Data parallelism: this many whole engines (each its own process, threads and KV
     # pool) behind one front end; 1 runs the engine in the serving process itself.
     data_parallel_size: int = 1
@@ -247,6 +258,7 @@ class EngineConfig:
         )
         self._check_speculation()
         self._check_offload()
+        self._check_kv_transfer()
         if self.chat_template is not None and (
             not isinstance(self.chat_template, str) or not self.chat_template.strip()
         ):
@@ -280,6 +292,33 @@ class EngineConfig:
                 "kv_offload_dir is a tier under the prefix cache: it needs "
                 "enable_prefix_caching=True",
             )
+
+    def _check_kv_transfer(self) -> None:
+        if self.kv_role is None:
+            return
+        self.kv_role = parse_choice("kv_role", self.kv_role, KV_ROLES, ConfigError)
+        if self.kv_offload_dir is not None:
+            raise ConfigError(
+                "kv_role", "kv_role and kv_offload_dir are both KV connectors; pick one"
+            )
+        if self.kv_role == "decode" and not self.enable_prefix_caching:
+            raise ConfigError(
+                "kv_role",
+                "kv_role='decode' loads blocks the way prefix-cache hits are loaded: it "
+                "needs enable_prefix_caching=True",
+            )
+        port, timeout = self.kv_transfer_port, self.kv_transfer_timeout
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
+            raise ConfigError(
+                "kv_transfer_port", f"kv_transfer_port must be 0..65535, got {port!r}"
+            )
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise ConfigError(
+                "kv_transfer_timeout",
+                f"kv_transfer_timeout must be a positive number of seconds, got {timeout!r}",
+            )
+        if not isinstance(self.kv_transfer_host, str) or not self.kv_transfer_host:
+            raise ConfigError("kv_transfer_host", "kv_transfer_host must be a host name")
 
     def _check_kv_cache_dtype(self) -> None:
         if self.kv_cache_dtype in ("fp8", "fp8_e4m3"):

@@ -61,6 +61,11 @@ SPECULATIVE_METHODS: tuple[SpeculativeMethod, ...] = get_args(SpeculativeMethod)
 
 # How data-parallel replicas run: "mp", processes on this machine; "ray", Ray actors
 # placed by a Ray cluster (several machines).
+# A prefill/decode split: "prefill" computes prompts and holds their KV blocks for a
+# decode instance to pull; "decode" pulls them and generates (kv_connector/pd_*.py).
+KVRole = Literal["prefill", "decode"]
+KV_ROLES: tuple[KVRole, ...] = get_args(KVRole)
+
 DistributedExecutorBackend = Literal["mp", "ray"]
 DISTRIBUTED_EXECUTOR_BACKENDS: tuple[DistributedExecutorBackend, ...] = get_args(
     DistributedExecutorBackend

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.core.choices import FinishReason
 
@@ -60,3 +61,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetricsOut | None = None
+    # What a KV connector tells the client about the finished request: a prefill
+    # instance's transfer address and id, for the decode instance (kv_transfer.py).
+    kv_transfer_params: dict[str, Any] | None = None

@@ -14,6 +14,7 @@ from numbers import Integral, Real
 from typing import Any, TypeGuard
 
 from sluice.core.errors import SamplingParamsError
+from sluice.core.kv_transfer import check_kv_transfer_params
 from sluice.core.structured_output import StructuredOutput
 
 # Below this the softmax is numerically a one-hot, so sample with argmax instead.
@@ -103,6 +104,9 @@ class SamplingParams:
     # The output must match this (a StructuredOutput; a dict of its fields is
     # converted to one).
     structured_output: StructuredOutput | None = None
+    # Prefill/decode disaggregation (sluice/core/kv_transfer.py): ask a prefill
+    # instance to hold the prompt's KV blocks, or tell a decode instance where they are.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Checked in field order so the first bad field is the one reported.
@@ -160,6 +164,7 @@ class SamplingParams:
         )
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         self.structured_output = self._normalise_structured_output(self.structured_output)
+        self.kv_transfer_params = check_kv_transfer_params(self.kv_transfer_params)
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

@@ -30,6 +30,25 @@ _SUMMED = (
     "spec_emitted_tokens",
     "spec_verify_steps",
 )
+# A prefill/decode instance's counters (kv_connector/pd_*.py), where replicas have them.
+_PD_SUMMED = (
+    "pd_held_transfers",
+    "pd_held_blocks",
+    "pd_held_bytes",
+    "pd_sent_transfers",
+    "pd_expired_transfers",
+    "pd_broken_transfers",
+    "pd_refused_pulls",
+    "pd_dropped_holds",
+    "pd_bytes_sent",
+    "pd_pending_pulls",
+    "pd_pulled_transfers",
+    "pd_failed_transfers",
+    "pd_loaded_blocks",
+    "pd_loaded_tokens",
+    "pd_bytes_pulled",
+    "pd_pull_seconds",
+)
 _SHARED = (
     "block_size",
     "max_model_len",
@@ -48,6 +67,9 @@ def merged_stats(
     out: dict[str, Any] = {k: sum(int(s.get(k, 0)) for s in up) for k in _SUMMED}
     for key in _SHARED:
         out[key] = next((s[key] for s in up if key in s), None)
+    for key in _PD_SUMMED:
+        if any(key in s for s in up):
+            out[key] = sum(s.get(key, 0) for s in up)
     total, free = out["kv_total_blocks"], out["kv_free_blocks"]
     out["kv_usage"] = 1.0 - free / total if total else 0.0
     queried = out["prefix_cache_queried_tokens"]

@@ -4,7 +4,8 @@ stream and abort.
 Only the loop thread touches the LLMEngine. Callers talk to it through a thread-safe
 inbox that the loop drains between steps, and get their outputs back on their own
 event loop via ``call_soon_threadsafe``. When nothing is running the thread blocks on
-the inbox, so an idle server costs no CPU.
+the inbox, so an idle server costs no CPU but a stats refresh once a second (a KV
+connector's counters move on its own threads).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from sluice.sampling_params import SamplingParams
 logger = logging.getLogger("sluice")
 
 DEFAULT_MAX_WAITING_REQUESTS = 512
+# How often an idle loop wakes to refresh the stats snapshot.
+_IDLE_REFRESH_S = 1.0
 
 
 class EngineLike(Protocol):
@@ -340,7 +343,12 @@ class AsyncLLM:
             block = not self.engine.has_unfinished_requests()
             commands: list[_Command] = []
             with contextlib.suppress(queue.Empty):  # nothing arrived: just step
-                commands.append(self._inbox.get(block=block))
+                commands.append(self._inbox.get(block=block, timeout=_IDLE_REFRESH_S))
+            if block and not commands:
+                # Idle for a while: counters that move on other threads (a prefill
+                # instance's held KV blocks expiring) reach the stats all the same.
+                self._update_snapshot()
+                continue
             while True:
                 try:
                     commands.append(self._inbox.get_nowait())

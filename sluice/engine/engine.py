@@ -16,7 +16,14 @@ from sluice.config import EngineConfig, ModelConfig, resolve_dtype, resolve_quan
 from sluice.core.errors import ConfigError, RequestError
 from sluice.core.request import DraftRow, Request, RequestStatus, SamplingRow
 from sluice.engine.kv_cache import KVCacheManager
-from sluice.engine.kv_connector import BlockFormat, KVConnector, disk_tier, model_fingerprint
+from sluice.engine.kv_connector import (
+    BlockFormat,
+    KVConnector,
+    disk_tier,
+    model_fingerprint,
+    pd_decode_connector,
+    pd_prefill_connector,
+)
 from sluice.engine.output import SequenceOutputState
 from sluice.engine.prefix_cache import root_hash
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
@@ -240,7 +247,10 @@ class LLMEngine:
         return mc, num_blocks
 
     def _make_kv_connector(self, config: EngineConfig) -> KVConnector | None:
-        """The disk tier under the prefix cache, where kv_offload_dir asks for one."""
+        """The disk tier under the prefix cache, where kv_offload_dir asks for one, or
+        a prefill or decode instance's side of a prefill/decode split (kv_role)."""
+        if config.kv_role is not None:
+            return self._make_pd_connector(config)
         if config.kv_offload_dir is None:
             return None
         try:
@@ -253,6 +263,25 @@ class LLMEngine:
         except OSError as exc:
             raise ConfigError(
                 "kv_offload_dir", f"kv_offload_dir {config.kv_offload_dir!r} is unusable: {exc}"
+            ) from exc
+
+    def _make_pd_connector(self, config: EngineConfig) -> KVConnector:
+        fmt = self.kv_block_format()
+        if config.kv_role == "decode":
+            return pd_decode_connector(fmt, config.kv_transfer_timeout, self.runner)
+        try:
+            return pd_prefill_connector(
+                fmt,
+                self.runner,
+                config.kv_transfer_host,
+                config.kv_transfer_port,
+                config.kv_transfer_timeout,
+            )
+        except OSError as exc:
+            raise ConfigError(
+                "kv_transfer_port",
+                f"cannot listen for KV transfers on {config.kv_transfer_host}:"
+                f"{config.kv_transfer_port}: {exc}",
             ) from exc
 
     def kv_block_format(self) -> BlockFormat:
@@ -377,6 +406,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self._release_drafts(sched.preempted)
         if not sched:
+            if self.kv_connector is not None and self.scheduler.waiting:
+                # Requests wait for KV on its way (a decode instance's pulls): sleep
+                # until some arrives rather than spin against the threads moving it.
+                self.kv_connector.scheduler.wait_for_arrivals(0.01)
             return []
         try:
             outputs = self._run_step(sched)
@@ -669,6 +702,10 @@ class LLMEngine:
             ),
         )
         if finished:
+            if self.kv_connector is not None:
+                out.kv_transfer_params = self.kv_connector.scheduler.take_transfer_params(
+                    leader.request_id
+                )
             del self.groups[group.request_id]
             for s in group.seqs:
                 self._seqs.pop(s.request_id, None)

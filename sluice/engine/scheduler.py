@@ -7,9 +7,11 @@ request cannot get a block, the lowest-priority running request (the newest, und
 FCFS) is preempted: its blocks are freed and it is recomputed later from its prompt
 and the tokens it already produced, so nothing is lost or repeated.
 
-A KV connector's scheduler half (the disk tier) may say that more of a waiting
-request's prompt, past its prefix-cache hit, can be loaded: those tokens get blocks and
-count as computed, like the hit, and the step's output lists the loads.
+A KV connector's scheduler half (the disk tier, a decode instance's) may say that more
+of a waiting request's prompt, past its prefix-cache hit, can be loaded: those tokens
+get blocks and count as computed, like the hit, and the step's output lists the loads.
+A request whose blocks are still on their way (`is_ready` is False) stays parked in the
+waiting queue, in its place, while others are admitted past it.
 """
 
 from __future__ import annotations
@@ -128,9 +130,13 @@ class Scheduler:
         blocks the KV connector can load."""
         if self._priority and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=self._order_key))
+        parked: list[Request] = []  # their KV is on its way: they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             fresh = req.num_computed_tokens == 0
+            if fresh and self.connector is not None and not self.connector.is_ready(req):
+                parked.append(self.waiting.popleft())
+                continue
             hit = self.kv.find_cached_prefix(req) if fresh else CacheHit([], 0)
             loadable = self._loadable_tokens(req, hit) if fresh else 0
             num_new = min(
@@ -150,6 +156,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(parked))
 
     def _loadable_tokens(self, req: Request, hit: CacheHit) -> int:
         """Prompt tokens past the RAM hit that the KV connector can load."""

@@ -73,6 +73,35 @@ _KV_OFFLOAD_GAUGES = (
     ),
 )
 
+# Prefill/decode disaggregation (0 on an instance without a role).
+_PD_GAUGES = (
+    (
+        "pd_held_blocks",
+        "sluice_pd_held_blocks",
+        "KV blocks a prefill instance holds for decode instances to pull (copies).",
+    ),
+    (
+        "pd_held_transfers",
+        "sluice_pd_held_transfers",
+        "Prompts whose blocks a prefill instance holds for a decode instance.",
+    ),
+    (
+        "pd_expired_transfers",
+        "sluice_pd_expired_transfers",
+        "Held prompts dropped because no decode instance pulled them in time (since start).",
+    ),
+    (
+        "pd_loaded_blocks",
+        "sluice_pd_loaded_blocks",
+        "KV blocks a decode instance pulled and loaded instead of computing (since start).",
+    ),
+    (
+        "pd_failed_transfers",
+        "sluice_pd_failed_transfers",
+        "Pulls that failed, so the decode instance computed the prompt (since start).",
+    ),
+)
+
 
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
@@ -181,6 +210,7 @@ class ServerMetrics:
                     "0 before any).",
                 ),
                 *_KV_OFFLOAD_GAUGES,
+                *_PD_GAUGES,
                 (
                     "rss_bytes",
                     "sluice_process_resident_bytes",

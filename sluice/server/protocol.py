@@ -67,6 +67,8 @@ class _SamplingFields(_Strict):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # Prefill/decode disaggregation, as vLLM spells it (checked by SamplingParams).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -117,6 +117,7 @@ def sampling_params(
             # JSON keys are strings: SamplingParams converts them to int token ids (and
             # rejects any that are not), so its field holds dict[int, float] afterwards.
             logit_bias=cast("dict[int, float] | None", req.logit_bias),
+            kv_transfer_params=req.kv_transfer_params,
         )
     except SamplingParamsError as exc:
         param = rename.get(exc.param, exc.param)

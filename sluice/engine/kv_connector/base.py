@@ -11,20 +11,25 @@ A connector has two halves, so that the engine core never learns what is behind 
   saved blocks out after the step (the copy may then go on in the background).
 
 The disk tier under the prefix cache is one connector (`disk_tier.py`); prefill/decode
-disaggregation is meant to be another: its prefill side saves (sends) every finished
-prompt's blocks, its decode side loads them. The one promise every scheduler half
+disaggregation is two more (`pd_prefill.py` saves a finished prompt's blocks for a
+decode instance, `pd_decode.py` pulls them there). The one promise every scheduler half
 keeps: it counts a token as loadable only when the worker half can put it into the pool
 without failing (the disk tier reads and checks the files first), because a block the
 scheduler counted is named in the prefix cache at once and may be shared in the same
-step. A transfer that can arrive late or fail (a network) would park its request until
-the worker reports it done, and count only what arrived; no connector needs that yet.
+step. A transfer that can arrive late or fail (a network) parks its request instead:
+`is_ready` answers False while the bytes are on their way (the scheduler leaves the
+request waiting, in its place, and admits others past it), and once they are here (or
+the transfer failed) the request is counted with what arrived, which may be nothing.
+When a step finds nothing to run while requests wait, the engine calls
+`wait_for_arrivals` rather than spin. `take_transfer_params` is what a connector tells
+the client about a finished request (the prefill side's transfer address).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -76,6 +81,21 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def take_saves(self) -> list[BlockTransfer]:
         """The saves planned since the last call."""
+
+    def is_ready(self, request: Request) -> bool:
+        """False parks a waiting request with nothing computed (its KV is on its way);
+        asked again at every step until True. May start the transfer."""
+        return True
+
+    def wait_for_arrivals(self, timeout: float) -> None:
+        """A step found nothing to run while requests wait (parked ones, perhaps):
+        return when a transfer may have arrived, or after `timeout` seconds."""
+        return None
+
+    def take_transfer_params(self, request_id: str) -> dict[str, Any] | None:
+        """What to hand back to the client with the finished request `request_id` (a
+        prefill instance's transfer address); asked once, after `request_finished`."""
+        return None
 
     def stats(self) -> dict[str, float]:
         return {}

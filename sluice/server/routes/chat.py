@@ -84,7 +84,7 @@ def _response(
         choices.append(
             {"index": c.index, "message": message, "logprobs": lp_obj, "finish_reason": reason}
         )
-    return {
+    body = {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
@@ -92,6 +92,9 @@ def _response(
         "choices": choices,
         "usage": usage([ids], list(final.outputs)),
     }
+    if final.kv_transfer_params is not None:  # a prefill instance's
+        body["kv_transfer_params"] = final.kv_transfer_params
+    return body
 
 
 @router.post("/v1/chat/completions", response_model=None)

@@ -83,7 +83,7 @@ def _response(
                 }
             )
             outs.append(c)
-    return {
+    body = {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
@@ -91,6 +91,9 @@ def _response(
         "choices": choices,
         "usage": usage(prompts, outs),
     }
+    if finals and finals[0].kv_transfer_params is not None:  # a prefill instance's
+        body["kv_transfer_params"] = finals[0].kv_transfer_params
+    return body
 
 
 @router.post("/v1/completions", response_model=None)
