@@ -57,6 +57,10 @@ _OPTION_HELP = {
     "distributed_executor_backend": "how replicas run: mp, processes on this machine; ray, "
     "Ray actors on a Ray cluster (joins the one `ray start` made, else starts a local one; "
     "pip install 'sluice[dist]') (default: mp)",
+    "tensor_parallel_size": "split every layer, the KV heads and the vocabulary over this "
+    "many ranks (this process and N - 1 workers on this machine) that run each step "
+    "together; heads and KV heads must divide by it; --num-threads is shared out "
+    "(default: 1)",
     "chat_template": "a Jinja chat template to use instead of the model's: a file, the "
     "template text, or a bundled one (hermes_tools: Hermes-style tool calling for ChatML "
     "models; default: the model's own)",
