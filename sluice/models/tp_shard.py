@@ -152,7 +152,8 @@ def shard_checkpoint(
             rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}.get(proj, inter)
             tensors[name] = _rows(w, rank * rows, (rank + 1) * rows)
         elif kind == "bias":  # o_proj / down_proj: added once, after the all-reduce
-            tensors[name] = w if rank == 0 else torch.zeros_like(w)  # type: ignore[arg-type]
+            assert isinstance(w, torch.Tensor), name  # biases are never block-quantized
+            tensors[name] = w if rank == 0 else torch.zeros_like(w)
         else:
             cols = q_rows if proj == "o" else inter
             tensors[name] = _columns(w, rank * cols, (rank + 1) * cols, name, dtype)

@@ -121,11 +121,11 @@ class TPGroup:
         dimension at rank 0 (the vocabulary slices of the logits); None elsewhere."""
         t0 = time.perf_counter()
         x = x.contiguous()
+        parts: list[torch.Tensor] | None = None
         try:
             if self.shm is not None:
                 parts = self.shm.gather(x)
             else:
-                parts = None
                 if self.rank == 0:
                     parts = [torch.empty_like(x) for _ in range(self.world_size)]
                 dist.gather(x, parts, dst=0)

@@ -278,11 +278,11 @@ class ModelRunner:
             config, num_blocks, block_size, dtype, device, kv_cache_dtype, kv_cache_skip_layers
         )
         # Small decode steps skip the Python model where all of it runs on our kernels.
-        self.decode_stack = LlamaDecodeStack.build(self.model, self.backend, self.kv_caches)
-        if tp is not None and self.decode_stack is not None:
-            # Its C++ layer loop has no all-reduce between the layers.
-            logger.info("tensor parallel: the fused decode stack is off (layer by layer)")
-            self.decode_stack = None
+        self.decode_stack: LlamaDecodeStack | None = None
+        if tp is None:
+            self.decode_stack = LlamaDecodeStack.build(self.model, self.backend, self.kv_caches)
+        else:  # its C++ layer loop has no all-reduce between the layers
+            logger.info("tensor parallel: the fused decode stack is off (decode layer by layer)")
 
     def weight_bytes(self) -> int:
         """Bytes of the model's weights as held in memory (see block_quant.weight_bytes)."""
