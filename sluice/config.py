@@ -226,6 +226,10 @@ class EngineConfig:
     # How the replicas run: "mp" (processes on this machine) or "ray" (Ray actors,
     # on any machine of a Ray cluster).
     distributed_executor_backend: DistributedExecutorBackend = "mp"
+    # Tensor parallelism: this many ranks (this process and N - 1 workers on this
+    # machine) each hold 1/N of every layer's heads and units and of the vocabulary, and
+    # run every step together; torch threads are shared out between them.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -233,7 +237,13 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(name, f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "data_parallel_size"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "data_parallel_size",
+            "tensor_parallel_size",
+        ):
             positive(name)
         if self.max_model_len is not None:
             positive("max_model_len")
@@ -259,6 +269,7 @@ class EngineConfig:
         self._check_speculation()
         self._check_offload()
         self._check_kv_transfer()
+        self._check_tensor_parallel()
         if self.chat_template is not None and (
             not isinstance(self.chat_template, str) or not self.chat_template.strip()
         ):
@@ -319,6 +330,26 @@ class EngineConfig:
             )
         if not isinstance(self.kv_transfer_host, str) or not self.kv_transfer_host:
             raise ConfigError("kv_transfer_host", "kv_transfer_host must be a host name")
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism does not combine with (yet), named."""
+        if self.tensor_parallel_size == 1:
+            return
+        clashes = {
+            "data_parallel_size": self.data_parallel_size > 1,
+            "distributed_executor_backend": self.distributed_executor_backend == "ray",
+            "compile": self.compile,
+            "kv_offload_dir": self.kv_offload_dir is not None,
+            "kv_role": self.kv_role is not None,
+            "speculative_method": self.speculative_method == "draft",
+        }
+        for name, clash in clashes.items():
+            if clash:
+                raise ConfigError(
+                    "tensor_parallel_size",
+                    f"tensor_parallel_size > 1 cannot be combined with {name}="
+                    f"{getattr(self, name)!r} (not implemented)",
+                )
 
     def _check_kv_cache_dtype(self) -> None:
         if self.kv_cache_dtype in ("fp8", "fp8_e4m3"):
@@ -401,3 +432,7 @@ class EngineConfig:
         # One torch thread per CPU the OS reports; set num_threads to use physical cores
         # only on machines with SMT, where the sibling threads add contention.
         return self.num_threads or max(1, (os.cpu_count() or 2))
+
+    def rank_threads(self) -> int:
+        """Torch threads of each tensor-parallel rank: the ranks share the CPUs."""
+        return max(1, self.threads() // self.tensor_parallel_size)

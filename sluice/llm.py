@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -25,6 +26,13 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        if self.engine.tp_workers is not None:
+            # Tensor-parallel workers stop with this object (or at exit at the latest).
+            weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); a no-op without."""
+        self.engine.shutdown()
 
     def generate(
         self,

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from sluice.core.choices import CPU_ISAS, CpuIsa, choice_error
+from sluice.core.choices import CPU_ISAS, TP_ALLREDUCES, CpuIsa, TPAllReduce, choice_error
 from sluice.core.errors import SettingsError
 
 
@@ -46,6 +46,11 @@ SETTINGS: dict[str, Setting] = {
             "SLUICE_CPU_ISA",
             "unset (the best the CPU supports)",
             f"force the CPU kernels' instruction-set level, one of {', '.join(CPU_ISAS)}",
+        ),
+        Setting(
+            "SLUICE_TP_ALLREDUCE",
+            "auto (shm on one CPU host, gloo otherwise; nccl on CUDA)",
+            "the tensor-parallel all-reduce on CPU: shm (shared memory) or gloo",
         ),
         Setting(
             "SLUICE_LLAMA_VOCAB_DIR",
@@ -106,6 +111,20 @@ def cpu_isa_override() -> CpuIsa | None:
     raise SettingsError("SLUICE_CPU_ISA", choice_error("SLUICE_CPU_ISA", value, CPU_ISAS))
 
 
+def tp_allreduce() -> TPAllReduce:
+    """How tensor-parallel ranks on CPU all-reduce (`SLUICE_TP_ALLREDUCE`): "auto"
+    (unset), "shm" or "gloo"."""
+    value = _raw("SLUICE_TP_ALLREDUCE")
+    if value is None:
+        return "auto"
+    for choice in TP_ALLREDUCES:
+        if value.lower() == choice:
+            return choice
+    raise SettingsError(
+        "SLUICE_TP_ALLREDUCE", choice_error("SLUICE_TP_ALLREDUCE", value, TP_ALLREDUCES)
+    )
+
+
 def llama_vocab_dir() -> Path | None:
     """`SLUICE_LLAMA_VOCAB_DIR` (tests only), None when unset."""
     return _path("SLUICE_LLAMA_VOCAB_DIR")
@@ -118,4 +137,5 @@ __all__ = [
     "cpu_isa_override",
     "cpu_kernels_enabled",
     "llama_vocab_dir",
+    "tp_allreduce",
 ]

@@ -409,6 +409,7 @@ def test_comparison_scripts_take_rounds_and_output() -> None:
         "kv_offload",
         "gguf_models",
         "structured",
+        "tensor_parallel",
     ]
     # One interpreter for all of them: torch is imported once.
     code = (

@@ -29,8 +29,21 @@ ALLOWED: dict[str, set[str]] = {
     "runner": {"core", "settings", "config", "kernels", "attention", "layers", "models"},
     # Constrained decoding: constraints to grammar matchers, masks, forced tokens.
     "structured": {"core"},
-    # The engine reports which CPU kernel level it runs.
-    "engine": {"core", "settings", "config", "kernels", "loader", "runner", "structured"},
+    # Tensor parallelism's collectives (torch.distributed, shared memory); the model
+    # sees them through a Protocol of its own, so only the engine, which starts the
+    # group, imports this.
+    "parallel": {"core", "settings"},
+    # The engine reports which CPU kernel level it runs; it starts tensor-parallel groups.
+    "engine": {
+        "core",
+        "settings",
+        "config",
+        "kernels",
+        "loader",
+        "runner",
+        "structured",
+        "parallel",
+    },
     # Data-parallel replicas: whole engines in other processes, a router in front.
     "distributed": {"core", "settings", "config", "loader", "engine"},
     "server": {"core", "settings", "config", "loader", "engine", "distributed"},

@@ -71,6 +71,11 @@ DISTRIBUTED_EXECUTOR_BACKENDS: tuple[DistributedExecutorBackend, ...] = get_args
     DistributedExecutorBackend
 )
 
+# How tensor-parallel ranks on CPU all-reduce (SLUICE_TP_ALLREDUCE): "shm" through
+# shared memory on one host, "gloo" through torch.distributed; "auto" prefers shm.
+TPAllReduce = Literal["auto", "shm", "gloo"]
+TP_ALLREDUCES: tuple[TPAllReduce, ...] = get_args(TPAllReduce)
+
 LogLevel = Literal["debug", "info", "warning", "error"]
 LOG_LEVELS: tuple[LogLevel, ...] = get_args(LogLevel)
 
@@ -115,6 +120,7 @@ __all__ = [
     "LOG_LEVELS",
     "QUANTIZATIONS",
     "SCHEDULING_POLICIES",
+    "TP_ALLREDUCES",
     "WEIGHT_QUANTIZATIONS",
     "Architecture",
     "CpuIsa",
@@ -124,6 +130,7 @@ __all__ = [
     "LogLevel",
     "Quantization",
     "SchedulingPolicy",
+    "TPAllReduce",
     "WeightQuantization",
     "choice_error",
     "is_device",

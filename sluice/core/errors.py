@@ -68,6 +68,11 @@ class EngineStepError(SluiceError, RuntimeError):
     """An engine step failed; the requests that were in flight are failed with this."""
 
 
+class TensorParallelError(SluiceError, RuntimeError):
+    """A tensor-parallel rank died, failed, or did not reach a collective in time: the
+    group cannot compute another step."""
+
+
 __all__ = [
     "ConfigError",
     "EngineShutdownError",
@@ -79,4 +84,5 @@ __all__ = [
     "SamplingParamsError",
     "SettingsError",
     "SluiceError",
+    "TensorParallelError",
 ]

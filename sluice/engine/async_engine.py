@@ -398,8 +398,9 @@ class AsyncLLM:
 
     def _close_engine(self) -> None:
         """Let the engine finish what it writes in the background (the KV disk tier's
-        block files); engines without a close() have nothing to finish."""
-        close = getattr(self.engine, "close", None)
+        block files) and stop its tensor-parallel workers (`shutdown`, which closes
+        too); engines without either have nothing to finish."""
+        close = getattr(self.engine, "shutdown", None) or getattr(self.engine, "close", None)
         if close is not None:
             try:
                 close()

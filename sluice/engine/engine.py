@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from sluice import kernels
+from sluice import kernels, settings
 from sluice.config import EngineConfig, ModelConfig, resolve_dtype, resolve_quantization
-from sluice.core.errors import ConfigError, RequestError
+from sluice.core.errors import ConfigError, RequestError, TensorParallelError
 from sluice.core.request import DraftRow, Request, RequestStatus, SamplingRow
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.kv_connector import (
@@ -35,13 +35,16 @@ from sluice.engine.speculative.draft_load import (
 )
 from sluice.engine.speculative.draft_model import DraftModelProposer
 from sluice.engine.speculative.step_costs import StepCostMeasurement, load_or_measure
+from sluice.engine.tensor_parallel import TensorParallelWorkers, WorkerBuild
 from sluice.kernels import large_allocations_mapped
-from sluice.loader import load_model, resolve_chat_template
+from sluice.loader import LoadedModel, load_model, resolve_chat_template
 from sluice.outputs import CompletionOutput, Logprob, RequestMetricsOut, RequestOutput
+from sluice.parallel import TPGroup, join_group, make_spec, remove_spec_files
 from sluice.runner.model_runner import (
     ModelOutput,
     ModelRunner,
     check_kv_cache_dtype,
+    check_tensor_parallel,
     kv_bytes_per_block,
 )
 from sluice.runner.sampler import Sampler
@@ -104,7 +107,7 @@ class LLMEngine:
         self.config = config
         device = config.torch_device()
         if device.type == "cpu":
-            torch.set_num_threads(config.threads())
+            torch.set_num_threads(config.rank_threads())  # the TP ranks share the CPUs
         with large_allocations_mapped():  # a load's peak memory stays near its end state
             mc, num_blocks = self._load(config, device)
         self.sampler = Sampler(mc.vocab_size, config.seed, device)
@@ -191,6 +194,8 @@ class LLMEngine:
             config.quantization, device, self.dtype, loaded.quantized, config.dtype
         )
         check_kv_cache_dtype(config.kv_cache_dtype, config.kv_cache_skip_layers, mc)
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(mc, config.tensor_parallel_size)
         # What the pool stores: the compute dtype's name, or "int8".
         self.kv_cache_dtype = (
             str(self.dtype).removeprefix("torch.")
@@ -217,19 +222,7 @@ class LLMEngine:
             mc.kv_window(),
             root_hash(config.kv_cache_dtype),
         )
-        self.runner = ModelRunner(
-            mc,
-            loaded.tensors,  # consumed: each weight is freed once its layer holds it
-            self.dtype,
-            device,
-            config.block_size,
-            num_blocks,
-            self.max_model_len,
-            self.quantization,
-            config.compile,
-            config.kv_cache_dtype,
-            config.kv_cache_skip_layers,
-        )
+        self.runner = self._build_runner(config, loaded, device, num_blocks)
         del loaded
         self.kv_connector = self._make_kv_connector(config)
         self.scheduler = Scheduler(
@@ -245,6 +238,81 @@ class LLMEngine:
             )
         gc.collect()
         return mc, num_blocks
+
+    def _build_runner(
+        self, config: EngineConfig, loaded: LoadedModel, device: torch.device, num_blocks: int
+    ) -> ModelRunner:
+        """This process's runner: the whole model, or rank 0 of a tensor-parallel group
+        whose other ranks it starts (and stops again if the start fails)."""
+        build = WorkerBuild(self.dtype, self.quantization, num_blocks, self.max_model_len)
+        self.tp_workers: TensorParallelWorkers | None = None
+        self.tp_group = self._start_tensor_parallel(config, device, build)
+        try:
+            runner = ModelRunner(
+                loaded.config,
+                loaded.tensors,  # consumed: each weight is freed once its layer holds it
+                self.dtype,
+                device,
+                config.block_size,
+                num_blocks,
+                self.max_model_len,
+                self.quantization,
+                config.compile,
+                config.kv_cache_dtype,
+                config.kv_cache_skip_layers,
+                tp=self.tp_group,
+            )
+            if self.tp_workers is not None:
+                self.tp_workers.expect("ready")
+                runner.followers = self.tp_workers
+        except BaseException:
+            self.shutdown()
+            raise
+        return runner
+
+    def _start_tensor_parallel(
+        self, config: EngineConfig, device: torch.device, build: WorkerBuild
+    ) -> TPGroup | None:
+        """Start ranks 1..N-1 (each loads the checkpoint and keeps its slice) and join
+        their group as rank 0; None without tensor parallelism. KV blocks: every rank
+        has `num_blocks`, of its own heads, so kv_cache_memory is the group's total."""
+        if config.tensor_parallel_size == 1:
+            return None
+        if torch.distributed.is_initialized():
+            raise TensorParallelError(
+                "this process already runs a tensor-parallel group (one per process): "
+                "shut the other engine down first (LLM.shutdown())"
+            )
+        spec = make_spec(config.tensor_parallel_size, device, settings.tp_allreduce())
+        workers = TensorParallelWorkers(config, spec)
+        try:
+            workers.expect("loaded")
+            workers.build(build)
+            group = join_group(spec, 0, workers.alive)
+        except BaseException:
+            workers.close(timeout_s=2.0)
+            remove_spec_files(spec)
+            raise
+        self.tp_workers = workers
+        logger.info(
+            "tensor parallel: %d ranks, all-reduce over %s, %d torch threads each",
+            spec.world_size,
+            spec.allreduce,
+            config.rank_threads(),
+        )
+        return group
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (and finish the KV connector's saves); the
+        engine cannot step after this."""
+        if getattr(self, "kv_connector", None) is not None:
+            self.close()
+        if self.tp_workers is not None:
+            self.tp_workers.close()
+            self.tp_workers = None
+        if self.tp_group is not None:
+            self.tp_group.close()
+            self.tp_group = None
 
     def _make_kv_connector(self, config: EngineConfig) -> KVConnector | None:
         """The disk tier under the prefix cache, where kv_offload_dir asks for one, or

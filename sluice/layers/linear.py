@@ -6,6 +6,8 @@ Quantization plugs in here: a method converts the loaded dense weight once
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,9 +69,13 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.method = method or LinearMethod()
+        # Tensor parallelism sets this on row-parallel layers (o_proj, down_proj): each
+        # rank's output is a partial sum, made whole by the group's all-reduce.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return y if self.reduce is None else self.reduce(y)
 
     def extra_repr(self) -> str:
         return (

@@ -21,6 +21,7 @@ from sluice.layers import fused
 from sluice.layers.block_quant import BlockQuantized, Embedding
 from sluice.layers.linear import Linear
 from sluice.layers.rotary import RotaryEmbedding
+from sluice.models.tp_shard import Collectives
 
 
 class RMSNorm(nn.Module):
@@ -136,6 +137,22 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.rotary: RotaryEmbedding | None = None
+        # Tensor parallelism (set_tensor_parallel): this rank's group, and the first id
+        # and size of the whole vocabulary, of which this model holds a slice.
+        self.tp: Collectives | None = None
+        self.vocab_start = 0
+        self.full_vocab_size = config.vocab_size
+
+    def set_tensor_parallel(self, tp: Collectives, full_vocab_size: int) -> None:
+        """Make this model one rank of `tp` (built from tp_shard.local_config, loaded
+        with tp_shard.shard_checkpoint): an all-reduce after each row-parallel layer,
+        the vocabulary in slices."""
+        self.tp = tp
+        self.vocab_start = tp.rank * self.config.vocab_size
+        self.full_vocab_size = full_vocab_size
+        for layer in self.layers:
+            layer.self_attn.o_proj.reduce = tp.all_reduce
+            layer.mlp.down_proj.reduce = tp.all_reduce
 
     def init_rotary(self, max_positions: int) -> None:
         c = self.config
@@ -152,15 +169,31 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] before the final norm (inside a step_context)."""
         assert self.rotary is not None, "call init_rotary() first"
         cos, sin = self.rotary.lookup(positions)
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids) if self.tp is None else self._embed_slice(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin)
         out: torch.Tensor = h if residual is None else h + residual
         return out
 
+    def _embed_slice(self, ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: each rank embeds the ids in its slice, zeros for the
+        rest, and the all-reduce assembles every row."""
+        assert self.tp is not None
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.config.vocab_size)
+        h: torch.Tensor = self.embed_tokens(local.masked_fill(outside, 0))
+        h.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(h)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [rows, vocab]. Under tensor parallelism every rank computes its
+        vocabulary slice and rank 0 gets them all; the other ranks get their slice."""
         logits: torch.Tensor = self.lm_head(self.norm(hidden))
+        if self.tp is not None:
+            gathered = self.tp.gather_last_dim(logits)
+            if gathered is not None:
+                logits = gathered[:, : self.full_vocab_size].contiguous()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

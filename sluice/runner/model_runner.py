@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
+import logging
 import mmap
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -21,7 +24,11 @@ from sluice.layers.block_quant import weight_bytes
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import make_linear_method
 from sluice.models import model_class
+from sluice.models.llama import LlamaForCausalLM
 from sluice.models.llama_decode_stack import LlamaDecodeStack
+from sluice.models.tp_shard import Collectives, local_config, shard_checkpoint
+
+logger = logging.getLogger("sluice")
 
 
 @dataclass
@@ -34,6 +41,53 @@ class ModelOutput:
     num_rows: list[int]  # rows of `logits` per sampling request, in order
     # Logits of every computed prompt position, for requests that asked for prompt logprobs.
     prompt_logits: dict[str, tuple[int, torch.Tensor]]  # request_id -> (first position, logits)
+
+
+@dataclass
+class StepInputs:
+    """A prepared step: what every rank of a tensor-parallel group runs (pickled to the
+    workers), built once by rank 0."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T], on CPU
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # rows of the hidden states that sample, on CPU
+    prompt_rows: list[tuple[int, int]]  # row ranges whose prompt logprobs were asked for
+
+    def to(self, device: torch.device) -> StepInputs:
+        """The same step with its device tensors on `device` (a CUDA rank's own GPU)."""
+        if self.input_ids.device == device:
+            return self
+        return StepInputs(
+            self.input_ids.to(device),
+            self.positions,
+            _moved(self.meta, device),
+            self.logit_rows,
+            self.prompt_rows,
+        )
+
+
+def _moved(obj: Any, device: torch.device) -> Any:
+    """A dataclass (the attention metadata, its prefill spans) with every tensor, also in
+    its lists and dicts, moved to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, list):
+        return [_moved(v, device) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _moved(v, device) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _moved(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+class StepFollowers(Protocol):
+    """The other ranks of a tensor-parallel group, as rank 0's runner drives them."""
+
+    def run_step(self, inputs: StepInputs) -> None: ...
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None: ...
 
 
 # A request computing at most this many tokens in a step is attended row by row (see
@@ -85,6 +139,26 @@ def _full_precision_layers(
     if kv_cache_dtype == "auto":
         return list(range(config.num_layers))
     return [i for i in skip_layers if i < config.num_layers]
+
+
+def check_tensor_parallel(config: ModelConfig, world_size: int) -> None:
+    """Refuse, naming tensor_parallel_size, a model this many ranks cannot split."""
+    if config.architecture == "gemma3":
+        raise ConfigError(
+            "tensor_parallel_size", "tensor_parallel_size > 1 does not run Gemma 3 models yet"
+        )
+    for what, count in (
+        ("attention heads", config.num_heads),
+        ("KV heads", config.num_kv_heads),
+        ("intermediate size", config.intermediate_size),
+    ):
+        if count % world_size:
+            raise ConfigError(
+                "tensor_parallel_size",
+                f"tensor_parallel_size={world_size} must divide the model's {what} "
+                f"({config.name}: {config.num_heads} heads, {config.num_kv_heads} KV heads, "
+                f"intermediate size {config.intermediate_size}); KV heads are not replicated",
+            )
 
 
 def allocate_kv_pools(
@@ -153,8 +227,18 @@ class ModelRunner:
         compile: bool = False,
         kv_cache_dtype: KVCacheDType = "auto",
         kv_cache_skip_layers: tuple[int, ...] = (),
+        tp: Collectives | None = None,
     ) -> None:
+        full_vocab = config.vocab_size
+        if tp is not None:
+            # This rank's heads, intermediate units and vocabulary slice only.
+            check_tensor_parallel(config, tp.world_size)
+            shard_checkpoint(tensors, config, tp.rank, tp.world_size, dtype)
+            config = local_config(config, tp.world_size)
         self.config = config
+        self.tp = tp
+        # Rank 0 of a tensor-parallel group: the workers that run each step with it.
+        self.followers: StepFollowers | None = None
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
@@ -175,6 +259,9 @@ class ModelRunner:
             for layer in model.modules():
                 if isinstance(layer, Linear):
                     layer.method = make_linear_method(quantization, output_head=layer is head)
+        if tp is not None:
+            assert isinstance(model, LlamaForCausalLM)
+            model.set_tensor_parallel(tp, full_vocab)
         model.load_weights(tensors)
         model.init_rotary(max_model_len)
         self.model = model.eval()
@@ -191,7 +278,11 @@ class ModelRunner:
             config, num_blocks, block_size, dtype, device, kv_cache_dtype, kv_cache_skip_layers
         )
         # Small decode steps skip the Python model where all of it runs on our kernels.
-        self.decode_stack = LlamaDecodeStack.build(self.model, self.backend, self.kv_caches)
+        self.decode_stack: LlamaDecodeStack | None = None
+        if tp is None:
+            self.decode_stack = LlamaDecodeStack.build(self.model, self.backend, self.kv_caches)
+        else:  # its C++ layer loop has no all-reduce between the layers
+            logger.info("tensor parallel: the fused decode stack is off (decode layer by layer)")
 
     def weight_bytes(self) -> int:
         """Bytes of the model's weights as held in memory (see block_quant.weight_bytes)."""
@@ -200,6 +291,8 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
+        if self.followers is not None:
+            self.followers.copy_blocks(copies)
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for pool in self.kv_pools:
@@ -235,11 +328,42 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> ModelOutput:
         """Run one step over (request, num_new_tokens) pairs, in any order."""
-        dev = self.device
-        bs = self.block_size
-        # Requests computing few tokens first: their tokens go to the paged kernel.
         scheduled = sorted(scheduled, key=lambda rn: rn[1] > SMALL_CHUNK_TOKENS)
-        n_req = len(scheduled)
+        inputs, sampling, rows_per_req, prompt_starts = self._prepare(scheduled)
+        if self.followers is not None:
+            self.followers.run_step(inputs)  # the other ranks run the same step
+        logits, prompt_logits = self.run_step(inputs)
+        prompt = {
+            rid: (start, chunk)
+            for (rid, start), chunk in zip(prompt_starts, prompt_logits, strict=True)
+        }
+        return ModelOutput(logits, sampling, rows_per_req, prompt)
+
+    @torch.inference_mode()
+    def run_step(self, inputs: StepInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The forward pass of a prepared step: (the sampling rows' logits, each prompt
+        chunk's logits). Every rank of a tensor-parallel group runs it on the same inputs;
+        rank 0's logits are the whole vocabulary's."""
+        meta = inputs.meta
+        if self.decode_stack is not None and self.decode_stack.accepts(
+            inputs.input_ids.numel(), meta
+        ):
+            hidden = self.decode_stack(inputs.input_ids, inputs.positions, meta)
+        else:
+            with step_context(StepContext(self.backend, meta, self.kv_caches)):
+                hidden = self.forward(inputs.input_ids, inputs.positions.to(self.device))
+        prompt = [self.model.compute_logits(hidden[a:b]) for a, b in inputs.prompt_rows]
+        logits = self.model.compute_logits(hidden[inputs.logit_rows.to(self.device)])
+        return logits, prompt
+
+    def _prepare(
+        self, scheduled: list[tuple[Request, int]]
+    ) -> tuple[StepInputs, list[Request], list[int], list[tuple[str, int]]]:
+        """The step's tensors (token ids, positions, attention metadata), and which rows
+        need logits: every request that catches up with its known tokens samples at its
+        last known token and at each of its draft tokens; prompt positions too for
+        prompt logprobs. Also (the sampling requests, rows per request, (request id,
+        first position) of each prompt chunk)."""
         starts_l = [r.num_computed_tokens for r, _ in scheduled]
         lens_l = [n for _, n in scheduled]
         offsets = list(itertools.accumulate(lens_l, initial=0))  # batch offset per request
@@ -248,7 +372,45 @@ class ModelRunner:
                 _step_tokens(r, s, n) for (r, n), s in zip(scheduled, starts_l, strict=True)
             )
         )
-        num_tokens = len(token_ids)
+        meta, positions = self._metadata(scheduled, starts_l, lens_l, offsets)
+        sampling: list[Request] = []
+        rows: list[int] = []
+        rows_per_req: list[int] = []
+        prompt_rows: list[tuple[int, int]] = []
+        prompt_starts: list[tuple[str, int]] = []
+        for i, (r, n) in enumerate(scheduled):
+            end = offsets[i + 1]
+            count = starts_l[i] + n - r.num_tokens + 1
+            if count > 0:
+                sampling.append(r)
+                rows.extend(range(end - count, end))
+                rows_per_req.append(count)
+            if r.sampling_params.prompt_logprobs is not None and starts_l[i] < r.num_prompt_tokens:
+                last = min(starts_l[i] + n, r.num_prompt_tokens)
+                prompt_rows.append((end - n, end - n + (last - starts_l[i])))
+                prompt_starts.append((r.request_id, starts_l[i]))
+        inputs = StepInputs(
+            torch.tensor(token_ids, dtype=torch.long, device=self.device),
+            positions,
+            meta,
+            torch.tensor(rows, dtype=torch.long),
+            prompt_rows,
+        )
+        return inputs, sampling, rows_per_req, prompt_starts
+
+    def _metadata(
+        self,
+        scheduled: list[tuple[Request, int]],
+        starts_l: list[int],
+        lens_l: list[int],
+        offsets: list[int],
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """The attention metadata and the positions of a step (requests computing few
+        tokens first)."""
+        dev = self.device
+        bs = self.block_size
+        n_req = len(scheduled)
+        num_tokens = offsets[-1]
         starts = torch.tensor(starts_l, dtype=torch.long)
         lens = torch.tensor(lens_l, dtype=torch.long)
         cu = torch.tensor(offsets, dtype=torch.long)
@@ -296,34 +458,7 @@ class ModelRunner:
                 # Query j sits at position start + j and sees positions 0..start + j.
                 span.mask = (pos[None, :] <= (start + torch.arange(n))[:, None]).to(dev)
             meta.prefills.append(span)
-
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        if self.decode_stack is not None and self.decode_stack.accepts(num_tokens, meta):
-            hidden = self.decode_stack(input_ids, positions, meta)
-        else:
-            with step_context(StepContext(self.backend, meta, self.kv_caches)):
-                hidden = self.forward(input_ids, positions.to(dev))
-
-        # Which rows need logits: every request that catches up with its known tokens
-        # samples at its last known token and at each of its draft tokens; prompt
-        # positions too for prompt logprobs.
-        sampling: list[Request] = []
-        rows: list[int] = []
-        rows_per_req: list[int] = []
-        prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
-        for i, (r, n) in enumerate(scheduled):
-            end = offsets[i + 1]
-            count = starts_l[i] + n - r.num_tokens + 1
-            if count > 0:
-                sampling.append(r)
-                rows.extend(range(end - count, end))
-                rows_per_req.append(count)
-            if r.sampling_params.prompt_logprobs is not None and starts_l[i] < r.num_prompt_tokens:
-                last = min(starts_l[i] + n, r.num_prompt_tokens)
-                chunk = hidden[end - n : end - n + (last - starts_l[i])]
-                prompt_logits[r.request_id] = (starts_l[i], self.model.compute_logits(chunk))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
-        return ModelOutput(logits, sampling, rows_per_req, prompt_logits)
+        return meta, positions
 
 
 def _step_tokens(r: Request, start: int, n: int) -> list[int]:
