@@ -126,7 +126,8 @@ class ShmCollectives:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; every rank gets the same bits (the slots
         are added in rank order, bf16 in an fp32 accumulator)."""
-        flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
+        in_place = x.is_contiguous()  # else the sums go to a copy, written back at the end
+        flat = x.view(-1) if in_place else x.contiguous().view(-1)
         step = self.slot_bytes // flat.element_size()
         for start in self._pieces(flat):
             part = flat[start : start + step]
@@ -142,7 +143,7 @@ class ShmCollectives:
                 for v in views[1:]:
                     acc.add_(v.float())
                 part.copy_(acc)
-        if flat.data_ptr() != x.data_ptr():
+        if not in_place:
             x.copy_(flat.view(x.shape))
         return x
 
