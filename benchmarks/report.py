@@ -8,7 +8,8 @@ docs/benchmarks.md is hand-written prose around generated blocks:
 
 The name after `results:` is a benchmark kind (the `benchmark` field that
 `common.write_result` stores): throughput, single_stream, serve, prefix_cache, kv_offload,
-quantization, cpu_levels, gguf_models, weight_paths, structured, speculative. Every
+quantization, cpu_levels, gguf_models, weight_paths, structured, speculative, kv_cache,
+pd_disagg, scale_out, tensor_parallel. Every
 row names its result file, machine (CPU model, threads), kernel variant, commit and
 date, so no figure in the doc stands without the run behind it; tests/test_bench.py
 checks that the committed doc equals what this script generates.
@@ -633,6 +634,59 @@ def _pd_disagg(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _scale_out(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        for lvl in d["levels"]:
+            cmp = lvl["comparison"]
+            rows.append(
+                [
+                    *_run_cells(name, d),
+                    f"{lvl['concurrency']} ({lvl['num_prompts']} prompts)",
+                    _pair(cmp, "dp2", "single", "output_tok_per_s", 1),
+                    _ratio(_rmed(cmp, "dp2", "output_tok_per_s")),
+                    _pair(cmp, "dp2", "single", "ttft_p50_ms", 0),
+                    _pair(cmp, "dp2", "single", "tpot_p50_ms", 1),
+                    str(cmp["rounds"]),
+                ]
+            )
+    headers = [
+        "streams",
+        "output tok/s (dp2 / single)",
+        "dp2 / single",
+        "TTFT p50 ms",
+        "TPOT p50 ms",
+        "rounds",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
+def _tensor_parallel(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        for lvl in d["levels"]:
+            rows.append(
+                [
+                    *_run_cells(name, d),
+                    f"{d['config']['model']}, batch {lvl['batch']}",
+                    " / ".join(_spread(lvl, s, "step_ms") for s in ("tp1", "tp2-gloo", "tp2-shm")),
+                    _pair(lvl, "tp2-gloo", "tp2-shm", "allreduce_us", 0),
+                    _pair(lvl, "tp2-gloo", "tp2-shm", "gather_us", 0),
+                    _spread(lvl, "tp2-shm", "allreduces_per_step", digits=0),
+                    str(lvl["rounds"]),
+                ]
+            )
+    headers = [
+        "model, decode batch",
+        "step ms TP=1 / TP=2 gloo / TP=2 shm",
+        "all-reduce µs per call (gloo / shm)",
+        "gather µs per call (gloo / shm)",
+        "all-reduces per step",
+        "rounds",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
 RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "cpu_levels": _cpu_levels,
     "throughput": _throughput,
@@ -647,6 +701,8 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "speculative": _speculative,
     "kv_cache": _kv_cache,
     "pd_disagg": _pd_disagg,
+    "scale_out": _scale_out,
+    "tensor_parallel": _tensor_parallel,
 }
 
 

@@ -590,3 +590,46 @@ def test_report_renders_structured(tmp_path: Path) -> None:
     )
     assert "| 8 | 260 (110 forced) | 150 | 1.73 |" in out
     assert report.render(out, report.load_results(tmp_path)) == out
+
+
+def test_report_renders_scale_out_and_tensor_parallel(tmp_path: Path) -> None:
+    """Data-parallel levels read dp2 against single; TP levels show every side's step and
+    the collectives of the two TP=2 sides (TP=1 has none)."""
+    serve_metrics = ["output_tok_per_s", "ttft_p50_ms", "tpot_p50_ms"]
+    sides = {
+        "single": [{"output_tok_per_s": 600.0, "ttft_p50_ms": 1200.0, "tpot_p50_ms": 88.0}],
+        "dp2": [{"output_tok_per_s": 750.0, "ttft_p50_ms": 1900.0, "tpot_p50_ms": 64.0}],
+    }
+    scale_out = {
+        "benchmark": "scale_out",
+        "provenance": PROVENANCE,
+        "levels": [
+            {
+                "concurrency": 64,
+                "num_prompts": 128,
+                "comparison": common.compare(sides, serve_metrics, "single"),
+            }
+        ],
+    }
+    tp_metrics = ["step_ms", "allreduce_us", "allreduces_per_step", "gather_us"]
+    tp_runs = {
+        "tp1": [{"step_ms": 17.8}],
+        "tp2-gloo": [
+            {"step_ms": 99.8, "allreduce_us": 1394, "allreduces_per_step": 49, "gather_us": 941}
+        ],
+        "tp2-shm": [
+            {"step_ms": 27.5, "allreduce_us": 78, "allreduces_per_step": 49, "gather_us": 358}
+        ],
+    }
+    tp = {
+        "benchmark": "tensor_parallel",
+        "provenance": PROVENANCE,
+        "config": {"model": "qwen2.5-coder-0.5b"},
+        "levels": [{"batch": 1, **common.compare(tp_runs, tp_metrics, "tp1")}],
+    }
+    (tmp_path / "scale_out.json").write_text(json.dumps(scale_out))
+    (tmp_path / "tp.json").write_text(json.dumps(tp))
+    out = report.render(report.DOC.read_text(encoding="utf-8"), report.load_results(tmp_path))
+    assert "| 64 (128 prompts) | 750.0 / 600.0 | 1.25× | 1,900 / 1,200 | 64.0 / 88.0 | 1 |" in out
+    tp_row = "qwen2.5-coder-0.5b, batch 1 | 17.8 / 99.8 / 27.5 | 1,394 / 78 | 941 / 358 | 49 | 1 |"
+    assert tp_row in out
