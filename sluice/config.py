@@ -99,6 +99,13 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def split_kv_local_layers(self) -> list[int]:
+        """The windowed layers of a model that has full-attention layers too (Gemma 3):
+        those a split KV cache keeps in its local pool. Empty where every layer is
+        windowed (Mistral) or none is: such a model keeps one pool."""
+        local = [i for i in range(self.num_layers) if self.layer_window(i) is not None]
+        return local if 0 < len(local) < self.num_layers else []
+
     def kv_window(self) -> int | None:
         """The window of the KV cache as a whole: the largest layer window where every
         layer has one (no position before it is ever read again), else None."""
@@ -106,6 +113,12 @@ class ModelConfig:
         if not windows or any(w is None for w in windows):
             return None
         return max(w for w in windows if w is not None)
+
+
+# The layer groups of a split KV cache (engine/kv_cache.py): the full-attention layers
+# (the only group of a single pool) and the windowed ones, each with its own pool.
+GLOBAL_KV_GROUP = 0
+LOCAL_KV_GROUP = 1
 
 
 def check_architecture(arch: object) -> Architecture:
