@@ -194,6 +194,10 @@ class EngineConfig:
     # the listed layers (0-based) at full precision in a pool of their own.
     kv_cache_dtype: KVCacheDType = "auto"
     kv_cache_skip_layers: tuple[int, ...] = ()
+    # Where a model has both windowed and full-attention layers (Gemma 3), keep the
+    # windowed layers' K/V in a pool of their own that holds only each sequence's
+    # window (engine/kv_cache.py); False: one pool for every layer, the whole sequence.
+    split_kv_pool: bool = True
     seed: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
@@ -260,6 +264,10 @@ class EngineConfig:
             positive(name)
         if self.max_model_len is not None:
             positive("max_model_len")
+        if not isinstance(self.split_kv_pool, bool):
+            raise ConfigError(
+                "split_kv_pool", f"split_kv_pool must be True or False, got {self.split_kv_pool!r}"
+            )
         if not (isinstance(self.kv_cache_memory, int | float) and self.kv_cache_memory > 0):
             raise ConfigError(
                 "kv_cache_memory",
