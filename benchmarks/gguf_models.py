@@ -134,7 +134,6 @@ def memory_sluice(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from sluice import LLM, SamplingParams
-    from sluice.runner.model_runner import kv_bytes_per_block
 
     llm = LLM(model=job["model"], kv_cache_memory=job["kv_gib"])
     loaded = rss_bytes()
@@ -150,7 +149,8 @@ def memory_sluice(job: dict[str, Any]) -> dict[str, Any]:
         "loaded_rss": loaded,
         "end_rss": rss_bytes(),
         "peak_rss": peak_rss_bytes(),
-        "kv_bytes": blocks * kv_bytes_per_block(eng.model_config, bs, eng.dtype),
+        # Every pool's reserved bytes (a split cache's local pool included).
+        "kv_bytes": sum(p.numel() * p.element_size() for p in eng.runner.kv_pools),
         "kv_tokens": blocks * bs,
         "weight_bytes": sluice_weight_bytes(eng.runner.model),
         "dtype": str(eng.dtype).removeprefix("torch."),

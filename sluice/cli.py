@@ -37,6 +37,10 @@ _OPTION_HELP = {
     "memory; default: auto)",
     "kv_cache_skip_layers": "with --kv-cache-dtype int8, these layers (comma-separated "
     "0-based indices) keep a full-precision KV cache (default: none)",
+    "split_kv_pool": "for models with windowed and full-attention layers (Gemma 3): keep "
+    "the windowed layers' K/V in a pool of their own that holds only each sequence's "
+    "window (default: on; --no-split-kv-pool: one pool, every layer's K/V of the whole "
+    "sequence)",
     "scheduling_policy": "the order requests are admitted in and preempted in",
     "num_threads": "CPU threads for torch (default: all cores)",
     "quantization": "weight-only quantization on CPU (default: auto, a 4/8-bit GGUF "

@@ -99,6 +99,13 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def split_kv_local_layers(self) -> list[int]:
+        """The windowed layers of a model that has full-attention layers too (Gemma 3):
+        those a split KV cache keeps in its local pool. Empty where every layer is
+        windowed (Mistral) or none is: such a model keeps one pool."""
+        local = [i for i in range(self.num_layers) if self.layer_window(i) is not None]
+        return local if 0 < len(local) < self.num_layers else []
+
     def kv_window(self) -> int | None:
         """The window of the KV cache as a whole: the largest layer window where every
         layer has one (no position before it is ever read again), else None."""
@@ -106,6 +113,12 @@ class ModelConfig:
         if not windows or any(w is None for w in windows):
             return None
         return max(w for w in windows if w is not None)
+
+
+# The layer groups of a split KV cache (engine/kv_cache.py): the full-attention layers
+# (the only group of a single pool) and the windowed ones, each with its own pool.
+GLOBAL_KV_GROUP = 0
+LOCAL_KV_GROUP = 1
 
 
 def check_architecture(arch: object) -> Architecture:
@@ -181,6 +194,10 @@ class EngineConfig:
     # the listed layers (0-based) at full precision in a pool of their own.
     kv_cache_dtype: KVCacheDType = "auto"
     kv_cache_skip_layers: tuple[int, ...] = ()
+    # Where a model has both windowed and full-attention layers (Gemma 3), keep the
+    # windowed layers' K/V in a pool of their own that holds only each sequence's
+    # window (engine/kv_cache.py); False: one pool for every layer, the whole sequence.
+    split_kv_pool: bool = True
     seed: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
@@ -247,6 +264,10 @@ class EngineConfig:
             positive(name)
         if self.max_model_len is not None:
             positive("max_model_len")
+        if not isinstance(self.split_kv_pool, bool):
+            raise ConfigError(
+                "split_kv_pool", f"split_kv_pool must be True or False, got {self.split_kv_pool!r}"
+            )
         if not (isinstance(self.kv_cache_memory, int | float) and self.kv_cache_memory > 0):
             raise ConfigError(
                 "kv_cache_memory",

@@ -135,3 +135,30 @@ def test_hf_directory_matches_transformers(
     sp = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
     out = llm.generate([ids], sp, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == reference(hf_gemma, ids)
+
+
+def test_local_pool_holds_only_the_window(gemma_fp32: LLM) -> None:
+    """The split cache: decoding past the 512-token window, the 15 local layers hold
+    ceil(512 / 16) + 1 blocks, the 3 global ones the whole sequence; all go back."""
+    engine = gemma_fp32.engine
+    ids = engine.encode_prompt(long_prompt())
+    engine.add_request("held", ids, SamplingParams(temperature=0, max_tokens=6, min_tokens=6))
+    held: list[tuple[int, int, int]] = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        for req in engine.scheduler.running:
+            if req.num_computed_tokens > len(ids):  # decoding
+                kv = engine.kv
+                held.append(
+                    (
+                        req.num_computed_tokens,
+                        kv.num_held_blocks(req, 0),
+                        kv.num_held_blocks(req, 1),
+                    )
+                )
+    assert held and engine.kv.local_pool is not None
+    for computed, global_blocks, local_blocks in held:
+        assert global_blocks == -(-computed // 16)  # the whole sequence
+        assert local_blocks <= 512 // 16 + 1
+    for group in engine.kv.groups:
+        assert group.pool.num_free == group.pool.num_blocks

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sluice.core.request import Request
-from sluice.engine.kv_cache import NO_BLOCK, BlockPool, KVCacheManager
+from sluice.engine.kv_cache import LOCAL_GROUP, NO_BLOCK, BlockPool, KVCacheManager
 from sluice.sampling_params import SamplingParams
 
 
@@ -152,3 +152,104 @@ def test_no_window_keeps_every_block() -> None:
     r.num_computed_tokens = 20
     assert kv.allocate_slots(r, 1)
     assert NO_BLOCK not in r.block_ids and kv.num_held_blocks(r) == 6
+
+
+# ---- a split cache: a global pool and a local pool for the windowed layers ----------
+
+
+def split_manager(local_num_blocks: int = 8) -> KVCacheManager:
+    # Window 6, blocks of 4 (as above), for the local group only.
+    return KVCacheManager(
+        num_blocks=16,
+        block_size=4,
+        enable_prefix_caching=True,
+        local_num_blocks=local_num_blocks,
+        local_window=6,
+    )
+
+
+def assert_all_free(kv: KVCacheManager) -> None:
+    for group in kv.groups:
+        assert group.pool.num_free == group.pool.num_blocks
+        assert all(c == 0 for c in group.pool.ref_counts)
+
+
+def test_split_cache_releases_only_the_local_blocks() -> None:
+    kv = split_manager()
+    r = make_request(list(range(30)))
+    assert kv.allocate_slots(r, 13)
+    r.num_computed_tokens = 13
+    assert kv.allocate_slots(r, 1)  # position 13 sees 8 on: local blocks 0 and 1 go
+    assert NO_BLOCK not in r.block_ids and len(r.block_ids) == len(r.local_block_ids) == 4
+    assert r.local_block_ids[:2] == [NO_BLOCK, NO_BLOCK] and NO_BLOCK not in r.local_block_ids[2:]
+    assert kv.num_held_blocks(r) == 4 and kv.num_held_blocks(r, LOCAL_GROUP) == 2
+    assert kv.local_pool is not None and kv.local_pool.num_free == 8 - 2
+    assert kv.slot_usage(r) == (6 * 4, 13 + 13 - 2 * 4)
+    kv.free(r)
+    assert_all_free(kv)
+
+
+def test_split_cache_allocates_from_both_pools_or_neither() -> None:
+    kv = split_manager(local_num_blocks=3)
+    r = make_request(list(range(30)))
+    assert not kv.allocate_slots(r, 13)  # 4 blocks: the global pool has them, the local not
+    assert r.block_ids == [] and r.local_block_ids == [] and r.num_computed_tokens == 0
+    assert_all_free(kv)
+    assert kv.allocate_slots(r, 12)
+    assert kv.num_free_blocks == 0  # the fuller group's count
+    kv.free(r)
+    assert_all_free(kv)
+
+
+def test_split_prefix_hit_needs_only_the_last_window_locally() -> None:
+    kv = split_manager()
+    first = make_request(list(range(21)), "a")
+    assert kv.allocate_slots(first, 21)  # 5 full blocks named in both pools
+    first.num_computed_tokens = 21
+    global_ids, local_ids = list(first.block_ids), list(first.local_block_ids)
+    kv.free(first)
+    second = make_request([*range(20), 99, 98], "b")
+    hit = kv.find_cached_prefix(second)
+    # Position 20 sees 15 on: the local group serves blocks 3 and 4 only.
+    assert hit.num_tokens == 20 and hit.blocks == global_ids[:5]
+    assert hit.local_blocks == [NO_BLOCK] * 3 + local_ids[3:5]
+    # Blocks before the window may be gone from the local pool; one inside it may not.
+    assert kv.local_pool is not None
+    kv.local_pool.uncache([local_ids[1], local_ids[4]])
+    hit = kv.find_cached_prefix(second)  # 16 tokens: position 16 sees 11 on (blocks 2, 3)
+    assert hit.num_tokens == 16 and hit.blocks == global_ids[:4]
+    assert hit.local_blocks == [NO_BLOCK] * 2 + local_ids[2:4]
+    assert kv.allocate_slots(second, 22 - 16, hit)
+    assert second.num_computed_tokens == 16
+    assert second.block_ids[:4] == global_ids[:4] and second.local_block_ids[:4] == hit.local_blocks
+    assert len(second.block_ids) == len(second.local_block_ids) == 6
+    # Now blocks 1, 2 and 4 of that prefix are missing locally: only a one-block hit
+    # (position 4 sees 0 on) has its whole window.
+    kv.local_pool.uncache([local_ids[2], second.local_block_ids[4]])
+    assert kv.find_cached_prefix(make_request([*range(20), 5], "c")).num_tokens == 4
+    kv.free(second)
+    assert_all_free(kv)
+
+
+def test_split_cache_forks_copy_on_write_and_rolls_back_in_both_pools() -> None:
+    kv = split_manager()
+    parent = make_request(list(range(6)), "p")
+    assert kv.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    child = make_request(list(range(6)), "c")
+    kv.fork(parent, child)
+    assert child.local_block_ids == parent.local_block_ids
+    assert kv.allocate_slots(child, 1)  # the shared partial block is copied in each pool
+    assert kv.take_pending_copies() == [(parent.block_ids[1], child.block_ids[1])]
+    assert kv.take_pending_copies(LOCAL_GROUP) == [
+        (parent.local_block_ids[1], child.local_block_ids[1])
+    ]
+    # Drafts: 6 more tokens computed, 5 of them rejected.
+    assert kv.allocate_slots(parent, 7)
+    parent.num_computed_tokens = 13
+    assert len(parent.block_ids) == len(parent.local_block_ids) == 4
+    kv.rollback(parent, 5)
+    assert len(parent.block_ids) == len(parent.local_block_ids) == 2
+    kv.free(parent)
+    kv.free(child)
+    assert_all_free(kv)

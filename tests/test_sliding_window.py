@@ -1,7 +1,10 @@
 """Sliding-window models with random weights: Gemma 3 (local and global layers) and
 Mistral with a window on every layer. sluice's greedy output must equal transformers'
 token for token (fp32) on prompts longer than the window, computed in one piece, in
-small chunks (chunked prefill), and again after a prefix-cache hit."""
+small chunks (chunked prefill), and again after a prefix-cache hit. Gemma 3 runs on a
+split KV cache (a local pool for its windowed layers): blocks held, preemption, aborts,
+speculative rollback and prefix hits leave both pools whole, and its int8 cache decodes
+as the single pool's does."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import pytest
 import torch
 
 from sluice import LLM, SamplingParams
+from sluice.engine.prefix_cache import extend_block_hashes
 from sluice.loader import tokenizer_from_gguf
 
 transformers = pytest.importorskip("transformers")
@@ -62,11 +66,9 @@ def mistral() -> Any:
 CONFIGS: dict[str, Callable[[], Any]] = {"gemma3": gemma3, "mistral": mistral}
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def model_dir(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
+def build_model(
+    kind: str, tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
 ) -> tuple[str, Path, Any]:
-    kind = request.param
     directory = tmp_path_factory.mktemp(kind)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind](), dtype=torch.float32)
@@ -84,6 +86,28 @@ def model_dir(
     model.save_pretrained(directory)
     tokenizer_from_gguf(smollm2_path).save(directory)
     return kind, directory, model
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def model_dir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
+) -> tuple[str, Path, Any]:
+    return build_model(request.param, tmp_path_factory, smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
+) -> tuple[str, Path, Any]:
+    """Gemma 3 alone: a split KV cache (a local pool for its windowed layers)."""
+    return build_model("gemma3", tmp_path_factory, smollm2_path)
+
+
+def assert_pools_free(engine: Any) -> None:
+    """Every block of every pool free again: nothing leaked."""
+    for group in engine.kv.groups:
+        assert group.pool.num_free == group.pool.num_blocks
+        assert not any(group.pool.ref_counts)
 
 
 def reference(model: Any, ids: list[int], n: int) -> list[int]:
@@ -136,22 +160,26 @@ def test_prefix_cache_hit_matches_transformers(model_dir: tuple[str, Path, Any])
 
 def test_blocks_held_follow_the_window(model_dir: tuple[str, Path, Any]) -> None:
     """Mistral (every layer windowed) holds only the blocks its window still sees;
-    Gemma 3 (global layers read everything) keeps the whole sequence."""
+    Gemma 3 keeps the whole sequence in its global pool (its global layers read
+    everything) and only the window in its local pool."""
     kind, directory, _ = model_dir
     llm = LLM(model=str(directory), dtype="float32", kv_cache_memory=0.02, block_size=4)
     engine = llm.engine
     engine.add_request("long", prompts()[2], SamplingParams(temperature=0, max_tokens=60))
-    most = 0  # blocks held while decoding (the 61-token prompt is one chunk)
+    most = [0, 0]  # blocks held in each group while decoding (the prompt is one chunk)
     while engine.has_unfinished_requests():
         engine.step()
         for req in engine.scheduler.running:
             if req.num_computed_tokens > 61:
-                most = max(most, engine.kv.num_held_blocks(req))
+                for group in range(len(engine.kv.groups)):
+                    most[group] = max(most[group], engine.kv.num_held_blocks(req, group))
+    # The window's 16 positions span at most 5 blocks, plus one being filled.
     if kind == "mistral":
-        # The window's 16 positions span at most 5 blocks, plus one being filled.
-        assert engine.kv.window == WINDOW and most <= 6
+        assert engine.kv.window == WINDOW and engine.kv.local_pool is None and most[0] <= 6
     else:
-        assert engine.kv.window is None and most >= (61 + 59) // 4
+        assert engine.kv.window is None and most[0] >= (61 + 59) // 4
+        assert engine.kv.local_pool is not None and 0 < most[1] <= 6
+    assert_pools_free(engine)
 
 
 def test_speculative_decoding_matches_transformers(
@@ -189,3 +217,108 @@ def test_speculative_decoding_matches_transformers(
     stats = llm.engine.stats()
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
     assert out.outputs[0].token_ids == ref
+    assert_pools_free(llm.engine)  # rolled-back drafts' blocks went back to both pools
+
+
+def test_split_pool_prefix_hit_with_the_local_prefix_evicted(
+    gemma_dir: tuple[str, Path, Any],
+) -> None:
+    """Gemma 3's split cache, prefilling in 5-token chunks. The global pool could serve
+    52 tokens of a second prompt, but the local pool lost blocks 0-5 and block 12: the
+    longest hit whose window is whole locally is 48 tokens (position 48 reads blocks
+    8-11 locally). Greedy output equals transformers', also for a sequence forked
+    from it."""
+    _, directory, model = gemma_dir
+    llm = LLM(
+        model=str(directory),
+        dtype="float32",
+        kv_cache_memory=0.02,
+        block_size=4,
+        max_num_batched_tokens=5,
+    )
+    kv = llm.engine.kv
+    assert kv.local_pool is not None
+    first = prompts()[2]
+    second = [*first[:52], 7, 8, 9, 10, 11]
+    sp = SamplingParams(temperature=0, max_tokens=20, min_tokens=20)
+    llm.generate([first], sp, use_tqdm=False)
+    local = kv.local_pool
+    hashes = extend_block_hashes([], first, 52, 4, kv.hash_root)  # blocks 0-12
+    lost = [local.lookup(h) for h in [*hashes[:6], hashes[12]]]
+    assert None not in lost
+    local.uncache([b for b in lost if b is not None])
+    # Two sequences: the second forks from the first after the prompt and copies the
+    # shared partial block in each pool before writing to it.
+    two = SamplingParams(n=2, temperature=0, max_tokens=20, min_tokens=20)
+    out = llm.generate([second], two, use_tqdm=False)[0]
+    assert kv.num_hit_tokens == 48
+    ref = reference(model, second, 20)
+    assert [c.token_ids for c in out.outputs] == [ref, ref]
+    assert_pools_free(llm.engine)
+
+
+def test_split_pool_preemption_and_abort_free_both_pools(gemma_dir: tuple[str, Path, Any]) -> None:
+    """A cache too small for three sequences at once: requests are preempted (by either
+    pool running out) and recomputed, and the output still equals transformers'. The
+    pools are sized by the rule in engine._split_kv_blocks, and only the global one caps
+    max_model_len."""
+    _, directory, model = gemma_dir
+    llm = LLM(
+        model=str(directory),
+        dtype="float32",
+        kv_cache_memory=0.0002,  # 214748 bytes
+        block_size=4,
+        max_num_batched_tokens=16,
+    )
+    engine = llm.engine
+    # Blocks of 4 tokens: 4096 bytes over the 2 global layers, 8192 over the 4 local
+    # ones. By share of 512 vs 16 + 16 positions the local pool would get 2 blocks; it
+    # gets the floor of one window plus a chunk: 8 + 2 blocks. The rest is global.
+    assert engine.kv.local_pool is not None and engine.kv.local_pool.num_blocks == 10
+    assert engine.kv.pool.num_blocks == (214748 - 10 * 8192) // 4096 == 32
+    assert engine.max_model_len == 32 * 4
+    stats = engine.stats()
+    assert (stats["kv_total_blocks"], stats["kv_local_total_blocks"]) == (32, 10)
+    batch = prompts()
+    sp = SamplingParams(temperature=0, max_tokens=40, min_tokens=40)
+    outs = llm.generate(batch, sp, use_tqdm=False)
+    assert engine.scheduler.num_preemptions > 0
+    for ids, out in zip(batch, outs, strict=True):
+        assert out.outputs[0].token_ids == reference(model, ids, 40)
+    assert_pools_free(engine)
+    engine.add_request("gone", batch[2], sp)
+    for _ in range(6):  # into decoding, blocks released behind the window
+        engine.step()
+    assert engine.abort_request("gone")
+    assert_pools_free(engine)
+
+
+def test_split_pool_int8_equals_one_pool(gemma_dir: tuple[str, Path, Any], tmp_path: Path) -> None:
+    """The int8 KV cache in both pools (a full-precision layer beside int8 ones in the
+    global pool): greedy tokens equal the single pool's, which split_kv_pool=False
+    keeps, as does a KV connector (the disk tier moves one pool's blocks)."""
+    _, directory, _ = gemma_dir
+    options: dict[str, Any] = dict(
+        model=str(directory),
+        dtype="float32",
+        kv_cache_memory=0.02,
+        block_size=4,
+        max_num_batched_tokens=5,
+        kv_cache_dtype="int8",
+        kv_cache_skip_layers=(2,),
+    )
+    split, single = LLM(**options), LLM(**options, split_kv_pool=False)
+    assert split.engine.runner.kv_pool_groups == [0, 0, 1]  # global fp32 and int8, local
+    assert single.engine.kv.local_pool is None and single.engine.runner.kv_pool_groups == [0, 0]
+    sp = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+    batch = prompts()
+    for a, b in zip(
+        split.generate(batch, sp, use_tqdm=False),
+        single.generate(batch, sp, use_tqdm=False),
+        strict=True,
+    ):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert_pools_free(split.engine)
+    tiered = LLM(model=str(directory), kv_cache_memory=0.02, kv_offload_dir=str(tmp_path))
+    assert tiered.engine.kv.local_pool is None
+    tiered.shutdown()

@@ -7,6 +7,11 @@ arguments is what lets `torch.compile` trace the model once for every batch layo
 under compilation the call goes through an opaque custom op, so the compiler fuses
 everything around attention and never looks inside (block tables, per-request spans
 and our C++ kernel stay eager).
+
+Where a split KV cache keeps the windowed layers' K/V in a pool of their own (Gemma
+3), the context also carries each layer's metadata (`layer_meta`): the local layers'
+slots and block tables index the local pool. A layer finds its metadata by its index,
+as it finds its K/V tensors, so the compiled graph does not change.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ class StepContext:
     backend: AttentionBackend
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (K, V) block pools
+    # Per layer, the metadata over its cache group's block tables where a split KV
+    # cache gives the windowed layers a pool of their own; None: every layer reads meta.
+    layer_meta: list[AttentionMetadata] | None = None
 
 
 _current: StepContext | None = None
@@ -52,7 +60,8 @@ def _run(
     if ctx is None:
         raise RuntimeError("attention called outside a step (use step_context)")
     k_cache, v_cache = ctx.kv_caches[layer]
-    return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, window=window, scale=scale)
+    meta = ctx.meta if ctx.layer_meta is None else ctx.layer_meta[layer]
+    return ctx.backend.forward(q, k, v, k_cache, v_cache, meta, window=window, scale=scale)
 
 
 # No mutated arguments as far as the compiler knows: the cache it writes is reached

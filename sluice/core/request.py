@@ -98,6 +98,9 @@ class Request:
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     num_computed_tokens: int = field(init=False, default=0)
     block_ids: list[int] = field(init=False, default_factory=list)
+    # A split KV cache's second table: the windowed layers' blocks (NO_BLOCK behind the
+    # window), as long as block_ids; empty with one pool (engine/kv_cache.py).
+    local_block_ids: list[int] = field(init=False, default_factory=list)
     # Hash chain of this request's full blocks (filled lazily by the prefix cache).
     block_hashes: list[int] = field(init=False, default_factory=list)
     num_named_blocks: int = field(init=False, default=0)  # full blocks entered in the cache

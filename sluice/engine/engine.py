@@ -12,7 +12,13 @@ from typing import Any
 import torch
 
 from sluice import kernels, settings
-from sluice.config import EngineConfig, ModelConfig, resolve_dtype, resolve_quantization
+from sluice.config import (
+    LOCAL_KV_GROUP,
+    EngineConfig,
+    ModelConfig,
+    resolve_dtype,
+    resolve_quantization,
+)
 from sluice.core.errors import ConfigError, RequestError, TensorParallelError
 from sluice.core.request import DraftRow, Request, RequestStatus, SamplingRow
 from sluice.engine.kv_cache import KVCacheManager
@@ -72,6 +78,41 @@ def _num_kv_blocks(config: EngineConfig, per_block: int) -> int:
             f"of {config.block_size} tokens ({per_block} bytes each)"
         )
     return num_blocks
+
+
+def _split_kv_blocks(
+    config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, extra_global_bytes: int
+) -> tuple[int, int]:
+    """(global blocks, local blocks) of a split KV cache out of kv_cache_memory.
+
+    The bytes are shared in proportion to what one sequence at max_model_len holds in
+    each group: every position in the full-attention layers (plus `extra_global_bytes`
+    a block, a draft model's pool, which mirrors the global table), at most a window
+    plus a prefill chunk in the windowed ones. The local pool never holds fewer blocks
+    than one sequence needs at once: a window plus a chunk, one block more for the
+    window's unaligned start and one for a copy-on-write."""
+    bs = config.block_size
+    local = mc.split_kv_local_layers()
+    full = [i for i in range(mc.num_layers) if i not in set(local)]
+    kv_dtype, skip = config.kv_cache_dtype, config.kv_cache_skip_layers
+    per_global = kv_bytes_per_block(mc, bs, dtype, kv_dtype, skip, full) + extra_global_bytes
+    per_local = kv_bytes_per_block(mc, bs, dtype, kv_dtype, skip, local)
+    window = max(w for w in map(mc.layer_window, local) if w is not None)
+    reach = window + config.max_num_batched_tokens
+    length = config.max_model_len or mc.max_position_embeddings
+    global_share = per_global * -(-length // bs)
+    local_share = per_local * -(-min(length, reach) // bs)
+    total = int(config.kv_cache_memory * 2**30)
+    by_share = total * local_share // (global_share + local_share) // per_local
+    num_local = max(by_share, -(-reach // bs) + 2)
+    num_global = (total - num_local * per_local) // per_global
+    if num_global < 2:
+        raise ValueError(
+            f"kv_cache_memory={config.kv_cache_memory} GiB holds fewer than 2 blocks of "
+            f"{bs} tokens for the full-attention layers beside the {num_local} blocks the "
+            f"windowed layers need ({per_global} and {per_local} bytes each)"
+        )
+    return num_global, num_local
 
 
 @dataclass
@@ -208,10 +249,17 @@ class LLMEngine:
         # A draft model is loaded (and checked against the tokenizer) before anything is
         # built; its KV pool gets as many blocks as the target's, from the same memory.
         draft: DraftModel | None = None
+        draft_bytes = 0
         if config.speculative_method == "draft":
             draft = load_draft_model(config, loaded, self.dtype, device)
-            per_block += draft.kv_bytes_per_block(config.block_size, self.dtype)
-        num_blocks = _num_kv_blocks(config, per_block)
+            draft_bytes = draft.kv_bytes_per_block(config.block_size, self.dtype)
+        local_layers = self._split_kv_local_layers(config, mc)
+        local_num_blocks: int | None = None
+        if local_layers:
+            num_blocks, local_num_blocks = _split_kv_blocks(config, mc, self.dtype, draft_bytes)
+        else:
+            num_blocks = _num_kv_blocks(config, per_block + draft_bytes)
+        # Only the global pool caps a sequence's length: the local one needs a window.
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, num_blocks * config.block_size
         )
@@ -221,8 +269,19 @@ class LLMEngine:
             config.enable_prefix_caching,
             mc.kv_window(),
             root_hash(config.kv_cache_dtype),
+            local_num_blocks,
+            max((mc.layer_window(i) or 0) for i in local_layers) if local_layers else None,
         )
-        self.runner = self._build_runner(config, loaded, device, num_blocks)
+        if local_num_blocks is not None:
+            logger.info(
+                "split KV cache: %d blocks for the %d full-attention layers, %d for the %d "
+                "windowed layers",
+                num_blocks,
+                mc.num_layers - len(local_layers),
+                local_num_blocks,
+                len(local_layers),
+            )
+        self.runner = self._build_runner(config, loaded, device, num_blocks, local_num_blocks)
         del loaded
         self.kv_connector = self._make_kv_connector(config)
         self.scheduler = Scheduler(
@@ -239,8 +298,30 @@ class LLMEngine:
         gc.collect()
         return mc, num_blocks
 
+    @staticmethod
+    def _split_kv_local_layers(config: EngineConfig, mc: ModelConfig) -> list[int]:
+        """The windowed layers a split KV cache keeps in a pool of their own, or [] for
+        one pool: where every layer or none is windowed, where split_kv_pool=False asks
+        for one, and under a KV connector (kv_offload_dir, kv_role), whose blocks are
+        one pool's (a block id, a file of every layer's K/V)."""
+        local = mc.split_kv_local_layers()
+        if not local or not config.split_kv_pool:
+            return []
+        if config.kv_offload_dir is not None or config.kv_role is not None:
+            logger.info(
+                "one KV pool for every layer: kv_offload_dir and kv_role move whole blocks "
+                "of one pool (the windowed layers' K/V are kept for the whole sequence)"
+            )
+            return []
+        return local
+
     def _build_runner(
-        self, config: EngineConfig, loaded: LoadedModel, device: torch.device, num_blocks: int
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        device: torch.device,
+        num_blocks: int,
+        local_num_blocks: int | None = None,
     ) -> ModelRunner:
         """This process's runner: the whole model, or rank 0 of a tensor-parallel group
         whose other ranks it starts (and stops again if the start fails)."""
@@ -261,6 +342,7 @@ class LLMEngine:
                 config.kv_cache_dtype,
                 config.kv_cache_skip_layers,
                 tp=self.tp_group,
+                local_num_blocks=local_num_blocks,
             )
             if self.tp_workers is not None:
                 self.tp_workers.expect("ready")
@@ -530,6 +612,7 @@ class LLMEngine:
             assert self.kv_connector is not None
             self.kv_connector.worker.load(sched.kv_loads)
         self.runner.copy_blocks(sched.blocks_to_copy)
+        self.runner.copy_blocks(sched.local_blocks_to_copy, LOCAL_KV_GROUP)
         result = self.runner.execute(sched.scheduled)
         for req, n in sched.scheduled:
             if req.metrics.first_scheduled_time is None:
@@ -678,12 +761,10 @@ class LLMEngine:
         return ids
 
     def _track_waste(self) -> None:
-        bs = self.config.block_size
         for req in self.scheduler.running:
-            held = self.kv.num_held_blocks(req)
-            released = len(req.block_ids) - held  # by a sliding window
-            self.waste.allocated_slots += held * bs
-            self.waste.used_slots += req.num_computed_tokens - released * bs
+            held, used = self.kv.slot_usage(req)  # blocks a window released are neither
+            self.waste.allocated_slots += held
+            self.waste.used_slots += used
 
     def _add_logprobs(
         self, req: Request, tok: int, lp: tuple[float, int, list[int], list[float]]
@@ -782,14 +863,17 @@ class LLMEngine:
     # ---- introspection ------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        pool = self.kv.pool
+        pool, local = self.kv.pool, self.kv.local_pool
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_requests": len(self.groups),
             "kv_total_blocks": pool.num_blocks,
             "kv_free_blocks": pool.num_free,
-            "kv_usage": self.kv.usage,
+            # A split cache's windowed layers' pool (0 with one pool).
+            "kv_local_total_blocks": local.num_blocks if local else 0,
+            "kv_local_free_blocks": local.num_free if local else 0,
+            "kv_usage": self.kv.usage,  # of the fuller pool
             "kv_waste": self.waste.fraction,
             "prefix_cache_hit_rate": self.kv.prefix_cache_hit_rate,
             "prefix_cache_queried_tokens": self.kv.num_queried_tokens,

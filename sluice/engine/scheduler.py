@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from sluice.config import EngineConfig
 from sluice.core.request import Request, RequestStatus
-from sluice.engine.kv_cache import CacheHit, KVCacheManager
+from sluice.engine.kv_cache import LOCAL_GROUP, CacheHit, KVCacheManager
 from sluice.engine.kv_connector.base import BlockTransfer, KVConnectorScheduler
 
 
@@ -31,6 +31,8 @@ class SchedulerOutput:
     # still the value before this step (the runner reads it as the start position).
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # The same for the local pool of a split KV cache (its block ids are its own).
+    local_blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     # Blocks a KV connector writes into the pool before the forward pass.
     kv_loads: list[BlockTransfer] = field(default_factory=list)
@@ -120,6 +122,8 @@ class Scheduler:
             self._admit_waiting(out, budget)
 
         out.blocks_to_copy = self.kv.take_pending_copies()
+        if self.kv.local_pool is not None:
+            out.local_blocks_to_copy = self.kv.take_pending_copies(LOCAL_GROUP)
         if self.connector is not None:
             out.kv_loads = self.connector.take_loads()
         return out

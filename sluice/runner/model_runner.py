@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import logging
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -15,7 +16,7 @@ import torch
 
 from sluice.attention import AttentionMetadata, PrefillSpan, kv_int8, select_backend
 from sluice.attention.step import StepContext, step_context
-from sluice.config import ModelConfig
+from sluice.config import GLOBAL_KV_GROUP, LOCAL_KV_GROUP, ModelConfig
 from sluice.core.choices import KVCacheDType, WeightQuantization
 from sluice.core.errors import ConfigError
 from sluice.core.quantized_tensor import QuantizedTensor
@@ -53,6 +54,9 @@ class StepInputs:
     meta: AttentionMetadata
     logit_rows: torch.Tensor  # rows of the hidden states that sample, on CPU
     prompt_rows: list[tuple[int, int]]  # row ranges whose prompt logprobs were asked for
+    # The windowed layers' metadata of a split cache (their own block tables); None
+    # with one pool.
+    local_meta: AttentionMetadata | None = None
 
     def to(self, device: torch.device) -> StepInputs:
         """The same step with its device tensors on `device` (a CUDA rank's own GPU)."""
@@ -64,6 +68,7 @@ class StepInputs:
             _moved(self.meta, device),
             self.logit_rows,
             self.prompt_rows,
+            None if self.local_meta is None else _moved(self.local_meta, device),
         )
 
 
@@ -101,15 +106,18 @@ def kv_bytes_per_block(
     dtype: torch.dtype,
     kv_cache_dtype: KVCacheDType = "auto",
     skip_layers: tuple[int, ...] = (),
+    layers: Sequence[int] | None = None,
 ) -> int:
-    """Bytes one block takes over all layers' K and V pools."""
+    """Bytes one block takes over the K and V pools of `layers` (None: all layers; a
+    split cache's group sizes its own blocks)."""
     rows = 2 * block_size * config.num_kv_heads  # K and V rows of one layer's block
     full = config.head_dim * torch.empty((), dtype=dtype).element_size()
+    chosen = set(range(config.num_layers) if layers is None else layers)
     if kv_cache_dtype == "auto":
-        return config.num_layers * rows * full
-    num_full = len(_full_precision_layers(config, kv_cache_dtype, skip_layers))
+        return len(chosen) * rows * full
+    num_full = len(chosen.intersection(_full_precision_layers(config, kv_cache_dtype, skip_layers)))
     int8_row = kv_int8.row_bytes(config.head_dim)
-    return rows * (num_full * full + (config.num_layers - num_full) * int8_row)
+    return rows * (num_full * full + (len(chosen) - num_full) * int8_row)
 
 
 def check_kv_cache_dtype(
@@ -161,6 +169,17 @@ def check_tensor_parallel(config: ModelConfig, world_size: int) -> None:
             )
 
 
+@dataclass
+class KVPools:
+    """The KV tensors: the pools (one per cache group and storage format, each
+    [layers, 2, blocks, kv_heads, block_size, row]), the group of each pool, and each
+    layer's (K, V) view into its pool."""
+
+    pools: list[torch.Tensor]
+    pool_groups: list[int]
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+
 def allocate_kv_pools(
     config: ModelConfig,
     num_blocks: int,
@@ -169,27 +188,33 @@ def allocate_kv_pools(
     device: torch.device,
     kv_cache_dtype: KVCacheDType = "auto",
     skip_layers: tuple[int, ...] = (),
-) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The pools (one per storage format: [layers, 2, blocks, kv_heads, block_size, row])
-    and each layer's (K, V) view into its pool. Within a block each head's tokens are
-    contiguous (what the decode kernel streams); a row is head_dim values of `dtype`,
-    or an int8 row's bytes (attention/kv_int8.py) for quantized layers."""
-    full = _full_precision_layers(config, kv_cache_dtype, skip_layers)
-    quantized = [i for i in range(config.num_layers) if i not in full]
-    pools: list[torch.Tensor] = []
+    local_num_blocks: int | None = None,
+) -> KVPools:
+    """Within a block each head's tokens are contiguous (what the decode kernel
+    streams); a row is head_dim values of `dtype`, or an int8 row's bytes
+    (attention/kv_int8.py) for quantized layers. With `local_num_blocks`, the windowed
+    layers of a model that has full-attention ones too get pools of that many blocks
+    (the local group of a split cache)."""
+    local = set(config.split_kv_local_layers()) if local_num_blocks is not None else set()
+    full = set(_full_precision_layers(config, kv_cache_dtype, skip_layers))
+    out = KVPools([], [], [])
     caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     kv_heads, d = config.num_kv_heads, config.head_dim
-    for layers, elem, row in (
-        (full, dtype, d),
-        (quantized, torch.uint8, kv_int8.row_bytes(d)),
-    ):
-        if not layers:
-            continue
-        shape = (len(layers), 2, num_blocks, kv_heads, block_size, row)
-        pool = allocate_zeroed(shape, elem, device)
-        pools.append(pool)
-        caches.update({layer: (pool[j, 0], pool[j, 1]) for j, layer in enumerate(layers)})
-    return pools, [caches[i] for i in range(config.num_layers)]
+    for group, blocks in ((GLOBAL_KV_GROUP, num_blocks), (LOCAL_KV_GROUP, local_num_blocks)):
+        members = [i for i in range(config.num_layers) if (i in local) == (group == LOCAL_KV_GROUP)]
+        for layers, elem, row in (
+            ([i for i in members if i in full], dtype, d),
+            ([i for i in members if i not in full], torch.uint8, kv_int8.row_bytes(d)),
+        ):
+            if not layers or blocks is None:
+                continue
+            shape = (len(layers), 2, blocks, kv_heads, block_size, row)
+            pool = allocate_zeroed(shape, elem, device)
+            out.pools.append(pool)
+            out.pool_groups.append(group)
+            caches.update({layer: (pool[j, 0], pool[j, 1]) for j, layer in enumerate(layers)})
+    out.caches = [caches[i] for i in range(config.num_layers)]
+    return out
 
 
 def allocate_zeroed(
@@ -228,6 +253,7 @@ class ModelRunner:
         kv_cache_dtype: KVCacheDType = "auto",
         kv_cache_skip_layers: tuple[int, ...] = (),
         tp: Collectives | None = None,
+        local_num_blocks: int | None = None,
     ) -> None:
         full_vocab = config.vocab_size
         if tp is not None:
@@ -273,10 +299,24 @@ class ModelRunner:
         if kv_cache_dtype == "int8":
             kv_int8.check_head_dim(config.head_dim)
         self.kv_cache_dtype = kv_cache_dtype
-        # Per layer, K and V pools of [blocks, kv_heads, block_size, row].
-        self.kv_pools, self.kv_caches = allocate_kv_pools(
-            config, num_blocks, block_size, dtype, device, kv_cache_dtype, kv_cache_skip_layers
+        # Per layer, K and V pools of [blocks, kv_heads, block_size, row]; with
+        # local_num_blocks, the windowed layers' are a pool of their own (a split cache:
+        # each request has a second block table for them, engine/kv_cache.py).
+        kv = allocate_kv_pools(
+            config,
+            num_blocks,
+            block_size,
+            dtype,
+            device,
+            kv_cache_dtype,
+            kv_cache_skip_layers,
+            local_num_blocks,
         )
+        self.kv_pools, self.kv_pool_groups, self.kv_caches = kv.pools, kv.pool_groups, kv.caches
+        self.local_num_blocks = local_num_blocks
+        local = set(config.split_kv_local_layers()) if local_num_blocks is not None else set()
+        # Per layer, whether it reads the local group's metadata (empty: one pool).
+        self.local_layers = [i in local for i in range(config.num_layers)] if local else []
         # Small decode steps skip the Python model where all of it runs on our kernels.
         self.decode_stack: LlamaDecodeStack | None = None
         if tp is None:
@@ -288,20 +328,25 @@ class ModelRunner:
         """Bytes of the model's weights as held in memory (see block_quant.weight_bytes)."""
         return weight_bytes(self.model)
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    def copy_blocks(self, copies: list[tuple[int, int]], group: int = GLOBAL_KV_GROUP) -> None:
+        """Copy-on-write: blocks src -> dst in the pools of cache group `group`."""
         if not copies:
             return
         if self.followers is not None:
+            assert group == GLOBAL_KV_GROUP, "tensor parallelism runs one pool"
             self.followers.copy_blocks(copies)
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for pool in self.kv_pools:
-            pool[:, :, dst] = pool[:, :, src]
+        for pool, pool_group in zip(self.kv_pools, self.kv_pool_groups, strict=True):
+            if pool_group == group:
+                pool[:, :, dst] = pool[:, :, src]
 
     def read_block(self, block: int) -> torch.Tensor:
         """A copy of one block's bytes, every layer's K and V in every pool (a flat uint8
         tensor): what a KV connector saves. Built on the pools' block axis only, not their
-        inner layout (an int8 pool's rows are bytes already)."""
+        inner layout (an int8 pool's rows are bytes already). One pool only: the
+        engine gives a split cache no KV connector."""
+        assert not self.local_layers, "a split KV cache's blocks are not one block id"
         parts = [
             pool[:, :, block].clone(memory_format=torch.contiguous_format).view(torch.uint8)
             for pool in self.kv_pools
@@ -310,6 +355,7 @@ class ModelRunner:
 
     def write_block(self, block: int, data: torch.Tensor) -> None:
         """Put bytes `read_block` gave (here or in an earlier process) into `block`."""
+        assert not self.local_layers, "a split KV cache's blocks are not one block id"
         offset = 0
         for pool in self.kv_pools:
             target = pool[:, :, block]
@@ -350,11 +396,20 @@ class ModelRunner:
         ):
             hidden = self.decode_stack(inputs.input_ids, inputs.positions, meta)
         else:
-            with step_context(StepContext(self.backend, meta, self.kv_caches)):
+            ctx = StepContext(self.backend, meta, self.kv_caches, self._layer_metadata(inputs))
+            with step_context(ctx):
                 hidden = self.forward(inputs.input_ids, inputs.positions.to(self.device))
         prompt = [self.model.compute_logits(hidden[a:b]) for a, b in inputs.prompt_rows]
         logits = self.model.compute_logits(hidden[inputs.logit_rows.to(self.device)])
         return logits, prompt
+
+    def _layer_metadata(self, inputs: StepInputs) -> list[AttentionMetadata] | None:
+        """Each layer's metadata where a split cache gives its groups their own; None
+        where every layer reads `inputs.meta`."""
+        local = inputs.local_meta
+        if local is None:
+            return None
+        return [local if is_local else inputs.meta for is_local in self.local_layers]
 
     def _prepare(
         self, scheduled: list[tuple[Request, int]]
@@ -372,7 +427,7 @@ class ModelRunner:
                 _step_tokens(r, s, n) for (r, n), s in zip(scheduled, starts_l, strict=True)
             )
         )
-        meta, positions = self._metadata(scheduled, starts_l, lens_l, offsets)
+        meta, local_meta, positions = self._metadata(scheduled, starts_l, lens_l, offsets)
         sampling: list[Request] = []
         rows: list[int] = []
         rows_per_req: list[int] = []
@@ -395,6 +450,7 @@ class ModelRunner:
             meta,
             torch.tensor(rows, dtype=torch.long),
             prompt_rows,
+            local_meta,
         )
         return inputs, sampling, rows_per_req, prompt_starts
 
@@ -404,9 +460,9 @@ class ModelRunner:
         starts_l: list[int],
         lens_l: list[int],
         offsets: list[int],
-    ) -> tuple[AttentionMetadata, torch.Tensor]:
-        """The attention metadata and the positions of a step (requests computing few
-        tokens first)."""
+    ) -> tuple[AttentionMetadata, AttentionMetadata | None, torch.Tensor]:
+        """The attention metadata (and a split cache's local group's, else None) and
+        the positions of a step (requests computing few tokens first)."""
         dev = self.device
         bs = self.block_size
         n_req = len(scheduled)
@@ -417,13 +473,7 @@ class ModelRunner:
         req_of_token = torch.repeat_interleave(torch.arange(n_req), lens)
         positions = starts[req_of_token] + torch.arange(num_tokens) - cu[:-1][req_of_token]
 
-        max_blocks = max(len(r.block_ids) for r, _ in scheduled)
-        # Blocks a sliding window has released (-1) read as block 0: no attention path
-        # reads a position before its window, and the gathers need a valid index.
-        table = torch.tensor(
-            [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in scheduled],
-            dtype=torch.long,
-        ).clamp_(min=0)
+        table = _block_table([r.block_ids for r, _ in scheduled])
         slot_mapping = table[req_of_token, positions // bs] * bs + positions % bs
 
         # Requests computing few tokens (decodes, short chunks after a prefix-cache hit,
@@ -458,7 +508,51 @@ class ModelRunner:
                 # Query j sits at position start + j and sees positions 0..start + j.
                 span.mask = (pos[None, :] <= (start + torch.arange(n))[:, None]).to(dev)
             meta.prefills.append(span)
-        return meta, positions
+        local = None
+        if self.local_layers:
+            local_table = _block_table([r.local_block_ids for r, _ in scheduled])
+            local = self._group_metadata(meta, local_table, positions, req_of_token)
+        return meta, local, positions
+
+    def _group_metadata(
+        self,
+        meta: AttentionMetadata,
+        table: torch.Tensor,
+        positions: torch.Tensor,
+        req_of_token: torch.Tensor,
+    ) -> AttentionMetadata:
+        """`meta` over another cache group's block tables: its own slots and tables; the
+        positions, query layout and masks are meta's own tensors, shared. (Released
+        entries read as block 0 here too; the window keeps every path off them.)"""
+        bs, dev = self.block_size, self.device
+        n = meta.num_small_tokens
+        slot_mapping = table[req_of_token, positions // bs] * bs + positions % bs
+        view = dataclasses.replace(
+            meta, slot_mapping=slot_mapping.to(dev), prefills=[], window_row_masks={}
+        )
+        if meta.small_block_tables is not None:
+            num_small, nb = meta.small_block_tables.shape
+            view.small_block_tables = table[:num_small, :nb].contiguous().to(dev)
+            if meta.row_block_tables is not None:
+                view.row_block_tables = table[req_of_token[:n], :nb].to(dev)
+        first = table.shape[0] - len(meta.prefills)  # the spans' requests come last
+        for i, span in enumerate(meta.prefills, start=first):
+            slots = None
+            if span.context_slots is not None:
+                pos = torch.arange(span.context_slots.shape[0])
+                slots = (table[i, pos // bs] * bs + pos % bs).to(dev)
+            view.prefills.append(PrefillSpan(span.q_start, span.q_len, slots, span.mask))
+        return view
+
+
+def _block_table(tables: list[list[int]]) -> torch.Tensor:
+    """[requests, max blocks] int64, padded with block 0. Blocks a sliding window has
+    released (-1) read as block 0 too: no attention path reads a position before its
+    window, and the gathers need a valid index."""
+    max_blocks = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long).clamp_(
+        min=0
+    )
 
 
 def _step_tokens(r: Request, start: int, n: int) -> list[int]:
