@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sluice import LLM, SamplingParams
+from sluice.engine.kv_connector.disk_tier import disk_tier
 from sluice.engine.prefix_cache import extend_block_hashes
 from sluice.loader import tokenizer_from_gguf
 
@@ -322,3 +323,9 @@ def test_split_pool_int8_equals_one_pool(gemma_dir: tuple[str, Path, Any], tmp_p
     tiered = LLM(model=str(directory), kv_cache_memory=0.02, kv_offload_dir=str(tmp_path))
     assert tiered.engine.kv.local_pool is None
     tiered.shutdown()
+    # A connector attached later cannot change the pools: a clear error, nothing attached.
+    one = single.engine
+    tier = disk_tier(tmp_path / "late", 2**20, one.kv_block_format(), one.runner)
+    with pytest.raises(ValueError, match="connector"):
+        split.engine.attach_kv_connector(tier)
+    assert split.engine.kv_connector is None

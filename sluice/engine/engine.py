@@ -590,6 +590,12 @@ class LLMEngine:
     def attach_kv_connector(self, connector: KVConnector | None) -> None:
         """Replace the KV connector (the old one finishes its saves first), e.g. a disk
         tier on another directory; None: none. Call between steps."""
+        if connector is not None and self.kv.local_pool is not None:
+            # A connector's block bytes are one pool's; the split cache has two.
+            raise ValueError(
+                "connector: KV connectors need a single KV pool; this engine splits its "
+                "pool for the windowed layers (construct it with split_kv_pool=False)"
+            )
         if self.kv_connector is not None:
             self._save_kv()
             self.kv_connector.close()
