@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -29,7 +30,8 @@ from sluice.distributed import DataParallelLLM
 from sluice.distributed.backend import ReplicaDied
 from sluice.distributed.messages import Stop
 from sluice.distributed.replica import run_replica
-from sluice.distributed.router import Router
+from sluice.distributed.router import RouteCounts, Router
+from sluice.distributed.stats import merged_stats
 from sluice.engine.engine import LLMEngine
 from sluice.outputs import CompletionOutput, RequestOutput
 from sluice.sampling_params import SamplingParams
@@ -400,3 +402,22 @@ def test_a_replayable_request_runs_again_after_its_replica_dies() -> None:
             dp.shutdown()
 
     asyncio.run(main())
+
+
+def test_merged_stats_sum_both_pools_and_report_the_fuller() -> None:
+    """Replicas of a split-pool model (Gemma 3) report a second pool; the front end sums
+    each pool's blocks and, as one engine does, reports the fuller pool's use."""
+    def replica(i: int, free: int, local_free: int) -> Any:
+        stats = {
+            "kv_total_blocks": 100,
+            "kv_free_blocks": free,
+            "kv_local_total_blocks": 10,
+            "kv_local_free_blocks": local_free,
+        }
+        return SimpleNamespace(index=i, alive=True, pid=i, restarts=0, stats=stats)
+
+    replicas = [replica(0, 90, 2), replica(1, 80, 4)]
+    out = merged_stats(replicas, [0, 0], [RouteCounts(), RouteCounts()])  # type: ignore[arg-type]
+    assert (out["kv_total_blocks"], out["kv_free_blocks"]) == (200, 170)
+    assert (out["kv_local_total_blocks"], out["kv_local_free_blocks"]) == (20, 6)
+    assert out["kv_usage"] == pytest.approx(0.7)  # the local pools: 14 of 20 in use

@@ -581,6 +581,7 @@ def test_concurrent_streams_with_cancellations(server: Server) -> None:
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"], stats
     after = server.metrics()
     assert after["sluice_kv_cache_free_blocks"] == after["sluice_kv_cache_total_blocks"]
+    assert after["sluice_kv_cache_local_total_blocks"] == 0  # one pool: no windowed layers
     assert after["sluice_num_requests_running"] == 0
     assert after["sluice_num_requests_waiting"] == 0
     aborted = "sluice_request_success_total{finished_reason=abort}"

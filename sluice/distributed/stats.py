@@ -17,6 +17,8 @@ _SUMMED = (
     "num_requests",
     "kv_total_blocks",
     "kv_free_blocks",
+    "kv_local_total_blocks",
+    "kv_local_free_blocks",
     "prefix_cache_queried_tokens",
     "prefix_cache_hit_tokens",
     "num_preemptions",
@@ -70,8 +72,14 @@ def merged_stats(
     for key in _PD_SUMMED:
         if any(key in s for s in up):
             out[key] = sum(s.get(key, 0) for s in up)
-    total, free = out["kv_total_blocks"], out["kv_free_blocks"]
-    out["kv_usage"] = 1.0 - free / total if total else 0.0
+    # The fuller pool's use, as one engine reports it (a split cache has two pools).
+    out["kv_usage"] = max(
+        1.0 - out[free] / out[total] if out[total] else 0.0
+        for total, free in (
+            ("kv_total_blocks", "kv_free_blocks"),
+            ("kv_local_total_blocks", "kv_local_free_blocks"),
+        )
+    )
     queried = out["prefix_cache_queried_tokens"]
     out["prefix_cache_hit_rate"] = out["prefix_cache_hit_tokens"] / queried if queried else 0.0
     drafted, steps = out["spec_drafted_tokens"], out["spec_verify_steps"]

@@ -152,6 +152,16 @@ class ServerMetrics:
                 ("kv_free_blocks", "sluice_kv_cache_free_blocks", "Free KV cache blocks."),
                 ("kv_total_blocks", "sluice_kv_cache_total_blocks", "KV cache blocks in total."),
                 (
+                    "kv_local_free_blocks",
+                    "sluice_kv_cache_local_free_blocks",
+                    "Free blocks of the windowed layers' own pool (0 with one pool).",
+                ),
+                (
+                    "kv_local_total_blocks",
+                    "sluice_kv_cache_local_total_blocks",
+                    "Blocks of the windowed layers' own pool (0 with one pool).",
+                ),
+                (
                     "prefix_cache_hit_rate",
                     "sluice_prefix_cache_hit_rate",
                     "Fraction of queried prompt tokens found in the prefix cache (0-1).",
