@@ -9,7 +9,7 @@ docs/benchmarks.md is hand-written prose around generated blocks:
 The name after `results:` is a benchmark kind (the `benchmark` field that
 `common.write_result` stores): throughput, single_stream, serve, prefix_cache, kv_offload,
 quantization, cpu_levels, gguf_models, weight_paths, structured, speculative, kv_cache,
-pd_disagg, scale_out, tensor_parallel. Every
+pd_disagg, scale_out, tensor_parallel, swa_pool. Every
 row names its result file, machine (CPU model, threads), kernel variant, commit and
 date, so no figure in the doc stands without the run behind it; tests/test_bench.py
 checks that the committed doc equals what this script generates.
@@ -687,6 +687,38 @@ def _tensor_parallel(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _swa_pool(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        mem, dec = d["memory"], d["decode"]
+        for side in ("split", "single"):
+            m, ms = mem[side], dec[side]["ms_per_token"]
+            rows.append(
+                [
+                    *_run_cells(name, d),
+                    side,
+                    f"{m['tokens']:,}",
+                    str(m["global_blocks"]),
+                    str(m["local_blocks"]) if side == "split" else "-",
+                    f"{m['bytes'] / 1e6:.1f}",
+                    f"{m['bytes'] / mem['single']['bytes']:.2f}",
+                    f"{dec[side]['median']:.2f} ({min(ms):.2f}–{max(ms):.2f})",
+                    str(len(ms)),
+                ]
+            )
+    headers = [
+        "KV pools",
+        "tokens held",
+        "global blocks",
+        "local blocks",
+        "MB held",
+        "of single",
+        "decode ms / token",
+        "rounds",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
 RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "cpu_levels": _cpu_levels,
     "throughput": _throughput,
@@ -703,6 +735,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "pd_disagg": _pd_disagg,
     "scale_out": _scale_out,
     "tensor_parallel": _tensor_parallel,
+    "swa_pool": _swa_pool,
 }
 
 
