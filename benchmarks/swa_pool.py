@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import add_output_arg, add_rounds_arg, interleave, write_result
 from sluice import LLM, SamplingParams
-from sluice.engine.kv_cache import GLOBAL_GROUP, LOCAL_GROUP
+from sluice.config import GLOBAL_KV_GROUP, LOCAL_KV_GROUP
 from sluice.runner.model_runner import kv_bytes_per_block
 
 SIDES = ("split", "single")
@@ -46,8 +46,8 @@ def bytes_per_block(llm: LLM) -> dict[int, int]:
     mc, bs = eng.model_config, eng.config.block_size
     local = set(mc.split_kv_local_layers()) if eng.kv.local_pool is not None else set()
     layers = {
-        GLOBAL_GROUP: [i for i in range(mc.num_layers) if i not in local],
-        LOCAL_GROUP: sorted(local),
+        GLOBAL_KV_GROUP: [i for i in range(mc.num_layers) if i not in local],
+        LOCAL_KV_GROUP: sorted(local),
     }
     return {g: kv_bytes_per_block(mc, bs, eng.dtype, layers=ls) for g, ls in layers.items()}
 
@@ -64,8 +64,8 @@ def held_at_length(llm: LLM, ids: list[int], decode: int) -> dict[str, Any]:
             blocks = {g: eng.kv.num_held_blocks(req, g) for g in range(len(eng.kv.groups))}
             held = {
                 "tokens": req.num_computed_tokens,
-                "global_blocks": blocks[GLOBAL_GROUP],
-                "local_blocks": blocks.get(LOCAL_GROUP, 0),
+                "global_blocks": blocks[GLOBAL_KV_GROUP],
+                "local_blocks": blocks.get(LOCAL_KV_GROUP, 0),
                 "bytes": sum(n * per_block[g] for g, n in blocks.items()),
             }
     return held

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from sluice.config import LOCAL_KV_GROUP
 from sluice.core.request import Request
-from sluice.engine.kv_cache import LOCAL_GROUP, NO_BLOCK, BlockPool, KVCacheManager
+from sluice.engine.kv_cache import NO_BLOCK, BlockPool, KVCacheManager
 from sluice.sampling_params import SamplingParams
 
 
@@ -182,7 +183,7 @@ def test_split_cache_releases_only_the_local_blocks() -> None:
     assert kv.allocate_slots(r, 1)  # position 13 sees 8 on: local blocks 0 and 1 go
     assert NO_BLOCK not in r.block_ids and len(r.block_ids) == len(r.local_block_ids) == 4
     assert r.local_block_ids[:2] == [NO_BLOCK, NO_BLOCK] and NO_BLOCK not in r.local_block_ids[2:]
-    assert kv.num_held_blocks(r) == 4 and kv.num_held_blocks(r, LOCAL_GROUP) == 2
+    assert kv.num_held_blocks(r) == 4 and kv.num_held_blocks(r, LOCAL_KV_GROUP) == 2
     assert kv.local_pool is not None and kv.local_pool.num_free == 8 - 2
     assert kv.slot_usage(r) == (6 * 4, 13 + 13 - 2 * 4)
     kv.free(r)
@@ -241,7 +242,7 @@ def test_split_cache_forks_copy_on_write_and_rolls_back_in_both_pools() -> None:
     assert child.local_block_ids == parent.local_block_ids
     assert kv.allocate_slots(child, 1)  # the shared partial block is copied in each pool
     assert kv.take_pending_copies() == [(parent.block_ids[1], child.block_ids[1])]
-    assert kv.take_pending_copies(LOCAL_GROUP) == [
+    assert kv.take_pending_copies(LOCAL_KV_GROUP) == [
         (parent.local_block_ids[1], child.local_block_ids[1])
     ]
     # Drafts: 6 more tokens computed, 5 of them rejected.

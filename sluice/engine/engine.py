@@ -81,7 +81,12 @@ def _num_kv_blocks(config: EngineConfig, per_block: int) -> int:
 
 
 def _split_kv_blocks(
-    config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, extra_global_bytes: int
+    config: EngineConfig,
+    mc: ModelConfig,
+    dtype: torch.dtype,
+    extra_global_bytes: int,
+    local: list[int],
+    window: int,
 ) -> tuple[int, int]:
     """(global blocks, local blocks) of a split KV cache out of kv_cache_memory.
 
@@ -92,12 +97,10 @@ def _split_kv_blocks(
     than one sequence needs at once: a window plus a chunk, one block more for the
     window's unaligned start and one for a copy-on-write."""
     bs = config.block_size
-    local = mc.split_kv_local_layers()
     full = [i for i in range(mc.num_layers) if i not in set(local)]
     kv_dtype, skip = config.kv_cache_dtype, config.kv_cache_skip_layers
     per_global = kv_bytes_per_block(mc, bs, dtype, kv_dtype, skip, full) + extra_global_bytes
     per_local = kv_bytes_per_block(mc, bs, dtype, kv_dtype, skip, local)
-    window = max(w for w in map(mc.layer_window, local) if w is not None)
     reach = window + config.max_num_batched_tokens
     length = config.max_model_len or mc.max_position_embeddings
     global_share = per_global * -(-length // bs)
@@ -255,8 +258,12 @@ class LLMEngine:
             draft_bytes = draft.kv_bytes_per_block(config.block_size, self.dtype)
         local_layers = self._split_kv_local_layers(config, mc)
         local_num_blocks: int | None = None
+        # The windowed layers' largest window: what the local pool keeps of a sequence.
+        local_window = max((mc.layer_window(i) or 0) for i in local_layers) if local_layers else 0
         if local_layers:
-            num_blocks, local_num_blocks = _split_kv_blocks(config, mc, self.dtype, draft_bytes)
+            num_blocks, local_num_blocks = _split_kv_blocks(
+                config, mc, self.dtype, draft_bytes, local_layers, local_window
+            )
         else:
             num_blocks = _num_kv_blocks(config, per_block + draft_bytes)
         # Only the global pool caps a sequence's length: the local one needs a window.
@@ -270,7 +277,7 @@ class LLMEngine:
             mc.kv_window(),
             root_hash(config.kv_cache_dtype),
             local_num_blocks,
-            max((mc.layer_window(i) or 0) for i in local_layers) if local_layers else None,
+            local_window or None,
         )
         if local_num_blocks is not None:
             logger.info(

@@ -38,10 +38,6 @@ from sluice.engine.prefix_cache import ROOT_HASH, extend_block_hashes
 # A released block's place in a request's block table (see the module docstring).
 NO_BLOCK = -1
 
-# The groups of a split cache (KVCacheManager.groups), as the runner numbers them.
-GLOBAL_GROUP = GLOBAL_KV_GROUP
-LOCAL_GROUP = LOCAL_KV_GROUP
-
 
 class BlockPool:
     """Reference-counted block ids, an LRU free queue and the hash → block map."""
@@ -143,7 +139,7 @@ class CacheHit:
     local_blocks: list[int] = field(default_factory=list)
 
     def group_blocks(self, group: int) -> list[int]:
-        return self.blocks if group == GLOBAL_GROUP else self.local_blocks
+        return self.blocks if group == GLOBAL_KV_GROUP else self.local_blocks
 
 
 class _BlockGroup:
@@ -292,7 +288,7 @@ class KVCacheManager:
     @property
     def local_pool(self) -> BlockPool | None:
         """The windowed layers' pool of a split cache; None with one pool."""
-        return self.groups[LOCAL_GROUP].pool if len(self.groups) > 1 else None
+        return self.groups[LOCAL_KV_GROUP].pool if len(self.groups) > 1 else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -338,7 +334,7 @@ class KVCacheManager:
     def _split_hit(self, hashes: list[int], global_blocks: list[int]) -> CacheHit:
         """The longest hit of k blocks (k <= len(global_blocks)) whose last window the
         local pool still holds: blocks first_live_block(k * block_size) .. k - 1."""
-        local = self.groups[LOCAL_GROUP]
+        local = self.groups[LOCAL_KV_GROUP]
         found: list[int] = []
         run = best = 0  # run: cached local blocks ending at block k - 1
         for k in range(1, len(global_blocks) + 1):
@@ -386,7 +382,7 @@ class KVCacheManager:
             self._cache_full_blocks(request, min(total, request.num_tokens))
         return True
 
-    def num_held_blocks(self, request: Request, group: int = GLOBAL_GROUP) -> int:
+    def num_held_blocks(self, request: Request, group: int = GLOBAL_KV_GROUP) -> int:
         """Blocks of `group` the request holds a reference on (released ones not counted)."""
         return self.groups[group].num_held(request)
 
@@ -475,7 +471,7 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         return sum(g.pool.reset_cache() for g in self.groups)
 
-    def take_pending_copies(self, group: int = GLOBAL_GROUP) -> list[tuple[int, int]]:
+    def take_pending_copies(self, group: int = GLOBAL_KV_GROUP) -> list[tuple[int, int]]:
         """The (src, dst) copies `group`'s pool needs before the next forward pass."""
         g = self.groups[group]
         copies, g.pending_copies = g.pending_copies, []

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from sluice.config import EngineConfig
+from sluice.config import LOCAL_KV_GROUP, EngineConfig
 from sluice.core.request import Request, RequestStatus
-from sluice.engine.kv_cache import LOCAL_GROUP, CacheHit, KVCacheManager
+from sluice.engine.kv_cache import CacheHit, KVCacheManager
 from sluice.engine.kv_connector.base import BlockTransfer, KVConnectorScheduler
 
 
@@ -123,7 +123,7 @@ class Scheduler:
 
         out.blocks_to_copy = self.kv.take_pending_copies()
         if self.kv.local_pool is not None:
-            out.local_blocks_to_copy = self.kv.take_pending_copies(LOCAL_GROUP)
+            out.local_blocks_to_copy = self.kv.take_pending_copies(LOCAL_KV_GROUP)
         if self.connector is not None:
             out.kv_loads = self.connector.take_loads()
         return out
