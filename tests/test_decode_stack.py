@@ -168,17 +168,25 @@ def test_stack_is_built_only_where_every_kernel_is_ours(
     assert LLM(quantization="int4", kv_cache_memory=0.05).engine.runner.decode_stack is None
 
 
-def block_quantized(layer: Linear, w: torch.Tensor, bits: int, group: int) -> BlockQuantized:
+def block_quantized(
+    layer: Linear, w: torch.Tensor, bits: int, group: int, symmetric: bool = False
+) -> BlockQuantized:
     """The layer on the GGUF path's method, with `w` quantized to a qblock layout: our
-    kernel below `dense_min_rows` rows, dequantized tiles from there."""
+    kernel below `dense_min_rows` rows, dequantized tiles from there. Symmetric as
+    Q6_K is: no stored offsets, m = -2**(bits - 1) * d."""
     n, k = w.shape
     groups = w.float().view(n, k // group, group)
     lo = groups.amin(-1)
-    d = ((groups.amax(-1) - lo) / (2**bits - 1)).clamp(min=1e-6).half()
-    m = lo.half()
-    u = ((groups - m.float()[..., None]) / d.float()[..., None]).round().clamp(0, 2**bits - 1)
+    if symmetric:
+        d = (groups.abs().amax(-1) / (2 ** (bits - 1) - 1)).clamp(min=1e-6).half()
+        m = -(2 ** (bits - 1)) * d.float()
+    else:
+        d = ((groups.amax(-1) - lo) / (2**bits - 1)).clamp(min=1e-6).half()
+        m = lo.half().float()
+    u = ((groups - m[..., None]) / d.float()[..., None]).round().clamp(0, 2**bits - 1)
     method = BlockQuantized()
-    method.load_quantized(layer, pack(u.view(n, k).to(torch.uint8), d, m, bits, group))
+    stored = None if symmetric else m
+    method.load_quantized(layer, pack(u.view(n, k).to(torch.uint8), d, stored, bits, group))
     method.dense_min_rows = 4
     return method
 
@@ -200,21 +208,22 @@ def test_stack_equals_model_with_mixed_weight_formats(
     llm = LLM(model=str(tmp_path), quantization="int4", dtype="float32", kv_cache_memory=0.02)
     runner = llm.engine.runner
     first, second = runner.model.layers[0], runner.model.layers[1]
-    formats: list[tuple[Linear, int, int]] = [
-        (first.self_attn.o_proj, 5, 32),
-        (first.mlp.gate_up_proj, 8, 16),
-        (first.mlp.down_proj, 4, 16),
-        (second.self_attn.qkv_proj, 5, 16),
-        (second.mlp.down_proj, 8, 32),
+    formats: list[tuple[Linear, int, int, bool]] = [
+        (first.self_attn.o_proj, 5, 32, False),
+        (first.mlp.gate_up_proj, 8, 16, False),
+        (first.mlp.down_proj, 6, 16, True),  # Q6_K's layout
+        (second.self_attn.qkv_proj, 5, 16, False),
+        (second.mlp.down_proj, 8, 32, False),
+        (second.mlp.gate_up_proj, 4, 16, False),
     ]
-    for layer, bits, group in formats:
-        layer.method = block_quantized(layer, int4_weight(layer), bits, group)
+    for layer, bits, group, symmetric in formats:
+        layer.method = block_quantized(layer, int4_weight(layer), bits, group, symmetric)
     o = second.self_attn.o_proj
     o.weight = torch.nn.Parameter(int4_weight(o), requires_grad=False)
     o.method = Int8WeightOnly()
     o.method.process_weight(o)
     runner.decode_stack = LlamaDecodeStack.build(runner.model, runner.backend, runner.kv_caches)
-    assert built_stack(llm).formats == {4, 8, 532, 816, 416, 516, 832}
+    assert built_stack(llm).formats == {4, 8, 532, 816, 616, 516, 832, 416}
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 9, 17)]
     assert_stack_equals_model(llm, prompts)

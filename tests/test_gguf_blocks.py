@@ -61,18 +61,25 @@ def test_every_format_decodes_as_gguf_does(type_name: str) -> None:
     np.testing.assert_allclose(got, expected, rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("bits,group", [(4, 32), (5, 32), (8, 32), (8, 16), (4, 16), (5, 16)])
-def test_pack_round_trips_and_widening_is_exact(bits: int, group: int) -> None:
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("bits,group", [(b, g) for b in (4, 5, 6, 8) for g in (32, 16)])
+def test_pack_round_trips_and_widening_is_exact(bits: int, group: int, symmetric: bool) -> None:
     gen = torch.Generator().manual_seed(bits * group)
     u = torch.randint(0, 1 << bits, (5, 192), generator=gen, dtype=torch.uint8)
     scale = torch.rand(5, 192 // group, generator=gen)
-    minimum = torch.randn(5, 192 // group, generator=gen)
+    minimum = None if symmetric else torch.randn(5, 192 // group, generator=gen)
     qt = pack(u, scale, minimum, bits, group)
     assert torch.equal(unpack_values(qt), u)
+    assert qt.symmetric == symmetric
     w = dequantize(qt)
-    for wider in (8, 16):
-        if wider >= bits and group >= 16:
-            assert torch.equal(dequantize(qt.widened(8, 16)), w)
+    if symmetric:  # the implied offset
+        expected = (u.float() - 2 ** (bits - 1)).view(5, -1, group) * qt.scale.float()[..., None]
+        assert torch.equal(w, expected.view(5, 192))
+    for wider_bits in (6, 8):
+        if wider_bits >= bits:
+            wide = qt.widened(wider_bits, 16)
+            assert torch.equal(dequantize(wide), w)
+            assert wide.symmetric == (symmetric and (wider_bits, 16) == (bits, group))
     # Pair positions: b0[0:16], b1[0:16], b0[16:32], b1[16:32] (bits 8 shows it plainly).
     if bits == 8:
         order = torch.cat([u[0, 0:16], u[0, 32:48], u[0, 16:32], u[0, 48:64]])
@@ -83,12 +90,15 @@ def test_concat_rows_widens_mixed_formats_exactly() -> None:
     q4 = repack(torch.from_numpy(random_blocks("Q4_K", 3, 256, 1)), "Q4_K", 3, 256)
     q5 = repack(torch.from_numpy(random_blocks("Q5_0", 2, 256, 2)), "Q5_0", 2, 256)
     q6 = repack(torch.from_numpy(random_blocks("Q6_K", 4, 256, 3)), "Q6_K", 4, 256)
+    assert (q6.bits, q6.group, q6.symmetric) == (6, 16, True)  # Q6_K stores no offsets
     both = concat_rows([q4, q5, q6])
-    assert (both.bits, both.group) == (8, 16)
+    assert (both.bits, both.group, both.symmetric) == (6, 16, False)
     expected = torch.cat([dequantize(q4), dequantize(q5), dequantize(q6)])
     assert torch.equal(dequantize(both), expected)
     same = concat_rows([q4, q4])
     assert (same.bits, same.group) == (4, 32) and same.shape == (6, 256)
+    sixes = concat_rows([q6, q6.rows(torch.tensor([2, 0]))])  # symmetric parts stay so
+    assert sixes.symmetric and torch.equal(dequantize(sixes)[4:], dequantize(q6)[[2, 0]])
 
 
 def test_packaged_file_tensors_match_gguf(smollm2_path: Path) -> None:

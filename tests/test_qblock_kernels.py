@@ -14,7 +14,7 @@ import torch
 from sluice import kernels
 from sluice.kernels import qblock
 
-FORMATS = sorted(qblock.FORMATS)  # (bits, group): 4/32, 5/32, 8/32, 8/16, 4/16, 5/16
+FORMATS = sorted(qblock.FORMATS)  # (bits, group): 4, 5, 6 and 8 bits in groups of 16 and 32
 ROWS = (1, 3, 4, 7, 64, 130)
 
 
@@ -29,7 +29,7 @@ def natural_of_position() -> torch.Tensor:
 class Weight:
     u: torch.Tensor  # [N, K] int64, natural order
     d: torch.Tensor  # [N, K / G] fp16
-    m: torch.Tensor
+    m: torch.Tensor  # empty for a symmetric weight: m = -2**(bits - 1) * d
     bits: int
     group: int
     packed: torch.Tensor
@@ -40,12 +40,14 @@ class Weight:
         n, k = self.u.shape
         g = self.group
         u = self.u.float().view(n, k // g, g)
-        return (self.d.float()[..., None] * u + self.m.float()[..., None]).view(n, k)
+        m = self.m.float() if self.m.numel() else -(2.0 ** (self.bits - 1)) * self.d.float()
+        return (self.d.float()[..., None] * u + m[..., None]).view(n, k)
 
     def rows(self, a: int, b: int) -> tuple[torch.Tensor, ...]:
-        """Row slices of the kernel's four tensors (hbits stays empty unless 5 bits)."""
-        h = self.hbits[a:b] if self.bits == 5 else self.hbits
-        return self.packed[a:b], h, self.d[a:b], self.m[a:b]
+        """Row slices of the kernel's four tensors (empty hbits and m stay empty)."""
+        h = self.hbits[a:b] if self.hbits.numel() else self.hbits
+        m = self.m[a:b] if self.m.numel() else self.m
+        return self.packed[a:b], h, self.d[a:b], m
 
 
 def pack(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, group: int) -> Weight:
@@ -60,15 +62,25 @@ def pack(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, group: in
         if bits == 5:  # bit i of the pair's little-endian uint64: bit 4 of position i
             fifth = ((pos >> 4) & 1).view(n, k // 64, 8, 8)
             hbits = (fifth << torch.arange(8)).sum(-1).reshape(n, k // 8).to(torch.uint8)
+        if bits == 6:  # byte i of a pair's 16: bits 4-5 of position 16 j + i at bits 2j..
+            high = ((pos >> 4) & 3).view(n, k // 64, 4, 16)
+            shifted = high << (2 * torch.arange(4)).view(4, 1)
+            hbits = shifted.sum(2).reshape(n, k // 4).to(torch.uint8)
     return Weight(u, d, m, bits, group, packed.to(torch.uint8).contiguous(), hbits)
 
 
-def random_weight(n: int, k: int, bits: int, group: int, seed: int) -> Weight:
+def random_weight(
+    n: int, k: int, bits: int, group: int, seed: int, symmetric: bool = False
+) -> Weight:
     gen = torch.Generator().manual_seed(seed)
     u = torch.randint(0, 1 << bits, (n, k), generator=gen)
     d = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).half()
     m = (torch.randn(n, k // group, generator=gen) * 0.1).half()
-    return pack(u, d, m, bits, group)
+    return pack(u, d, torch.empty(0, dtype=torch.float16) if symmetric else m, bits, group)
+
+
+# Every format, and each bit width once as a symmetric weight (no stored m).
+CASES = [(b, g, False) for b, g in FORMATS] + [(b, 16, True) for b in (4, 5, 6, 8)]
 
 
 def int8_grid(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -90,15 +102,17 @@ def lib(kernel_level: str) -> kernels.Library:
     return loaded
 
 
-@pytest.mark.parametrize(("bits", "group"), FORMATS)
-def test_dequantize_and_embedding_are_exact(bits: int, group: int, lib: kernels.Library) -> None:
-    w = random_weight(40, 192, bits, group, seed=bits * group)  # 3 pairs: an odd count
+@pytest.mark.parametrize(("bits", "group", "symmetric"), CASES)
+def test_dequantize_and_embedding_are_exact(
+    bits: int, group: int, symmetric: bool, lib: kernels.Library
+) -> None:
+    w = random_weight(40, 192, bits, group, seed=bits * group, symmetric=symmetric)  # 3 pairs
     ref = w.dense()
     ids = torch.tensor([3, 0, 39, 3, 17])
     for dtype in (torch.float32, torch.bfloat16):
-        got = qblock.qblock_dequantize(lib, w.packed, w.hbits, w.d, w.m, bits, group, dtype)
+        got = qblock.qblock_dequantize(lib, *w.rows(0, 40), bits, group, dtype)
         assert torch.equal(got, ref.to(dtype))
-        rows = qblock.qblock_embedding(lib, ids, w.packed, w.hbits, w.d, w.m, bits, group, dtype)
+        rows = qblock.qblock_embedding(lib, ids, *w.rows(0, 40), bits, group, dtype)
         assert torch.equal(rows, ref[ids].to(dtype))
     # Row slices are weights too.
     sliced = qblock.qblock_dequantize(lib, *w.rows(5, 21), bits, group, torch.float32)
@@ -115,13 +129,13 @@ def assert_close(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, rel:
     assert bool((err <= tol + 1e-12).all()), float((err / (tol + 1e-12)).max())
 
 
-@pytest.mark.parametrize(("bits", "group"), FORMATS)
+@pytest.mark.parametrize(("bits", "group", "symmetric"), CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matmuls_match_the_reference(
-    bits: int, group: int, dtype: torch.dtype, lib: kernels.Library
+    bits: int, group: int, symmetric: bool, dtype: torch.dtype, lib: kernels.Library
 ) -> None:
     n, k = 24, 192
-    w = random_weight(n, k, bits, group, seed=7 * bits + group)
+    w = random_weight(n, k, bits, group, seed=7 * bits + group, symmetric=symmetric)
     dense = w.dense().double()
     abs_w = dense.abs().t()
     x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(group)).to(dtype)
@@ -136,7 +150,7 @@ def test_matmuls_match_the_reference(
         )
 
 
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 16), (8, 16)])
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 16), (6, 16), (8, 16)])
 def test_matmul_rows_do_not_depend_on_the_batch(
     bits: int, group: int, lib: kernels.Library
 ) -> None:
@@ -161,12 +175,13 @@ def test_bad_formats_and_shapes_are_refused(kernel_level: str) -> None:
     assert lib is not None
     w = random_weight(4, 64, 4, 32, seed=0)
     x = torch.randn(1, 64)
-    with pytest.raises(ValueError, match="6 bits"):
-        qblock.qblock_matmul(lib, x, w.packed, w.hbits, w.d, w.m, 6, 32)
+    with pytest.raises(ValueError, match="7 bits"):
+        qblock.qblock_matmul(lib, x, w.packed, w.hbits, w.d, w.m, 7, 32)
     with pytest.raises(ValueError, match="shapes"):
         qblock.qblock_matmul(lib, x, w.packed, w.hbits, w.d, w.m, 4, 16)
-    with pytest.raises(ValueError, match="hbits"):
-        qblock.qblock_matmul(lib, x, w.packed, w.hbits, w.d, w.m, 5, 32)
+    for bits in (5, 6):  # their high bits are missing
+        with pytest.raises(ValueError, match="hbits"):
+            qblock.qblock_matmul(lib, x, w.packed, w.hbits, w.d, w.m, bits, 32)
     with pytest.raises(ValueError, match="x must be"):
         qblock.qblock_matmul(lib, torch.randn(1, 128), w.packed, w.hbits, w.d, w.m, 4, 32)
     with pytest.raises(IndexError):

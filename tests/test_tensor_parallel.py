@@ -286,13 +286,16 @@ def test_shm_wait_times_out(tmp_path: Path) -> None:
 # ---- sharding -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 32), (8, 32), (8, 16)])
-def test_quantized_column_shards_stay_blocks(bits: int, group: int) -> None:
+@pytest.mark.parametrize(
+    ("bits", "group", "symmetric"),
+    [(4, 32, False), (5, 32, False), (6, 16, True), (6, 32, False), (8, 32, False), (8, 16, True)],
+)
+def test_quantized_column_shards_stay_blocks(bits: int, group: int, symmetric: bool) -> None:
     gen = torch.Generator().manual_seed(bits + group)
     n, k = 6, 256
     u = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8)
     scale = torch.rand(n, k // group, generator=gen)
-    minimum = torch.randn(n, k // group, generator=gen)
+    minimum = None if symmetric else torch.randn(n, k // group, generator=gen)
     w = pack(u, scale, minimum, bits, group)
     dense = dequantize(w)
     for start, stop in ((0, 128), (128, 256), (64, 192)):

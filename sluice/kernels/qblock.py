@@ -2,8 +2,9 @@
 quantized in memory, in the three layouts of issue 13 (restated in csrc/qblock.h).
 
 A weight is (packed, hbits, scale, minimum, bits, group): W[n, k] = scale[n, k // group]
-* u[n, k] + minimum[n, k // group], u of `bits` bits (4, 5 or 8) in pair-permuted
-order; `hbits` holds the fifth bits and is an empty uint8 tensor unless bits == 5.
+* u[n, k] + minimum[n, k // group], u of `bits` bits (4, 5, 6 or 8) in pair-permuted
+order; `hbits` holds the bits above the fourth and is an empty uint8 tensor unless bits
+is 5 or 6; `minimum` is empty for a symmetric weight (minimum = -2**(bits - 1) * scale).
 Rows are independent, so row slices of the four tensors are weights too.
 """
 
@@ -22,7 +23,7 @@ from sluice.kernels._ffi import (
 )
 
 # The formats the kernels take: (bits, group).
-FORMATS = frozenset({(4, 32), (4, 16), (5, 32), (5, 16), (8, 32), (8, 16)})
+FORMATS = frozenset({(b, g) for b in (4, 5, 6, 8) for g in (32, 16)})
 
 # (x, bf16, M, K, bits, group, packed, hbits, d, m, N, y)
 _MATMUL_ARGS = (POINTER, INT, INT, INT, INT, INT, POINTER, POINTER, POINTER, POINTER, INT, POINTER)
@@ -55,23 +56,29 @@ def _weight_args(
         raise ValueError(f"no qblock kernel for {bits} bits in groups of {group}")
     n = packed.shape[0]
     k = packed.shape[1] * (1 if bits == 8 else 2)
-    if k % 64 or tuple(scale.shape) != (n, k // group) or scale.shape != minimum.shape:
+    symmetric = minimum.numel() == 0
+    if (
+        k % 64
+        or tuple(scale.shape) != (n, k // group)
+        or not (symmetric or scale.shape == minimum.shape)
+    ):
         raise ValueError(
             f"qblock weight shapes: packed {tuple(packed.shape)}, scale "
             f"{tuple(scale.shape)}, minimum {tuple(minimum.shape)}"
         )
     if packed.dtype != torch.uint8 or scale.dtype != torch.float16 or minimum.dtype != scale.dtype:
         raise ValueError("qblock weights are uint8 values with float16 scales and minimums")
-    tensors = (packed, scale, minimum) + ((hbits,) if bits == 5 else ())
+    hcols = {5: k // 8, 6: k // 4}.get(bits, 0)
+    tensors = (packed, scale) + (() if symmetric else (minimum,)) + ((hbits,) if hcols else ())
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("qblock weight tensors must be contiguous (row slices are)")
-    if bits == 5:
-        if tuple(hbits.shape) != (n, k // 8) or hbits.dtype != torch.uint8:
-            raise ValueError(f"5-bit hbits must be uint8 [{n}, {k // 8}]")
+    if hcols:
+        if tuple(hbits.shape) != (n, hcols) or hbits.dtype != torch.uint8:
+            raise ValueError(f"{bits}-bit hbits must be uint8 [{n}, {hcols}]")
         h = ptr(hbits)
     else:
         h = 0
-    return n, k, (ptr(packed), h, ptr(scale), ptr(minimum))
+    return n, k, (ptr(packed), h, ptr(scale), 0 if symmetric else ptr(minimum))
 
 
 def _matmul(
@@ -99,10 +106,10 @@ def _matmul(
 def qblock_matmul(
     lib: Library,
     x: torch.Tensor,  # [M, K] fp32 or bf16
-    packed: torch.Tensor,  # [N, K / 2] (4, 5 bits) or [N, K] (8 bits) uint8
-    hbits: torch.Tensor,  # [N, K / 8] uint8 for 5 bits, else empty
+    packed: torch.Tensor,  # [N, K / 2] (4-6 bits) or [N, K] (8 bits) uint8
+    hbits: torch.Tensor,  # [N, K / 8] (5 bits), [N, K / 4] (6 bits) uint8, else empty
     scale: torch.Tensor,  # [N, K / group] fp16
-    minimum: torch.Tensor,  # [N, K / group] fp16
+    minimum: torch.Tensor,  # [N, K / group] fp16, empty when symmetric
     bits: int,
     group: int,
 ) -> torch.Tensor:

@@ -68,12 +68,12 @@ def _qblock_weights(layer: Linear) -> tuple[int, tuple[Field, ...]] | None:
         return None  # a weight the method keeps dense
     if (method.bits, method.group) not in qblock.FORMATS:
         return None
-    hbits = _tensor(layer, "qb_hbits")
+    hbits, minimum = _tensor(layer, "qb_hbits"), _tensor(layer, "qb_min")
     weights = (
         _tensor(layer, "qb_packed"),
         hbits if hbits.numel() else None,
         _tensor(layer, "qb_scale"),
-        _tensor(layer, "qb_min"),
+        minimum if minimum.numel() else None,  # null: a symmetric weight
     )
     return decode_stack.qblock_format(method.bits, method.group), weights
 

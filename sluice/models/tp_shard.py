@@ -112,13 +112,17 @@ def _columns(w: Weight, start: int, stop: int, name: str, dtype: torch.dtype) ->
         )
         return dequantize(w, torch.float32)[:, start:stop].to(dtype).clone()
     per_byte = 1 if w.bits == 8 else 2  # values per packed byte
-    hbits = w.hbits[:, start // 8 : stop // 8].contiguous() if w.hbits.numel() else w.hbits
+    per_hbyte = {5: 8, 6: 4}.get(w.bits, 1)  # values per hbits byte
+
+    def cut(t: torch.Tensor, per: int) -> torch.Tensor:
+        return t[:, start // per : stop // per].contiguous() if t.numel() else t
+
     return dataclasses.replace(
         w,
-        packed=w.packed[:, start // per_byte : stop // per_byte].contiguous(),
-        hbits=hbits,
-        scale=w.scale[:, start // w.group : stop // w.group].contiguous(),
-        minimum=w.minimum[:, start // w.group : stop // w.group].contiguous(),
+        packed=cut(w.packed, per_byte),
+        hbits=cut(w.hbits, per_hbyte),
+        scale=cut(w.scale, w.group),
+        minimum=cut(w.minimum, w.group),
     )
 
 

@@ -10,8 +10,8 @@
 // A linear is (packed, hbits, scale, min, format), format saying which kernel reads it:
 //   4: the int4 kernel (q4_matmul.h): fp16 scales and minimums per 32, hbits null;
 //   8: the per-channel int8 kernel (q8_matmul.h): fp32 channel scales, hbits and min null;
-//   bits * 100 + group (432, 416, 532, 516, 832, 816): the qblock kernel (qblock.h),
-//      hbits null unless bits == 5.
+//   bits * 100 + group (432, 416, 532, 516, 632, 616, 832, 816): the qblock kernel
+//      (qblock.h), hbits null unless bits is 5 or 6, min null for a symmetric weight.
 // The format is an integer stored in the table, not a pointer. GGUF files mix formats
 // per linear (Q4_K_M: Q6_K ffn_down in some layers), so each linear carries its own.
 // The QKV bias may be null.

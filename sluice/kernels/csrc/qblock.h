@@ -1,6 +1,13 @@
 // Kernels of the qblock layouts: GGUF block-quantized weights kept quantized in memory
 // (issue 13). W[n, k] = d[n, g] * u[n, k] + m[n, g], g = k / G, with u
-// 4, 5 or 8 bits, fp16 d and m per group of G = 16 or 32 values.
+// 4, 5, 6 or 8 bits, fp16 d and m per group of G = 16 or 32 values. A symmetric
+// weight (Q6_K; the file stores no offsets) has no m: m = -2**(bits - 1) * d, and
+// its m pointer is null, which saves a float16 per group (1 bit a weight at G = 16).
+//
+// 5 bits add a bit plane (bit i of a pair's uint64 is bit 4 of position i); 6 bits
+// add 16 bytes a pair, byte i holding bits 4-5 of positions i, 16 + i, 32 + i and
+// 48 + i in its bit pairs 0-1, 2-3, 4-5, 6-7: one run's high bits are one shift of
+// the same 16 bytes, so every ISA level unpacks them with a shift and a mask.
 //
 // Along K the values sit in pairs of 32-blocks, 64 positions per pair, in four runs of
 // 16: b0[0..15], b1[0..15], b0[16..31], b1[16..31] (the activations' order of
@@ -31,8 +38,15 @@ constexpr int qb_run_group(int p, int j) {
 }
 constexpr int qb_run_k(int p, int j) { return 64 * p + 32 * (j & 1) + 16 * (j >> 1); }
 
-// Bytes of one row of `packed` for `bits`.
+// Bytes of one row of `packed` for `bits`, and of `hbits` (5 and 6 bits only).
 constexpr int64_t qb_row_bytes(int bits, int K) { return bits == 8 ? K : K / 2; }
+constexpr int64_t qb_hbits_row_bytes(int bits, int K) {
+  return bits == 5 ? K / 8 : bits == 6 ? K / 4 : 0;
+}
+
+// The offset factor of a symmetric weight: m = qb_implied_m<BITS> * d.
+template <int BITS>
+constexpr float qb_implied_m = -static_cast<float>(1 << (BITS - 1));
 
 inline float qb_half(uint16_t h) {
 #if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
@@ -78,16 +92,23 @@ struct QBlockActivations : Q4Activations {
 // One weight row's pointers.
 struct QbRow {
   const uint8_t* w;   // packed
-  const uint8_t* h;   // hbits (bits == 5)
+  const uint8_t* h;   // hbits (bits 5 and 6)
   const uint16_t* d;  // [K / G]
-  const uint16_t* m;
+  const uint16_t* m;  // [K / G], null for a symmetric weight
 };
 
 template <int BITS, int G>
 QbRow qb_row(const uint8_t* packed, const uint8_t* hbits, const uint16_t* d, const uint16_t* m,
              int K, int64_t n) {
-  return {packed + n * qb_row_bytes(BITS, K), BITS == 5 ? hbits + n * (K / 8) : nullptr,
-          d + n * (K / G), m + n * (K / G)};
+  const int64_t hrow = qb_hbits_row_bytes(BITS, K);
+  return {packed + n * qb_row_bytes(BITS, K), hrow ? hbits + n * hrow : nullptr,
+          d + n * (K / G), m ? m + n * (K / G) : nullptr};
+}
+
+// Group g's m as fp32 (implied when the weight is symmetric).
+template <int BITS>
+inline float qb_m(const QbRow& w, int g) {
+  return w.m ? qb_half(w.m[g]) : qb_implied_m<BITS> * qb_half(w.d[g]);
 }
 
 // sum_i h_i s_i over n fp16 h and fp32 s: the minimum terms.
@@ -130,6 +151,20 @@ inline void qb_prefetch(const QbRow& w, int p) {
   const char* base = reinterpret_cast<const char*>(w.w) + bytes * p + kQbPrefetchBytes;
   __builtin_prefetch(base);
   if constexpr (BITS == 8) __builtin_prefetch(base + 64);
+  // 6 bits' second stream, 16 bytes a pair: as far ahead in pairs as the packed bytes.
+  if constexpr (BITS == 6) __builtin_prefetch(w.h + 16 * p + kQbPrefetchBytes / 2);
+}
+
+// The m row is read only after a row's pairs, where its miss stalls the row (the 1.5B
+// model's 4/32 matmuls ran 30% slower when the compiler stopped issuing that load
+// early): fetch the m of the row kQbPrefetchRows ahead at a row's start (rows are
+// contiguous, so that is kQbPrefetchRows * ng groups on; a symmetric weight has no m).
+constexpr int kQbPrefetchRows = 4;
+inline void qb_prefetch_groups(const QbRow& w, int ng) {
+  if (!w.m) return;
+  const char* next = reinterpret_cast<const char*>(w.m + kQbPrefetchRows * ng);
+  __builtin_prefetch(next);
+  __builtin_prefetch(next + 2 * ng - 1);  // the row's last byte (ng * 2 bytes a row)
 }
 
 // ---- Integer dot products: out[r] = sum_k W[k] x_r[k] for one weight row and R <= 4
@@ -160,6 +195,12 @@ inline __m512i qb_unpack(const QbRow& w, int p) {
       uint64_t hb;
       std::memcpy(&hb, w.h + 8 * p, sizeof(hb));
       u = _mm512_mask_add_epi8(u, static_cast<__mmask64>(hb), u, _mm512_set1_epi8(16));
+    } else if constexpr (BITS == 6) {
+      // Run j (128-bit lane j) takes bit pair j of the pair's 16 bytes, moved to bits 4-5.
+      const __m512i hb = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.h + 16 * p)));
+      const __m512i shift = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+      const __m512i high = _mm512_slli_epi32(_mm512_srlv_epi32(hb, shift), 4);
+      u = _mm512_ternarylogic_epi32(u, high, _mm512_set1_epi8(0x30), 0xF8);  // u | (high & 0x30)
     }
     return u;
   }
@@ -222,6 +263,7 @@ inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, f
   // Two accumulators a row: consecutive pairs do not wait on each other's FMA.
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  if constexpr (PREFETCH) qb_prefetch_groups(w, ng);
   int p = 0;
   for (; p + 1 < np; p += 2) {
     if constexpr (PREFETCH) qb_prefetch<BITS>(w, p);
@@ -229,13 +271,19 @@ inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, f
     qb_pair_step<BITS, G, R>(w, a, p + 1, acc1);
   }
   if (p < np) qb_pair_step<BITS, G, R>(w, a, p, acc0);
-  // The minimum terms: sum_g m_g * sx_g, 16 groups at a time.
+  // The minimum terms: sum_g m_g * sx_g, 16 groups at a time; a symmetric weight's
+  // m_g is implied * d_g, so it sums d_g * sx_g and scales once.
+  const uint16_t* ms = w.m ? w.m : w.d;
+  __m512 macc[R];
+  for (int r = 0; r < R; ++r) macc[r] = _mm512_setzero_ps();
   for (int g = 0; g < ng; g += 16) {
     const __mmask16 k = ng - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (ng - g)) - 1);
-    const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, w.m + g));
-    for (int r = 0; r < R; ++r) acc1[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, a.sx[r] + g), acc1[r]);
+    const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, ms + g));
+    for (int r = 0; r < R; ++r) macc[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, a.sx[r] + g), macc[r]);
   }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+  const __m512 mscale = _mm512_set1_ps(w.m ? 1.f : qb_implied_m<BITS>);
+  for (int r = 0; r < R; ++r)
+    out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), _mm512_mul_ps(macc[r], mscale)));
 }
 #elif defined(SLUICE_ISA_AVX2)
 // Pair p's values as two halves: positions 0..31 (runs 0, 1) and 32..63 (runs 2, 3).
@@ -267,6 +315,15 @@ inline void qb_unpack(const QbRow& w, int p, __m256i& lo, __m256i& hi) {
         const __m256i add = _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), sixteen);
         (half ? hi : lo) = _mm256_or_si256(half ? hi : lo, add);
       }
+    } else if constexpr (BITS == 6) {
+      // Positions 0-15 / 16-31 / 32-47 / 48-63: bit pairs 0-1 / 2-3 / 4-5 / 6-7 of the
+      // pair's 16 bytes, moved to bits 4-5.
+      const __m256i hb = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.h + 16 * p)));
+      const __m256i two = _mm256_set1_epi8(0x30);
+      const __m256i hlo = _mm256_srlv_epi32(hb, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+      const __m256i hhi = _mm256_srlv_epi32(hb, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6));
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32(hlo, 4), two));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi32(hhi, 4), two));
     }
   }
 }
@@ -285,7 +342,7 @@ inline void qb_pair_d(const uint16_t* d, int p, __m256& dlo, __m256& dhi) {
   }
 }
 
-// int16 pair sums of u * x for one half (never saturating: 2 * 31 * 127 for 4/5 bits,
+// int16 pair sums of u * x for one half (never saturating: 2 * 63 * 127 for 4-6 bits,
 // 2 * 128 * 127 with the sign trick for 8).
 template <int BITS>
 inline __m256i qb_maddubs(__m256i u, __m256i x) {
@@ -326,6 +383,7 @@ template <int BITS, int G, int R, bool PREFETCH = false>
 inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, float* out) {
   __m256 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  if constexpr (PREFETCH) qb_prefetch_groups(w, ng);
   int p = 0;
   for (; p + 1 < np; p += 2) {
     if constexpr (PREFETCH) qb_prefetch<BITS>(w, p);
@@ -335,17 +393,20 @@ inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, f
   if (p < np) qb_pair_step<BITS, G, R>(w, a, p, acc0);
   // The minimum terms sum_g m_g * sx_g; for 8 bits also the sign trick's offset,
   // 128 * d_g * sx_g.
+  // A symmetric weight's m is a multiple of d: (implied + 128) * d for 8 bits is 0.
+  const float dfactor = (BITS == 8 ? 128.f : 0.f) + (w.m ? 0.f : qb_implied_m<BITS>);
   int g = 0;
-  for (; g + 8 <= ng; g += 8) {
-    __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.m + g)));
-    if constexpr (BITS == 8)
+  for (; g + 8 <= ng && (w.m || dfactor != 0.f); g += 8) {
+    __m256 mv = w.m ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.m + g)))
+                    : _mm256_setzero_ps();
+    if (dfactor != 0.f)
       mv = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + g))),
-                           _mm256_set1_ps(128.f), mv);
+                           _mm256_set1_ps(dfactor), mv);
     for (int r = 0; r < R; ++r) acc1[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(a.sx[r] + g), acc1[r]);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
-  for (; g < ng; ++g) {
-    const float mg = qb_half(w.m[g]) + (BITS == 8 ? 128.f * qb_half(w.d[g]) : 0.f);
+  for (; g < ng && (w.m || dfactor != 0.f); ++g) {
+    const float mg = (w.m ? qb_half(w.m[g]) : 0.f) + dfactor * qb_half(w.d[g]);
     for (int r = 0; r < R; ++r) out[r] += mg * a.sx[r][g];
   }
 }
@@ -366,6 +427,10 @@ inline void qb_unpack(const QbRow& w, int p, uint8_t* u) {
       uint64_t hb;
       std::memcpy(&hb, w.h + 8 * p, sizeof(hb));
       for (int i = 0; i < 64; ++i) u[i] |= static_cast<uint8_t>(((hb >> i) & 1) << 4);
+    } else if constexpr (BITS == 6) {
+      const uint8_t* hb = w.h + 16 * p;
+      for (int i = 0; i < 64; ++i)
+        u[i] |= static_cast<uint8_t>(((hb[i % 16] >> (2 * (i / 16))) & 3) << 4);
     }
   }
 }
@@ -383,8 +448,9 @@ __attribute__((noinline)) inline float qb_pair_dot(const uint8_t* u, const float
   return sum;
 }
 
-__attribute__((noinline)) inline float qb_min_dot(const uint16_t* m, const float* sx, int ng) {
-  return qb_half_dot(m, sx, ng);
+template <int BITS>
+__attribute__((noinline)) inline float qb_min_dot(const QbRow& w, const float* sx, int ng) {
+  return w.m ? qb_half_dot(w.m, sx, ng) : qb_implied_m<BITS> * qb_half_dot(w.d, sx, ng);
 }
 
 template <int BITS, int G, int R, bool PREFETCH = false>
@@ -397,7 +463,7 @@ inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, f
     for (int j = 0; j < 4; ++j) d[j] = half_to_float(w.d[qb_run_group<G>(p, j)]);
     for (int r = 0; r < R; ++r) out[r] += qb_pair_dot(u, d, a.x[r] + 64 * p, a.dx[r] + 2 * p);
   }
-  for (int r = 0; r < R; ++r) out[r] += qb_min_dot(w.m, a.sx[r], ng);
+  for (int r = 0; r < R; ++r) out[r] += qb_min_dot<BITS>(w, a.sx[r], ng);
 }
 #endif
 
@@ -491,6 +557,8 @@ void qblock_rows_t(const QBlockActivations& xa, int M, int K, const uint8_t* pac
     case 416: { constexpr int B = 4, G = 16; call; } break;        \
     case 532: { constexpr int B = 5, G = 32; call; } break;        \
     case 516: { constexpr int B = 5, G = 16; call; } break;        \
+    case 632: { constexpr int B = 6, G = 32; call; } break;        \
+    case 616: { constexpr int B = 6, G = 16; call; } break;        \
     case 832: { constexpr int B = 8, G = 32; call; } break;        \
     case 816: { constexpr int B = 8, G = 16; call; } break;        \
     default: break; /* the bindings reject other formats */        \
@@ -498,7 +566,8 @@ void qblock_rows_t(const QBlockActivations& xa, int M, int K, const uint8_t* pac
 
 // y [M, N] = x @ W.T for quantized x; the weight rows are shared out by orphaned `omp
 // for`s (every thread of an enclosing parallel region calls this; barrier at the end).
-// bits in {4, 5, 8}, group in {16, 32}; hbits only for 5 bits.
+// bits in {4, 5, 6, 8}, group in {16, 32}; hbits only for 5 and 6 bits, m null for a
+// symmetric weight.
 template <typename T>
 void qblock_rows(const QBlockActivations& xa, int M, int K, int bits, int group,
                  const uint8_t* packed, const uint8_t* hbits, const uint16_t* d,

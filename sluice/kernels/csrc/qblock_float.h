@@ -16,12 +16,16 @@
 
 namespace sluice {
 
-// Pair p's 64 values u in position order: 8 bits point into the row itself, 4 and 5
+// Pair p's 64 values u in position order: 8 bits point into the row itself, 4-6
 // bits are unpacked into `buf`.
 template <int BITS>
 inline const uint8_t* qb_pair_bytes(const QbRow& w, int p, uint8_t* buf) {
 #if defined(SLUICE_ISA_AVX512)
-  return nullptr;  // qb_run reads the row itself
+  // 4 and 8 bits: qb_run reads the row itself. 5 and 6 bits: their high bits are
+  // merged once a pair, bytewise (a third of the instructions of merging them into
+  // each run's 32-bit lanes, which left the output head compute-bound).
+  if constexpr (BITS == 5 || BITS == 6) _mm512_store_si512(buf, qb_unpack<BITS>(w, p));
+  return buf;
 #else
   if constexpr (BITS == 8) {
     return w.w + 64 * p;
@@ -42,21 +46,19 @@ inline const uint8_t* qb_pair_bytes(const QbRow& w, int p, uint8_t* buf) {
 // ---- 16 values of a run -> fp32 weights, kept in registers (matmul) or stored.
 #if defined(SLUICE_ISA_AVX512)
 using QbRun = __m512;
-// Run j of pair p straight from the packed row, widened to 16 int32 lanes: 4 and 5
-// bits read bytes 16 * (j & 1).. of the pair, low nibbles for runs 0, 1, high for 2, 3.
+// Run j of pair p widened to 16 int32 lanes: 8 bits straight from the row, 4 bits from
+// bytes 16 * (j & 1).. of the pair (low nibbles for runs 0, 1, high for 2, 3), 5 and 6
+// bits from the pair qb_pair_bytes unpacked.
 template <int BITS>
-inline QbRun qb_run(const QbRow& w, int p, int j, const uint8_t*, float d, float m) {
+inline QbRun qb_run(const QbRow& w, int p, int j, const uint8_t* u, float d, float m) {
   __m512i v;
   if constexpr (BITS == 8) {
     v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.w + 64 * p + 16 * j)));
-  } else {
+  } else if constexpr (BITS == 4) {
     v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.w + 32 * p + 16 * (j & 1))));
     v = j < 2 ? _mm512_and_si512(v, _mm512_set1_epi32(15)) : _mm512_srli_epi32(v, 4);
-    if constexpr (BITS == 5) {
-      uint16_t hb;
-      std::memcpy(&hb, w.h + 8 * p + 2 * j, sizeof(hb));
-      v = _mm512_mask_add_epi32(v, static_cast<__mmask16>(hb), v, _mm512_set1_epi32(16));
-    }
+  } else {  // unpacked by qb_pair_bytes
+    v = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(u + 16 * j)));
   }
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d), _mm512_set1_ps(m));
 }
@@ -139,27 +141,33 @@ using QbAcc = float;
 inline QbAcc qb_zero() { return 0.f; }
 #endif
 
-// d and m of pair p's runs 0..3 as fp32.
-template <int G>
+// d and m of pair p's runs 0..3 as fp32 (m = implied * d for a symmetric weight).
+template <int BITS, int G>
 inline void qb_pair_dm(const QbRow& w, int p, float* d, float* m) {
 #if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
+  const uint16_t* ms = w.m ? w.m : w.d;  // a symmetric weight: scaled below
+  __m128 dv, mv;
   if constexpr (G == 32) {  // runs: groups 2p, 2p+1, 2p, 2p+1
     int32_t d2, m2;
     std::memcpy(&d2, w.d + 2 * p, sizeof(d2));
-    std::memcpy(&m2, w.m + 2 * p, sizeof(m2));
-    const __m128 dv = _mm_cvtph_ps(_mm_cvtsi32_si128(d2)), mv = _mm_cvtph_ps(_mm_cvtsi32_si128(m2));
-    _mm_storeu_ps(d, _mm_movelh_ps(dv, dv));
-    _mm_storeu_ps(m, _mm_movelh_ps(mv, mv));
+    std::memcpy(&m2, ms + 2 * p, sizeof(m2));
+    dv = _mm_cvtph_ps(_mm_cvtsi32_si128(d2));
+    mv = _mm_cvtph_ps(_mm_cvtsi32_si128(m2));
+    dv = _mm_movelh_ps(dv, dv);
+    mv = _mm_movelh_ps(mv, mv);
   } else {  // runs: groups 4p, 4p+2, 4p+1, 4p+3
-    const __m128 dv = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.d + 4 * p)));
-    const __m128 mv = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.m + 4 * p)));
-    _mm_storeu_ps(d, _mm_shuffle_ps(dv, dv, _MM_SHUFFLE(3, 1, 2, 0)));
-    _mm_storeu_ps(m, _mm_shuffle_ps(mv, mv, _MM_SHUFFLE(3, 1, 2, 0)));
+    dv = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.d + 4 * p)));
+    mv = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ms + 4 * p)));
+    dv = _mm_shuffle_ps(dv, dv, _MM_SHUFFLE(3, 1, 2, 0));
+    mv = _mm_shuffle_ps(mv, mv, _MM_SHUFFLE(3, 1, 2, 0));
   }
+  if (!w.m) mv = _mm_mul_ps(mv, _mm_set1_ps(qb_implied_m<BITS>));
+  _mm_storeu_ps(d, dv);
+  _mm_storeu_ps(m, mv);
 #else
   for (int j = 0; j < 4; ++j) {
     d[j] = half_to_float(w.d[qb_run_group<G>(p, j)]);
-    m[j] = half_to_float(w.m[qb_run_group<G>(p, j)]);
+    m[j] = w.m ? half_to_float(w.m[qb_run_group<G>(p, j)]) : qb_implied_m<BITS> * d[j];
   }
 #endif
 }
@@ -173,7 +181,7 @@ inline void qbf_dot_rows(const QbRow& w, const float* const* xr, int np, float* 
   for (int p = 0; p < np; ++p) {
     const uint8_t* u = qb_pair_bytes<BITS>(w, p, buf);
     float d[4], m[4];
-    qb_pair_dm<G>(w, p, d, m);
+    qb_pair_dm<BITS, G>(w, p, d, m);
     for (int j = 0; j < 4; j += 2) {
       qb_run_fma<R>(qb_run<BITS>(w, p, j, u, d[j], m[j]), xr, 64 * p + 16 * j, acc0);
       qb_run_fma<R>(qb_run<BITS>(w, p, j + 1, u, d[j + 1], m[j + 1]), xr, 64 * p + 16 * j + 16,
@@ -215,7 +223,7 @@ inline void qb_dequantize_row(const QbRow& w, int K, T* out) {
   for (int p = 0; p < K / 64; ++p) {
     const uint8_t* u = qb_pair_bytes<BITS>(w, p, buf);
     float d[4], m[4];
-    qb_pair_dm<G>(w, p, d, m);
+    qb_pair_dm<BITS, G>(w, p, d, m);
     for (int j = 0; j < 4; ++j) qb_store(qb_run<BITS>(w, p, j, u, d[j], m[j]), out + qb_run_k(p, j));
   }
 }
