@@ -407,6 +407,7 @@ def test_a_replayable_request_runs_again_after_its_replica_dies() -> None:
 def test_merged_stats_sum_both_pools_and_report_the_fuller() -> None:
     """Replicas of a split-pool model (Gemma 3) report a second pool; the front end sums
     each pool's blocks and, as one engine does, reports the fuller pool's use."""
+
     def replica(i: int, free: int, local_free: int) -> Any:
         stats = {
             "kv_total_blocks": 100,
