@@ -150,6 +150,39 @@ def test_matmuls_match_the_reference(
         )
 
 
+def block_steps(x: torch.Tensor) -> torch.Tensor:
+    """Each value's int8 block step (its block of 32's largest magnitude / 127)."""
+    rows, k = x.shape
+    amax = x.double().abs().view(rows, k // 32, 32).amax(-1, keepdim=True)
+    return (amax / 127).expand(rows, k // 32, 32).reshape(rows, k)
+
+
+@pytest.mark.parametrize(("bits", "group", "symmetric"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_matmul_keeps_activations_to_a_fraction_of_their_step(
+    bits: int, group: int, symmetric: bool, dtype: torch.dtype, lib: kernels.Library
+) -> None:
+    # Off the int8 grid (where one level rounds each value by up to half a step), the
+    # two-level activations are off by at most half a step of the residual's own
+    # blocks, itself at most half a step: 1/254 of the first level's error bound.
+    n, k = 24, 192
+    w = random_weight(n, k, bits, group, seed=5 * bits + group, symmetric=symmetric)
+    dense = w.dense().double()
+    x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for rows in ROWS:
+        xr = x[:rows]
+        got = qblock.qblock_matmul_residual(lib, xr, *w.rows(0, n), bits, group)
+        ref = xr.double() @ dense.t()
+        # |dx error| <= step / 2 / 254 (+ a little for the residual's own fp32
+        # rounding); the fp32 sums add their 1e-5 relative.
+        bound = (block_steps(xr) / 500) @ dense.abs().t()
+        assert_close(got, ref, bound + 1e-5 * (xr.double().abs() @ dense.abs().t()), 1.0)
+        if dtype == torch.float32:  # (bf16's rounding of the result hides the gain)
+            one_level = qblock.qblock_matmul(lib, xr, *w.rows(0, n), bits, group)
+            gain = (one_level.double() - ref).abs().sum() / (got.double() - ref).abs().sum()
+            assert gain > 20
+
+
 @pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 16), (6, 16), (8, 16)])
 def test_matmul_rows_do_not_depend_on_the_batch(
     bits: int, group: int, lib: kernels.Library
@@ -161,7 +194,7 @@ def test_matmul_rows_do_not_depend_on_the_batch(
     w = random_weight(n + 3, k, bits, group, seed=11)
     weight = w.rows(3, n + 3)
     x = torch.randn(130, k)
-    for fn in (qblock.qblock_matmul, qblock.qblock_matmul_float):
+    for fn in (qblock.qblock_matmul, qblock.qblock_matmul_float, qblock.qblock_matmul_residual):
         batch = fn(lib, x, *weight, bits, group)
         for r in (0, 1, 63, 64, 65, 129):
             assert torch.equal(fn(lib, x[r : r + 1], *weight, bits, group), batch[r : r + 1])

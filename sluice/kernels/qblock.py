@@ -29,6 +29,7 @@ FORMATS = frozenset({(b, g) for b in (4, 5, 6, 8) for g in (32, 16)})
 _MATMUL_ARGS = (POINTER, INT, INT, INT, INT, INT, POINTER, POINTER, POINTER, POINTER, INT, POINTER)
 _MATMUL = c_function("sluice_qblock_matmul", None, *_MATMUL_ARGS)
 _MATMUL_FLOAT = c_function("sluice_qblock_matmul_float", None, *_MATMUL_ARGS)
+_MATMUL_RESIDUAL = c_function("sluice_qblock_matmul_residual", None, *_MATMUL_ARGS)
 # (bits, group, packed, hbits, d, m, K, N, out, out_bf16)
 _DEQUANTIZE = c_function(
     "sluice_qblock_dequantize",
@@ -127,8 +128,26 @@ def qblock_matmul_float(
     bits: int,
     group: int,
 ) -> torch.Tensor:
-    """qblock_matmul with unquantized activations (fp32 accumulation): the output head."""
+    """qblock_matmul with unquantized activations (fp32 accumulation): exact, the
+    reference qblock_matmul_residual (the output head) is checked against."""
     return _matmul(_MATMUL_FLOAT, lib, x, packed, hbits, scale, minimum, bits, group)
+
+
+def qblock_matmul_residual(
+    lib: Library,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    hbits: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bits: int,
+    group: int,
+) -> torch.Tensor:
+    """qblock_matmul with x quantized in two int8 levels: each block of 32, then what
+    that leaves out (x - dx * q) in blocks of its own, so every value is kept to within
+    1/508 of its block's step (~15 bits of the block's largest), at the int8 kernel's
+    speed: the output head."""
+    return _matmul(_MATMUL_RESIDUAL, lib, x, packed, hbits, scale, minimum, bits, group)
 
 
 def _out_dtype(dtype: torch.dtype) -> int:

@@ -22,6 +22,12 @@
 #include <immintrin.h>
 #endif
 
+// For the small steps of an inner loop (a pair's unpack and dot products): GCC's
+// inliner left some of them out of line, called through the PLT once a pair (the
+// 6-bit two-row step: +35%; which instantiations it kept depended on unrelated edits
+// to the caller), so their inlining is not left to its size heuristics.
+#define SLUICE_INLINE inline __attribute__((always_inline))
+
 #if defined(SLUICE_ISA_AVX2)
 namespace sluice {
 // Sum of the 8 lanes (AVX2 has no reduce instruction; AVX-512's is _mm512_reduce_add_ps).

@@ -18,6 +18,56 @@ void matmul(const T* x, int M, int K, int bits, int group, const uint8_t* packed
   sluice::qblock_rows(xa, M, K, bits, group, packed, hbits, d, m, N, y);
 }
 
+// Row r of x becomes rows 2r (x) and 2r + 1 (what x's int8 blocks leave out, x - dx * q,
+// itself quantized in blocks of a scale ~254 times finer): the int8 kernel then sees
+// each value to ~15 bits where one level keeps 8, and a weight pair unpacked once
+// serves both rows. The output head's logits decide greedy picks among near-ties, so
+// it needs more than int8; this gets that at the int8 kernel's bandwidth instead of
+// the float kernel's instruction count (its 6-bit head was compute-bound).
+template <typename T>
+std::vector<float> with_residuals(const T* x, int M, int K) {
+  sluice::QBlockActivations coarse;
+  coarse.quantize(x, M, K, 0);
+  std::vector<float> out(static_cast<size_t>(2) * M * K);
+  for (int r = 0; r < M; ++r) {
+    const T* xr = x + static_cast<int64_t>(r) * K;
+    float* whole = out.data() + static_cast<int64_t>(2 * r) * K;
+    float* rest = whole + K;
+    const int8_t* q = coarse.q.data() + static_cast<int64_t>(r) * K;  // pair positions
+    const float* dx = coarse.dx.data() + static_cast<int64_t>(r) * (K / 32);
+    for (int p = 0; p < K / 64; ++p)
+      for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < 16; ++i) {
+          const int k = sluice::qb_run_k(p, j) + i;
+          whole[k] = sluice::to_float(xr[k]);
+          rest[k] = whole[k] - dx[k / 32] * static_cast<float>(q[64 * p + 16 * j + i]);
+        }
+  }
+  return out;
+}
+
+template <typename T>
+void matmul_residual(const T* x, int M, int K, int bits, int group, const uint8_t* packed,
+                     const uint8_t* hbits, const uint16_t* d, const uint16_t* m, int N, T* y) {
+  const std::vector<float> x2 = with_residuals(x, M, K);
+  sluice::QBlockActivations xa;
+  xa.quantize(x2.data(), 2 * M, K, group);
+  // Reused: a fresh vocabulary-sized buffer every call faults its pages in again.
+  // (the calling thread's; the parallel region below gets its address).
+  static thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(2) * M * N);
+  float* y2 = buffer.data();
+#pragma omp parallel
+  {
+    sluice::qblock_rows(xa, 2 * M, K, bits, group, packed, hbits, d, m, N, y2);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < static_cast<int64_t>(M) * N; ++i) {
+      const int64_t r = i / N, n = i % N;
+      y[i] = sluice::round_to(y + i, y2[2 * r * N + n] + y2[(2 * r + 1) * N + n]);
+    }
+  }
+}
+
 template <typename T>
 void matmul_float(const T* x, int M, int K, int bits, int group, const uint8_t* packed,
                   const uint8_t* hbits, const uint16_t* d, const uint16_t* m, int N, T* y) {
@@ -50,6 +100,18 @@ void sluice_qblock_matmul(const void* x, int bf16, int M, int K, int bits, int g
   else
     matmul(static_cast<const float*>(x), M, K, bits, group, packed, hbits, d, m, N,
            static_cast<float*>(y));
+}
+
+// As sluice_qblock_matmul with x quantized in two int8 levels (x, then its residual).
+void sluice_qblock_matmul_residual(const void* x, int bf16, int M, int K, int bits, int group,
+                                   const uint8_t* packed, const uint8_t* hbits,
+                                   const uint16_t* d, const uint16_t* m, int N, void* y) {
+  if (bf16)
+    matmul_residual(static_cast<const uint16_t*>(x), M, K, bits, group, packed, hbits, d, m, N,
+                    static_cast<uint16_t*>(y));
+  else
+    matmul_residual(static_cast<const float*>(x), M, K, bits, group, packed, hbits, d, m, N,
+                    static_cast<float*>(y));
 }
 
 // As sluice_qblock_matmul with unquantized activations (fp32 accumulation).

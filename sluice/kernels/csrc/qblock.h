@@ -146,25 +146,13 @@ inline float qb_half_dot(const uint16_t* h, const float* s, int n) {
 // across row tiles and take no prefetch.
 constexpr int kQbPrefetchBytes = 1024;
 template <int BITS>
-inline void qb_prefetch(const QbRow& w, int p) {
+SLUICE_INLINE void qb_prefetch(const QbRow& w, int p) {
   constexpr int bytes = BITS == 8 ? 64 : 32;  // packed bytes a pair
   const char* base = reinterpret_cast<const char*>(w.w) + bytes * p + kQbPrefetchBytes;
   __builtin_prefetch(base);
   if constexpr (BITS == 8) __builtin_prefetch(base + 64);
   // 6 bits' second stream, 16 bytes a pair: as far ahead in pairs as the packed bytes.
   if constexpr (BITS == 6) __builtin_prefetch(w.h + 16 * p + kQbPrefetchBytes / 2);
-}
-
-// The m row is read only after a row's pairs, where its miss stalls the row (the 1.5B
-// model's 4/32 matmuls ran 30% slower when the compiler stopped issuing that load
-// early): fetch the m of the row kQbPrefetchRows ahead at a row's start (rows are
-// contiguous, so that is kQbPrefetchRows * ng groups on; a symmetric weight has no m).
-constexpr int kQbPrefetchRows = 4;
-inline void qb_prefetch_groups(const QbRow& w, int ng) {
-  if (!w.m) return;
-  const char* next = reinterpret_cast<const char*>(w.m + kQbPrefetchRows * ng);
-  __builtin_prefetch(next);
-  __builtin_prefetch(next + 2 * ng - 1);  // the row's last byte (ng * 2 bytes a row)
 }
 
 // ---- Integer dot products: out[r] = sum_k W[k] x_r[k] for one weight row and R <= 4
@@ -183,7 +171,7 @@ struct QbActRows {
 #if defined(SLUICE_ISA_AVX512)
 // Pair p's 64 values u, byte i = position i.
 template <int BITS>
-inline __m512i qb_unpack(const QbRow& w, int p) {
+SLUICE_INLINE __m512i qb_unpack(const QbRow& w, int p) {
   if constexpr (BITS == 8) {
     return _mm512_loadu_si512(w.w + 64 * p);
   } else {
@@ -208,7 +196,7 @@ inline __m512i qb_unpack(const QbRow& w, int p) {
 
 // Pair p's d per int32 lane (four lanes a run).
 template <int G>
-inline __m512 qb_pair_d(const uint16_t* d, int p) {
+SLUICE_INLINE __m512 qb_pair_d(const uint16_t* d, int p) {
   if constexpr (G == 32) {
     int32_t d2;
     std::memcpy(&d2, d + 2 * p, sizeof(d2));
@@ -223,7 +211,7 @@ inline __m512 qb_pair_d(const uint16_t* d, int p) {
 
 // Pair p's d * dx per lane, for one activation row (dx: its block scales).
 template <int G>
-inline __m512 qb_pair_scale(const uint16_t* d, const float* dx, int p) {
+SLUICE_INLINE __m512 qb_pair_scale(const uint16_t* d, const float* dx, int p) {
   const __m128 dx2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dx + 2 * p)));
   if constexpr (G == 32) {
     int32_t d2;
@@ -241,7 +229,7 @@ inline __m512 qb_pair_scale(const uint16_t* d, const float* dx, int p) {
 
 // acc[r] += pair p's share of row r.
 template <int BITS, int G, int R>
-inline void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __m512* acc) {
+SLUICE_INLINE void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __m512* acc) {
   const __m512i u = qb_unpack<BITS>(w, p);
   if constexpr (R == 1) {  // decode: d * dx on 2 or 4 lanes, then spread (the same products)
     const __m512 dot = _mm512_cvtepi32_ps(
@@ -263,7 +251,6 @@ inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, f
   // Two accumulators a row: consecutive pairs do not wait on each other's FMA.
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-  if constexpr (PREFETCH) qb_prefetch_groups(w, ng);
   int p = 0;
   for (; p + 1 < np; p += 2) {
     if constexpr (PREFETCH) qb_prefetch<BITS>(w, p);
@@ -290,7 +277,7 @@ inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, f
 // 8 bits come back as signed u - 128 (for maddubs' sign trick; the 128 * sum(qx)
 // it drops is folded into the minimum term).
 template <int BITS>
-inline void qb_unpack(const QbRow& w, int p, __m256i& lo, __m256i& hi) {
+SLUICE_INLINE void qb_unpack(const QbRow& w, int p, __m256i& lo, __m256i& hi) {
   if constexpr (BITS == 8) {
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
     lo = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.w + 64 * p)), flip);
@@ -330,7 +317,7 @@ inline void qb_unpack(const QbRow& w, int p, __m256i& lo, __m256i& hi) {
 
 // d per int32 lane of the low half's (runs 0, 1) and high half's (runs 2, 3) dots.
 template <int G>
-inline void qb_pair_d(const uint16_t* d, int p, __m256& dlo, __m256& dhi) {
+SLUICE_INLINE void qb_pair_d(const uint16_t* d, int p, __m256& dlo, __m256& dhi) {
   if constexpr (G == 32) {
     int32_t d2;
     std::memcpy(&d2, d + 2 * p, sizeof(d2));
@@ -345,13 +332,13 @@ inline void qb_pair_d(const uint16_t* d, int p, __m256& dlo, __m256& dhi) {
 // int16 pair sums of u * x for one half (never saturating: 2 * 63 * 127 for 4-6 bits,
 // 2 * 128 * 127 with the sign trick for 8).
 template <int BITS>
-inline __m256i qb_maddubs(__m256i u, __m256i x) {
+SLUICE_INLINE __m256i qb_maddubs(__m256i u, __m256i x) {
   if constexpr (BITS == 8) return _mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(x, u));
   return _mm256_maddubs_epi16(u, x);
 }
 
 template <int BITS, int G, int R>
-inline void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __m256* acc) {
+SLUICE_INLINE void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __m256* acc) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i lo, hi;
   __m256 dlo, dhi;
@@ -383,7 +370,6 @@ template <int BITS, int G, int R, bool PREFETCH = false>
 inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, float* out) {
   __m256 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  if constexpr (PREFETCH) qb_prefetch_groups(w, ng);
   int p = 0;
   for (; p + 1 < np; p += 2) {
     if constexpr (PREFETCH) qb_prefetch<BITS>(w, p);
@@ -414,7 +400,7 @@ inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, f
 #else
 // Pair p's 64 values u in position order.
 template <int BITS>
-inline void qb_unpack(const QbRow& w, int p, uint8_t* u) {
+SLUICE_INLINE void qb_unpack(const QbRow& w, int p, uint8_t* u) {
   if constexpr (BITS == 8) {
     std::memcpy(u, w.w + 64 * p, 64);
   } else {

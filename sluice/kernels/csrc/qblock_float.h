@@ -1,7 +1,7 @@
 // qblock weights dequantized on the fly (qblock.h has the layouts): the matmul with
-// unquantized activations (the output head, where int8 activation blocks flip
-// near-tied logits), dequantization to [N, K] (feeding dense GEMMs for large batches)
-// and embedding rows. A run of 16 values becomes 16 fp32 weights d * u + m (one
+// unquantized activations (exact to fp32 rounding: the reference the output head's
+// two-level int8 path is checked against), dequantization to [N, K] (feeding dense
+// GEMMs for large batches) and embedding rows. A run of 16 values becomes 16 fp32 weights d * u + m (one
 // rounding: d * u is exact in fp32, an fp16 times an 8-bit integer), written out or
 // multiplied into the activation rows with fp32 accumulation.
 #pragma once
@@ -19,7 +19,7 @@ namespace sluice {
 // Pair p's 64 values u in position order: 8 bits point into the row itself, 4-6
 // bits are unpacked into `buf`.
 template <int BITS>
-inline const uint8_t* qb_pair_bytes(const QbRow& w, int p, uint8_t* buf) {
+SLUICE_INLINE const uint8_t* qb_pair_bytes(const QbRow& w, int p, uint8_t* buf) {
 #if defined(SLUICE_ISA_AVX512)
   // 4 and 8 bits: qb_run reads the row itself. 5 and 6 bits: their high bits are
   // merged once a pair, bytewise (a third of the instructions of merging them into
@@ -50,7 +50,7 @@ using QbRun = __m512;
 // bytes 16 * (j & 1).. of the pair (low nibbles for runs 0, 1, high for 2, 3), 5 and 6
 // bits from the pair qb_pair_bytes unpacked.
 template <int BITS>
-inline QbRun qb_run(const QbRow& w, int p, int j, const uint8_t* u, float d, float m) {
+SLUICE_INLINE QbRun qb_run(const QbRow& w, int p, int j, const uint8_t* u, float d, float m) {
   __m512i v;
   if constexpr (BITS == 8) {
     v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.w + 64 * p + 16 * j)));
@@ -70,7 +70,7 @@ inline void qb_store(const QbRun& v, uint16_t* dst) {  // bf16, round to nearest
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
 template <int R>
-inline void qb_run_fma(const QbRun& v, const float* const* xr, int off, __m512* acc) {
+SLUICE_INLINE void qb_run_fma(const QbRun& v, const float* const* xr, int off, __m512* acc) {
   for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(v, _mm512_loadu_ps(xr[r] + off), acc[r]);
 }
 inline float qb_sum(const __m512& a, const __m512& b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
@@ -80,12 +80,12 @@ inline QbAcc qb_zero() { return _mm512_setzero_ps(); }
 struct QbRun {
   __m256 a, b;
 };
-inline __m256 qb_run8(const uint8_t* u, float d, float m) {
+SLUICE_INLINE __m256 qb_run8(const uint8_t* u, float d, float m) {
   const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
   return _mm256_fmadd_ps(v, _mm256_set1_ps(d), _mm256_set1_ps(m));
 }
 template <int BITS>
-inline QbRun qb_run(const QbRow&, int, int j, const uint8_t* u, float d, float m) {
+SLUICE_INLINE QbRun qb_run(const QbRow&, int, int j, const uint8_t* u, float d, float m) {
   return {qb_run8(u + 16 * j, d, m), qb_run8(u + 16 * j + 8, d, m)};
 }
 inline void qb_store(const QbRun& v, float* dst) {
@@ -103,7 +103,7 @@ inline void qb_store(const QbRun& v, uint16_t* dst) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8), qb_bf16x8(v.b));
 }
 template <int R>
-inline void qb_run_fma(const QbRun& v, const float* const* xr, int off, __m256* acc) {
+SLUICE_INLINE void qb_run_fma(const QbRun& v, const float* const* xr, int off, __m256* acc) {
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm256_fmadd_ps(v.a, _mm256_loadu_ps(xr[r] + off), acc[r]);
     acc[r] = _mm256_fmadd_ps(v.b, _mm256_loadu_ps(xr[r] + off + 8), acc[r]);
@@ -117,7 +117,7 @@ struct QbRun {
   float v[16];
 };
 template <int BITS>
-inline QbRun qb_run(const QbRow&, int, int j, const uint8_t* u, float d, float m) {
+SLUICE_INLINE QbRun qb_run(const QbRow&, int, int j, const uint8_t* u, float d, float m) {
   QbRun out;
   for (int i = 0; i < 16; ++i) out.v[i] = d * static_cast<float>(u[16 * j + i]) + m;
   return out;
@@ -133,7 +133,7 @@ __attribute__((noinline)) inline float qb_run_dot(const float* w, const float* x
   return s;
 }
 template <int R>
-inline void qb_run_fma(const QbRun& v, const float* const* xr, int off, float* acc) {
+SLUICE_INLINE void qb_run_fma(const QbRun& v, const float* const* xr, int off, float* acc) {
   for (int r = 0; r < R; ++r) acc[r] += qb_run_dot(v.v, xr[r] + off);
 }
 inline float qb_sum(float a, float b) { return a + b; }
@@ -143,7 +143,7 @@ inline QbAcc qb_zero() { return 0.f; }
 
 // d and m of pair p's runs 0..3 as fp32 (m = implied * d for a symmetric weight).
 template <int BITS, int G>
-inline void qb_pair_dm(const QbRow& w, int p, float* d, float* m) {
+SLUICE_INLINE void qb_pair_dm(const QbRow& w, int p, float* d, float* m) {
 #if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
   const uint16_t* ms = w.m ? w.m : w.d;  // a symmetric weight: scaled below
   __m128 dv, mv;
