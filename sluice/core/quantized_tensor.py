@@ -6,9 +6,9 @@ one float16 scale d and offset m per group of G = 16 or 32 values along the inpu
 dimension, W = d * u + m. One structure for every format keeps one kernel per layout
 instead of one per file type, at a small cost in bytes where a format's own scales
 are finer-packed (Q4_K's 6-bit scales become fp16: 5.0 bits a weight where the file
-has 4.5). A symmetric weight (Q6_K, whose file has no offsets) stores no m: it is
--2**(bits - 1) * d, and `minimum` is an empty tensor (Q6_K: 7 bits a weight against
-the file's 6.56, where fp16 offsets would make it 8).
+has 4.5). A symmetric weight (Q4_0, Q5_0, Q8_0, Q6_K: the file stores no offsets)
+stores no m: it is -2**(bits - 1) * d, and `minimum` is an empty tensor (Q6_K: 7 bits
+a weight against the file's 6.56, where fp16 offsets would make it 8).
 
 Along K the values are stored in pairs of 32-blocks whose 64 positions hold
 b0[0:16], b1[0:16], b0[16:32], b1[16:32]: the order the kernels quantize activations

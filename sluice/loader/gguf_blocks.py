@@ -7,11 +7,11 @@ tests/test_gguf_blocks.py). The values are never widened to floats: a 4-bit file
 stays 4 bits in memory.
 
 Layouts chosen (bits / group): Q4_0, Q4_1, Q4_K -> 4/32; Q5_0, Q5_1, Q5_K -> 5/32;
-Q8_0 -> 8/32; Q6_K -> 6/16, symmetric (its 16-value sub-blocks each have a scale and
-an offset of -32 scales, which is implied, not stored: 7 bits a weight against the
-file's 6.56; as bytes with fp16 offsets it was 10, and Q6_K holds a Q4_K_M file's
-output head and half its down projections, so that cost ~20% of a decode step's
-weight reads on Qwen2.5-Coder-1.5B).
+Q8_0 -> 8/32; Q6_K -> 6/16. The symmetric formats (Q4_0, Q5_0, Q8_0, Q6_K: an offset
+of -2**(bits - 1) scales) store no offsets; they are implied. Q6_K then costs 7 bits a
+weight against the file's 6.56 (as bytes with fp16 offsets it was 10, and Q6_K holds
+a Q4_K_M file's output head and half its down projections: ~20% of a decode step's
+weight reads on Qwen2.5-Coder-1.5B); Q5_0 5.5 for the file's 5.5, Q8_0 8.5 for 8.5.
 K-quant scales are products of a float16 super-block scale and a 6- or 8-bit integer;
 they are stored as float16 (relative rounding 2**-11, far below the 4-6 bit values'
 own step).
@@ -47,8 +47,7 @@ def _bits_of(words: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def _q4_0(raw: torch.Tensor) -> Decoded:
-    d = _f16(raw, 0)
-    return _nibbles(raw[:, 2:18]), d, -8 * d
+    return _nibbles(raw[:, 2:18]), _f16(raw, 0), None  # offset -8 * d
 
 
 def _q4_1(raw: torch.Tensor) -> Decoded:
@@ -56,9 +55,8 @@ def _q4_1(raw: torch.Tensor) -> Decoded:
 
 
 def _q5_0(raw: torch.Tensor) -> Decoded:
-    d = _f16(raw, 0)
     u = _nibbles(raw[:, 6:22]) | (_bits_of(raw[:, 2:6], 32) << 4)
-    return u, d, -16 * d
+    return u, _f16(raw, 0), None  # offset -16 * d
 
 
 def _q5_1(raw: torch.Tensor) -> Decoded:
@@ -67,9 +65,8 @@ def _q5_1(raw: torch.Tensor) -> Decoded:
 
 
 def _q8_0(raw: torch.Tensor) -> Decoded:
-    d = _f16(raw, 0)
     u = (raw[:, 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-    return u, d, -128 * d
+    return u, _f16(raw, 0), None  # offset -128 * d
 
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
