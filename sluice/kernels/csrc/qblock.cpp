@@ -52,11 +52,8 @@ void matmul_residual(const T* x, int M, int K, int bits, int group, const uint8_
   const std::vector<float> x2 = with_residuals(x, M, K);
   sluice::QBlockActivations xa;
   xa.quantize(x2.data(), 2 * M, K, group);
-  // Reused: a fresh vocabulary-sized buffer every call faults its pages in again.
-  // (the calling thread's; the parallel region below gets its address).
-  static thread_local std::vector<float> buffer;
-  buffer.resize(static_cast<size_t>(2) * M * N);
-  float* y2 = buffer.data();
+  std::vector<float> both(static_cast<size_t>(2) * M * N);  // the two levels' products
+  float* y2 = both.data();
 #pragma omp parallel
   {
     sluice::qblock_rows(xa, 2 * M, K, bits, group, packed, hbits, d, m, N, y2);
