@@ -1,8 +1,8 @@
 // Kernels of the qblock layouts: GGUF block-quantized weights kept quantized in memory
 // (issue 13). W[n, k] = d[n, g] * u[n, k] + m[n, g], g = k / G, with u
 // 4, 5, 6 or 8 bits, fp16 d and m per group of G = 16 or 32 values. A symmetric
-// weight (Q6_K; the file stores no offsets) has no m: m = -2**(bits - 1) * d, and
-// its m pointer is null, which saves a float16 per group (1 bit a weight at G = 16).
+// weight (Q4_0, Q5_0, Q8_0, Q6_K: the file stores no offsets) has no m: m =
+// -2**(bits - 1) * d, its m pointer is null, and a float16 a group is saved.
 //
 // 5 bits add a bit plane (bit i of a pair's uint64 is bit 4 of position i); 6 bits
 // add 16 bytes a pair, byte i holding bits 4-5 of positions i, 16 + i, 32 + i and
@@ -103,12 +103,6 @@ QbRow qb_row(const uint8_t* packed, const uint8_t* hbits, const uint16_t* d, con
   const int64_t hrow = qb_hbits_row_bytes(BITS, K);
   return {packed + n * qb_row_bytes(BITS, K), hrow ? hbits + n * hrow : nullptr,
           d + n * (K / G), m ? m + n * (K / G) : nullptr};
-}
-
-// Group g's m as fp32 (implied when the weight is symmetric).
-template <int BITS>
-inline float qb_m(const QbRow& w, int g) {
-  return w.m ? qb_half(w.m[g]) : qb_implied_m<BITS> * qb_half(w.d[g]);
 }
 
 // sum_i h_i s_i over n fp16 h and fp32 s: the minimum terms.

@@ -1,9 +1,9 @@
 // qblock weights dequantized on the fly (qblock.h has the layouts): the matmul with
 // unquantized activations (exact to fp32 rounding: the reference the output head's
 // two-level int8 path is checked against), dequantization to [N, K] (feeding dense
-// GEMMs for large batches) and embedding rows. A run of 16 values becomes 16 fp32 weights d * u + m (one
-// rounding: d * u is exact in fp32, an fp16 times an 8-bit integer), written out or
-// multiplied into the activation rows with fp32 accumulation.
+// GEMMs for large batches) and embedding rows. A run of 16 values becomes 16 fp32
+// weights d * u + m (one rounding: d * u is exact in fp32, an fp16 times an 8-bit
+// integer), written out or multiplied into the activation rows with fp32 accumulation.
 #pragma once
 #include <algorithm>
 #include <cstdint>
