@@ -62,13 +62,14 @@ inline float qb_half(uint16_t h) {
 struct QBlockActivations : Q4Activations {
   std::vector<float> dx8, sx16;
   // group: that of the qblock weight these rows meet (16 or 32), which of the extras
-  // to make: sx16 only for 16, dx8 only for more than one row (one row scales by dx);
-  // 0 for rows only the int4 and int8 kernels read.
+  // to make: sx16 only for 16, dx8 always (AVX-512 scales one row by dx instead, but
+  // AVX2 loads dx8 where spreading dx cost a permute a pair); 0 for rows only the int4
+  // and int8 kernels read.
   template <typename T>
   void quantize(const T* x, int M, int K, int group = 16) {
     Q4Activations::quantize(x, M, K);
     const int nb = K / 32;
-    if (group != 0 && M > 1) {
+    if (group != 0) {
       dx8.resize(static_cast<size_t>(M) * nb * 4);
       for (int64_t i = 0; i < static_cast<int64_t>(dx8.size()); ++i) dx8[i] = dx[i / 4];
     }
@@ -300,11 +301,13 @@ SLUICE_INLINE void qb_unpack(const QbRow& w, int p, __m256i& lo, __m256i& hi) {
       // Positions 0-15 / 16-31 / 32-47 / 48-63: bit pairs 0-1 / 2-3 / 4-5 / 6-7 of the
       // pair's 16 bytes, moved to bits 4-5.
       const __m256i hb = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.h + 16 * p)));
+      // One shift each: left by 4 - 2j for bit pairs 0-1 and 2-3, right by 2j - 4 for
+      // 4-5 and 6-7 (other bits shifted in are masked off).
       const __m256i two = _mm256_set1_epi8(0x30);
-      const __m256i hlo = _mm256_srlv_epi32(hb, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
-      const __m256i hhi = _mm256_srlv_epi32(hb, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6));
-      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32(hlo, 4), two));
-      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi32(hhi, 4), two));
+      const __m256i hlo = _mm256_sllv_epi32(hb, _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2));
+      const __m256i hhi = _mm256_srlv_epi32(hb, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+      lo = _mm256_or_si256(lo, _mm256_and_si256(hlo, two));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(hhi, two));
     }
   }
 }
@@ -317,9 +320,10 @@ SLUICE_INLINE void qb_pair_d(const uint16_t* d, int p, __m256& dlo, __m256& dhi)
     std::memcpy(&d2, d + 2 * p, sizeof(d2));
     dlo = dhi = pair_lanes(_mm_cvtph_ps(_mm_cvtsi32_si128(d2)));
   } else {
-    const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + 4 * p)));
-    dlo = pair_lanes(_mm_shuffle_ps(d4, d4, _MM_SHUFFLE(2, 0, 2, 0)));  // groups 4p, 4p+2
-    dhi = pair_lanes(_mm_shuffle_ps(d4, d4, _MM_SHUFFLE(3, 1, 3, 1)));  // 4p+1, 4p+3
+    const __m256 d4 = _mm256_castps128_ps256(
+        _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + 4 * p))));
+    dlo = _mm256_permutevar8x32_ps(d4, _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0));  // 4p, 4p+2
+    dhi = _mm256_permutevar8x32_ps(d4, _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1));  // 4p+1, 4p+3
   }
 }
 
@@ -342,10 +346,7 @@ SLUICE_INLINE void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x[r] + 64 * p));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x[r] + 64 * p + 32));
     const __m256i plo = qb_maddubs<BITS>(lo, x0), phi = qb_maddubs<BITS>(hi, x1);
-    // One row has no dx8 (QBlockActivations): spread its two block scales here.
-    const __m256 dx =
-        R == 1 ? pair_lanes(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(a.dx[r] + 2 * p))))
-               : _mm256_loadu_ps(a.dx8[r] + 8 * p);
+    const __m256 dx = _mm256_loadu_ps(a.dx8[r] + 8 * p);
     __m256 t;
     if constexpr (G == 32 && BITS != 8) {  // both halves share their blocks' d
       t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(plo, phi), ones)), dlo);
