@@ -17,9 +17,8 @@ quantizes its activations in two int8 levels (each block, then its residual: ~15
 bits), since one level flips near-tied logits; the same kernel reads the blocks, so
 the vocabulary-sized head runs at the int8 kernel's bandwidth (the float-activation
 kernel it replaced was compute-bound on 6-bit heads: 6.3 against 4.6 ms a token on
-Qwen2.5-Coder-1.5B's).
-Greedy output is the same token for token as with that float kernel
-(tests/test_gguf_head.py).
+Qwen2.5-Coder-1.5B's). Greedy output is the same token for token as with that float
+kernel (tests/test_gguf_head.py).
 Without our kernels (CUDA, or SLUICE_CPU_KERNELS=0) the same layouts run on torch ops.
 """
 
@@ -37,11 +36,12 @@ from sluice.kernels import Library, qblock
 from sluice.layers.linear import Linear, LinearMethod
 
 # Rows at or above which dequantized tiles + the dense GEMM beat the block kernel, per
-# kernel level (see the module docstring). avx2 computes in fp32, where the GEMM never
-# caught up: prefills of Qwen2.5-Coder-1.5B on the Zen 5 at the avx2 level (its fp32
-# GEMM still AVX-512's, so an AVX2-only CPU's is slower yet) took 204 against 528 ms
-# at 16 tokens, 506 against 886 at 39, 5.97 against 8.09 s at 512 on the block kernel.
-DENSE_MIN_ROWS = {"avx512": 16, "avx2": 1 << 30, "generic": 4}
+# kernel level (see the module docstring). At avx2 (fp32) the block kernel is faster
+# at every size measured (1.5B prefill: 506 against 886 ms at 39 tokens, 5.97 against
+# 8.09 s at 512), but its int8 activations in every layer of a prefill changed the
+# bundled model's answer to a plain question (tests/test_quantization.py), so prompts
+# keep the unquantized GEMM.
+DENSE_MIN_ROWS = {"avx512": 16, "avx2": 16, "generic": 4}
 # Elements of a dequantized tile: 4M (8 MB in bf16) stays in L3 and holds every
 # decoder weight of the packaged models' smaller layers in one tile.
 TILE_ELEMENTS = 1 << 22
