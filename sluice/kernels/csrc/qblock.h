@@ -62,14 +62,19 @@ inline float qb_half(uint16_t h) {
 struct QBlockActivations : Q4Activations {
   std::vector<float> dx8, sx16;
   // group: that of the qblock weight these rows meet (16 or 32), which of the extras
-  // to make: sx16 only for 16, dx8 always (AVX-512 scales one row by dx instead, but
-  // AVX2 loads dx8 where spreading dx cost a permute a pair); 0 for rows only the int4
-  // and int8 kernels read.
+  // to make: sx16 only for 16, dx8 for several rows, and for one only at AVX2, whose
+  // one-row step loads it (spreading dx cost a permute a pair; AVX-512 and generic
+  // scale one row by dx); 0 for rows only the int4 and int8 kernels read.
+#if defined(SLUICE_ISA_AVX2)
+  static constexpr bool kOneRowDx8 = true;
+#else
+  static constexpr bool kOneRowDx8 = false;
+#endif
   template <typename T>
   void quantize(const T* x, int M, int K, int group = 16) {
     Q4Activations::quantize(x, M, K);
     const int nb = K / 32;
-    if (group != 0) {
+    if (group != 0 && (M > 1 || kOneRowDx8)) {
       dx8.resize(static_cast<size_t>(M) * nb * 4);
       for (int64_t i = 0; i < static_cast<int64_t>(dx8.size()); ++i) dx8[i] = dx[i / 4];
     }
