@@ -15,7 +15,7 @@ import torch
 
 from sluice import LLM, SamplingParams
 from sluice.attention.backend import AttentionMetadata
-from sluice.core.quantized_tensor import pack
+from sluice.core.quantized_tensor import QuantizedTensor, pack, unpack_values
 from sluice.kernels import cpu
 from sluice.layers.block_quant import BlockQuantized
 from sluice.layers.linear import Linear
@@ -168,12 +168,36 @@ def test_stack_is_built_only_where_every_kernel_is_ours(
     assert LLM(quantization="int4", kv_cache_memory=0.05).engine.runner.decode_stack is None
 
 
+def with_integer_scales(qt: QuantizedTensor) -> QuantizedTensor:
+    """qt's values with its scales (and offsets) as the K-quants store theirs: int8
+    times a float16 multiplier per 256 values (rounded there: a weight near qt)."""
+    n, groups = qt.scale.shape
+    per = groups // (qt.shape[1] // 256)
+
+    def split(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v = v.float().view(n, -1, per)
+        mult = (v.abs().amax(-1) / 127).clamp(min=1e-8).half()
+        q = (v / mult.float()[..., None]).round().clamp(-127, 127)
+        return q.view(n, groups), mult[:, None]
+
+    u, (d, sd) = unpack_values(qt), split(qt.scale)
+    if qt.symmetric:
+        return pack(u, d, None, qt.bits, qt.group, qt.source, sd)
+    m, sm = split(qt.minimum)
+    return pack(u, d, m, qt.bits, qt.group, qt.source, torch.cat([sd, sm], 1))
+
+
 def block_quantized(
-    layer: Linear, w: torch.Tensor, bits: int, group: int, symmetric: bool = False
+    layer: Linear,
+    w: torch.Tensor,
+    bits: int,
+    group: int,
+    symmetric: bool = False,
+    integer: bool = False,
 ) -> BlockQuantized:
     """The layer on the GGUF path's method, with `w` quantized to a qblock layout: our
     kernel below `dense_min_rows` rows, dequantized tiles from there. Symmetric as
-    Q6_K is: no stored offsets, m = -2**(bits - 1) * d."""
+    Q6_K is: no stored offsets, m = -2**(bits - 1) * d; integer: the K-quants' scales."""
     n, k = w.shape
     groups = w.float().view(n, k // group, group)
     lo = groups.amin(-1)
@@ -186,7 +210,8 @@ def block_quantized(
     u = ((groups - m[..., None]) / d.float()[..., None]).round().clamp(0, 2**bits - 1)
     method = BlockQuantized()
     stored = None if symmetric else m
-    method.load_quantized(layer, pack(u.view(n, k).to(torch.uint8), d, stored, bits, group))
+    qt = pack(u.view(n, k).to(torch.uint8), d, stored, bits, group)
+    method.load_quantized(layer, with_integer_scales(qt) if integer else qt)
     method.dense_min_rows = 4
     return method
 
@@ -203,27 +228,31 @@ def test_stack_equals_model_with_mixed_weight_formats(
     tmp_path: Path, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, kernel_level: str
 ) -> None:
     # As a GGUF file mixes them: each linear its own format, qblock's beside int4 and
-    # int8, one format differing between layers (Q4_K_M's ffn_down).
+    # int8, one format differing between layers (Q4_K_M's ffn_down), float16 scales
+    # beside integer ones (the K-quants': down's K = 256 is one super-block).
     build("qwen2", tmp_path, smollm2_path)
     llm = LLM(model=str(tmp_path), quantization="int4", dtype="float32", kv_cache_memory=0.02)
     runner = llm.engine.runner
-    first, second = runner.model.layers[0], runner.model.layers[1]
-    formats: list[tuple[Linear, int, int, bool]] = [
-        (first.self_attn.o_proj, 5, 32, False),
-        (first.mlp.gate_up_proj, 8, 16, False),
-        (first.mlp.down_proj, 6, 16, True),  # Q6_K's layout
-        (second.self_attn.qkv_proj, 5, 16, False),
-        (second.mlp.down_proj, 8, 32, False),
-        (second.mlp.gate_up_proj, 4, 16, False),
+    first, second, third = runner.model.layers[:3]
+    formats: list[tuple[Linear, int, int, bool, bool]] = [
+        (first.self_attn.o_proj, 5, 32, False, False),
+        (first.mlp.gate_up_proj, 8, 16, False, False),
+        (first.mlp.down_proj, 6, 16, True, True),  # Q6_K's layout and scales
+        (second.self_attn.qkv_proj, 5, 16, False, False),
+        (second.mlp.down_proj, 8, 32, False, False),
+        (second.mlp.gate_up_proj, 4, 16, False, False),
+        (third.mlp.down_proj, 4, 32, False, True),  # Q4_K's
     ]
-    for layer, bits, group, symmetric in formats:
-        layer.method = block_quantized(layer, int4_weight(layer), bits, group, symmetric)
+    for layer, bits, group, symmetric, integer in formats:
+        method = block_quantized(layer, int4_weight(layer), bits, group, symmetric, integer)
+        layer.method = method
     o = second.self_attn.o_proj
     o.weight = torch.nn.Parameter(int4_weight(o), requires_grad=False)
     o.method = Int8WeightOnly()
     o.method.process_weight(o)
     runner.decode_stack = LlamaDecodeStack.build(runner.model, runner.backend, runner.kv_caches)
-    assert built_stack(llm).formats == {4, 8, 532, 816, 616, 516, 832, 416}
+    assert built_stack(llm).formats == {4, 8, 532, 816, 616, 516, 832, 416, 432}
+    assert third.mlp.down_proj.qb_super.numel()  # integer scales reach the stack
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 9, 17)]
     assert_stack_equals_model(llm, prompts)

@@ -56,9 +56,12 @@ def test_every_format_decodes_as_gguf_does(type_name: str) -> None:
     qt = repack(torch.from_numpy(raw), type_name, rows, cols)
     assert (qt.bits, qt.group) == FORMATS[type_name][3:]
     got = dequantize(qt).numpy()
-    # Legacy formats are exact; K-quant scales are products rounded to float16.
-    tol = 0.0 if "K" not in type_name else 2.0**-10 * np.abs(expected).max()
+    # Legacy formats are exact. K-quant scales are products of a float16 and an
+    # integer, kept as such (integer scales): exact too, where gguf's reference rounds
+    # each product in float32 (a few ulps).
+    tol = 0.0 if "K" not in type_name else 2.0**-21 * np.abs(expected).max()
     np.testing.assert_allclose(got, expected, rtol=0, atol=tol)
+    assert qt.integer_scales == ("K" in type_name)
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
@@ -87,16 +90,26 @@ def test_pack_round_trips_and_widening_is_exact(bits: int, group: int, symmetric
 
 
 def test_concat_rows_widens_mixed_formats_exactly() -> None:
-    q4 = repack(torch.from_numpy(random_blocks("Q4_K", 3, 256, 1)), "Q4_K", 3, 256)
-    q5 = repack(torch.from_numpy(random_blocks("Q5_0", 2, 256, 2)), "Q5_0", 2, 256)
-    q6 = repack(torch.from_numpy(random_blocks("Q6_K", 4, 256, 3)), "Q6_K", 4, 256)
+    q4 = repack(torch.from_numpy(random_blocks("Q4_K", 3, 512, 1)), "Q4_K", 3, 512)
+    q5 = repack(torch.from_numpy(random_blocks("Q5_0", 2, 512, 2)), "Q5_0", 2, 512)
+    q6 = repack(torch.from_numpy(random_blocks("Q6_K", 4, 512, 3)), "Q6_K", 4, 512)
     assert (q6.bits, q6.group, q6.symmetric) == (6, 16, True)  # Q6_K stores no offsets
+    # K-quants together (q/k Q4_K beside a Q6_K v, as Q4_K_M files have) keep integer
+    # scales, and the symmetric part's offsets become explicit: exact.
+    kq = concat_rows([q4, q6])
+    assert (kq.bits, kq.group, kq.symmetric, kq.integer_scales) == (6, 16, False, True)
+    assert torch.equal(dequantize(kq), torch.cat([dequantize(q4), dequantize(q6)]))
+    # With a float16-scaled format every part takes float16 scales (rounded products):
+    # then exact against those.
     both = concat_rows([q4, q5, q6])
-    assert (both.bits, both.group, both.symmetric) == (6, 16, False)
-    expected = torch.cat([dequantize(q4), dequantize(q5), dequantize(q6)])
-    assert torch.equal(dequantize(both), expected)
+    assert (both.bits, both.group, both.symmetric, both.integer_scales) == (6, 16, False, False)
+    parts = [dequantize(p.with_float_scales()) for p in (q4, q5, q6)]
+    assert torch.equal(dequantize(both), torch.cat(parts))
+    exact = dequantize(q4)
+    rounded = dequantize(q4.with_float_scales())  # float16's 2**-11 in each term
+    assert (rounded - exact).abs().max() <= 2**-9 * exact.abs().max()
     same = concat_rows([q4, q4])
-    assert (same.bits, same.group) == (4, 32) and same.shape == (6, 256)
+    assert (same.bits, same.group) == (4, 32) and same.shape == (6, 512)
     sixes = concat_rows([q6, q6.rows(torch.tensor([2, 0]))])  # symmetric parts stay so
     assert sixes.symmetric and torch.equal(dequantize(sixes)[4:], dequantize(q6)[[2, 0]])
 

@@ -2,7 +2,9 @@
 this CPU has, against a pure-torch packer and dequantizer written from the layout spec
 (issue 13, csrc/qblock.h): dequantization and embedding rows exact, the unquantized
 matmul to fp32 rounding, the int8-activation matmul on activations its int8 blocks hold
-exactly, for every format and a spread of row counts in fp32 and bf16."""
+exactly, for every format (float16 scales, and integer scales with float16 multipliers
+per 256 values where the K-quants' layouts have them) and a spread of row counts in
+fp32 and bf16."""
 
 from __future__ import annotations
 
@@ -28,29 +30,51 @@ def natural_of_position() -> torch.Tensor:
 @dataclass
 class Weight:
     u: torch.Tensor  # [N, K] int64, natural order
-    d: torch.Tensor  # [N, K / G] fp16
-    m: torch.Tensor  # empty for a symmetric weight: m = -2**(bits - 1) * d
+    d: torch.Tensor  # [N, K / G] fp16, or int8 (integer scales)
+    m: torch.Tensor  # as d; empty for a symmetric weight: m = -2**(bits - 1) * d
+    s: torch.Tensor  # integer scales: fp16 [N, 1 or 2, K / 256] multipliers of d (and m)
     bits: int
     group: int
     packed: torch.Tensor
     hbits: torch.Tensor
 
+    def scales(self, t: torch.Tensor, which: int) -> torch.Tensor:
+        """d (which 0) or m (1) per group as fp32: times its multiplier if integer."""
+        if not self.s.numel():
+            return t.float()
+        return t.float() * self.s[:, which].float().repeat_interleave(256 // self.group, dim=1)
+
     def dense(self) -> torch.Tensor:
-        """W = d * u + m per group, fp32, exactly as the spec writes it."""
+        """W = d * u + m per group, exactly as the spec writes it, rounded once to fp32."""
+        return self.terms()[0].float()
+
+    def terms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W (fp64, exact) and |d * u| + |m| per weight."""
         n, k = self.u.shape
         g = self.group
-        u = self.u.float().view(n, k // g, g)
-        m = self.m.float() if self.m.numel() else -(2.0 ** (self.bits - 1)) * self.d.float()
-        return (self.d.float()[..., None] * u + m[..., None]).view(n, k)
+        u = self.u.double().view(n, k // g, g)
+        d = self.scales(self.d, 0).double()
+        m = self.scales(self.m, 1).double() if self.m.numel() else -(2.0 ** (self.bits - 1)) * d
+        du = d[..., None] * u
+        return (du + m[..., None]).view(n, k), (du.abs() + m.abs()[..., None]).view(n, k)
 
     def rows(self, a: int, b: int) -> tuple[torch.Tensor, ...]:
-        """Row slices of the kernel's four tensors (empty hbits and m stay empty)."""
-        h = self.hbits[a:b] if self.hbits.numel() else self.hbits
-        m = self.m[a:b] if self.m.numel() else self.m
-        return self.packed[a:b], h, self.d[a:b], m
+        """Row slices of the kernel's five tensors (empty hbits, m and s stay empty)."""
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t[a:b] if t.numel() else t
+
+        return self.packed[a:b], cut(self.hbits), self.d[a:b], cut(self.m), cut(self.s)
 
 
-def pack(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, group: int) -> Weight:
+def pack(
+    u: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor,
+    bits: int,
+    group: int,
+    s: torch.Tensor | None = None,
+) -> Weight:
     n, k = u.shape
     pos = u.view(n, k // 64, 64)[..., natural_of_position()]  # position order per pair
     hbits = torch.empty(0, dtype=torch.uint8)
@@ -66,21 +90,42 @@ def pack(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, group: in
             high = ((pos >> 4) & 3).view(n, k // 64, 4, 16)
             shifted = high << (2 * torch.arange(4)).view(4, 1)
             hbits = shifted.sum(2).reshape(n, k // 4).to(torch.uint8)
-    return Weight(u, d, m, bits, group, packed.to(torch.uint8).contiguous(), hbits)
+    s = torch.empty(0, dtype=torch.float16) if s is None else s
+    return Weight(u, d, m, s, bits, group, packed.to(torch.uint8).contiguous(), hbits)
 
 
 def random_weight(
-    n: int, k: int, bits: int, group: int, seed: int, symmetric: bool = False
+    n: int,
+    k: int,
+    bits: int,
+    group: int,
+    seed: int,
+    symmetric: bool = False,
+    integer: bool = False,
 ) -> Weight:
     gen = torch.Generator().manual_seed(seed)
     u = torch.randint(0, 1 << bits, (n, k), generator=gen)
+    if integer:  # as the K-quants: int8 scales (signed, as Q6_K's) and offsets
+        d = torch.randint(-128, 128, (n, k // group), generator=gen).to(torch.int8)
+        m = torch.randint(-128, 128, (n, k // group), generator=gen).to(torch.int8)
+        s = (torch.rand(n, 1 if symmetric else 2, k // 256, generator=gen) * 2e-4 + 1e-5).half()
+        return pack(u, d, m[:0] if symmetric else m, bits, group, s)
     d = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).half()
     m = (torch.randn(n, k // group, generator=gen) * 0.1).half()
     return pack(u, d, torch.empty(0, dtype=torch.float16) if symmetric else m, bits, group)
 
 
-# Every format, and each bit width once as a symmetric weight (no stored m).
-CASES = [(b, g, False) for b, g in FORMATS] + [(b, g, True) for b, g in FORMATS]
+# Every format with float16 scales, symmetric (no stored m) or not, and the K-quants'
+# layouts with integer scales; (bits, group, symmetric, integer).
+CASES = [(b, g, sym, False) for b, g in FORMATS for sym in (False, True)] + [
+    (b, g, sym, True) for b, g in sorted(qblock.INTEGER_SCALE_FORMATS) for sym in (False, True)
+]
+
+
+def columns(integer: bool) -> int:
+    """K for the exactness tests: 3 pairs, or 3 super-blocks for integer scales (so
+    the kernels' 16-group steps over the offsets end on a partial one)."""
+    return 768 if integer else 192
 
 
 def int8_grid(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -102,21 +147,27 @@ def lib(kernel_level: str) -> kernels.Library:
     return loaded
 
 
-@pytest.mark.parametrize(("bits", "group", "symmetric"), CASES)
+@pytest.mark.parametrize(("bits", "group", "symmetric", "integer"), CASES)
 def test_dequantize_and_embedding_are_exact(
-    bits: int, group: int, symmetric: bool, lib: kernels.Library
+    bits: int, group: int, symmetric: bool, integer: bool, lib: kernels.Library
 ) -> None:
-    w = random_weight(40, 192, bits, group, seed=bits * group, symmetric=symmetric)  # 3 pairs
-    ref = w.dense()
+    k = columns(integer)
+    w = random_weight(40, k, bits, group, seed=bits * group, symmetric=symmetric, integer=integer)
+    ref, size = w.terms()
+
+    def check(got: torch.Tensor, rows: torch.Tensor | slice) -> None:
+        if integer:  # d has up to 19 significant bits, d * u up to 27: one FMA rounds
+            # once, the generic level (no FMA) twice: within 2**-23 of the terms.
+            assert_close(got, ref[rows], size[rows], 2**-23)
+        else:  # d * u is exact in fp32: one rounding at every level
+            assert torch.equal(got, ref[rows].float().to(got.dtype))
+
     ids = torch.tensor([3, 0, 39, 3, 17])
     for dtype in (torch.float32, torch.bfloat16):
-        got = qblock.qblock_dequantize(lib, *w.rows(0, 40), bits, group, dtype)
-        assert torch.equal(got, ref.to(dtype))
-        rows = qblock.qblock_embedding(lib, ids, *w.rows(0, 40), bits, group, dtype)
-        assert torch.equal(rows, ref[ids].to(dtype))
+        check(qblock.qblock_dequantize(lib, *w.rows(0, 40), bits, group, dtype), slice(None))
+        check(qblock.qblock_embedding(lib, ids, *w.rows(0, 40), bits, group, dtype), ids)
     # Row slices are weights too.
-    sliced = qblock.qblock_dequantize(lib, *w.rows(5, 21), bits, group, torch.float32)
-    assert torch.equal(sliced, ref[5:21])
+    check(qblock.qblock_dequantize(lib, *w.rows(5, 21), bits, group, torch.float32), slice(5, 21))
 
 
 def assert_close(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, rel: float) -> None:
@@ -129,13 +180,13 @@ def assert_close(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, rel:
     assert bool((err <= tol + 1e-12).all()), float((err / (tol + 1e-12)).max())
 
 
-@pytest.mark.parametrize(("bits", "group", "symmetric"), CASES)
+@pytest.mark.parametrize(("bits", "group", "symmetric", "integer"), CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matmuls_match_the_reference(
-    bits: int, group: int, symmetric: bool, dtype: torch.dtype, lib: kernels.Library
+    bits: int, group: int, symmetric: bool, integer: bool, dtype: torch.dtype, lib: kernels.Library
 ) -> None:
-    n, k = 24, 192
-    w = random_weight(n, k, bits, group, seed=7 * bits + group, symmetric=symmetric)
+    n, k = 24, columns(integer)
+    w = random_weight(n, k, bits, group, 7 * bits + group, symmetric, integer)
     dense = w.dense().double()
     abs_w = dense.abs().t()
     x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(group)).to(dtype)
@@ -157,16 +208,16 @@ def block_steps(x: torch.Tensor) -> torch.Tensor:
     return (amax / 127).expand(rows, k // 32, 32).reshape(rows, k)
 
 
-@pytest.mark.parametrize(("bits", "group", "symmetric"), CASES)
+@pytest.mark.parametrize(("bits", "group", "symmetric", "integer"), CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_residual_matmul_keeps_activations_to_a_fraction_of_their_step(
-    bits: int, group: int, symmetric: bool, dtype: torch.dtype, lib: kernels.Library
+    bits: int, group: int, symmetric: bool, integer: bool, dtype: torch.dtype, lib: kernels.Library
 ) -> None:
     # Off the int8 grid (where one level rounds each value by up to half a step), the
     # two-level activations are off by at most half a step of the residual's own
     # blocks, itself at most half a step: 1/254 of the first level's error bound.
-    n, k = 24, 192
-    w = random_weight(n, k, bits, group, seed=5 * bits + group, symmetric=symmetric)
+    n, k = 24, columns(integer)
+    w = random_weight(n, k, bits, group, 5 * bits + group, symmetric, integer)
     dense = w.dense().double()
     x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(3)).to(dtype)
     for rows in ROWS:
@@ -183,15 +234,18 @@ def test_residual_matmul_keeps_activations_to_a_fraction_of_their_step(
             assert gain > 20
 
 
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 16), (6, 16), (8, 16)])
+@pytest.mark.parametrize(
+    ("bits", "group", "integer"),
+    [(4, 32, False), (5, 16, False), (6, 16, False), (8, 16, False), (4, 32, True), (6, 16, True)],
+)
 def test_matmul_rows_do_not_depend_on_the_batch(
-    bits: int, group: int, lib: kernels.Library
+    bits: int, group: int, integer: bool, lib: kernels.Library
 ) -> None:
     # A row's result is bit-identical alone or in any batch: the decode stack and the
     # eager model call the kernel with different row counts. K = 4096 tiles 130 rows
     # (64 a tile), so tile edges are crossed too; the weight is a row slice.
     n, k = 10, 4096
-    w = random_weight(n + 3, k, bits, group, seed=11)
+    w = random_weight(n + 3, k, bits, group, seed=11, integer=integer)
     weight = w.rows(3, n + 3)
     x = torch.randn(130, k)
     for fn in (qblock.qblock_matmul, qblock.qblock_matmul_float, qblock.qblock_matmul_residual):
@@ -209,15 +263,23 @@ def test_bad_formats_and_shapes_are_refused(kernel_level: str) -> None:
     w = random_weight(4, 64, 4, 32, seed=0)
     x = torch.randn(1, 64)
     with pytest.raises(ValueError, match="7 bits"):
-        qblock.qblock_matmul(lib, x, w.packed, w.hbits, w.d, w.m, 7, 32)
+        qblock.qblock_matmul(lib, x, *w.rows(0, 4), 7, 32)
     with pytest.raises(ValueError, match="shapes"):
-        qblock.qblock_matmul(lib, x, w.packed, w.hbits, w.d, w.m, 4, 16)
+        qblock.qblock_matmul(lib, x, *w.rows(0, 4), 4, 16)
     for bits in (5, 6):  # their high bits are missing
         with pytest.raises(ValueError, match="hbits"):
-            qblock.qblock_matmul(lib, x, w.packed, w.hbits, w.d, w.m, bits, 32)
+            qblock.qblock_matmul(lib, x, *w.rows(0, 4), bits, 32)
     with pytest.raises(ValueError, match="x must be"):
-        qblock.qblock_matmul(lib, torch.randn(1, 128), w.packed, w.hbits, w.d, w.m, 4, 32)
+        qblock.qblock_matmul(lib, torch.randn(1, 128), *w.rows(0, 4), 4, 32)
     with pytest.raises(IndexError):
-        qblock.qblock_embedding(
-            lib, torch.tensor([4]), w.packed, w.hbits, w.d, w.m, 4, 32, torch.float32
-        )
+        qblock.qblock_embedding(lib, torch.tensor([4]), *w.rows(0, 4), 4, 32, torch.float32)
+    # Integer scales: int8 with float16 multipliers, in the K-quants' layouts only.
+    wi = random_weight(4, 256, 4, 32, seed=0, integer=True)
+    xi = torch.randn(1, 256)
+    with pytest.raises(ValueError, match="int8"):
+        qblock.qblock_matmul(lib, xi, wi.packed, wi.hbits, wi.d.half(), wi.m.half(), wi.s, 4, 32)
+    with pytest.raises(ValueError, match="float16"):
+        qblock.qblock_matmul(lib, xi, wi.packed, wi.hbits, wi.d, wi.m, wi.s[:, :1], 4, 32)
+    w8 = random_weight(4, 256, 8, 32, seed=0, integer=False)
+    with pytest.raises(ValueError, match="integer scales at 8/32"):
+        qblock.qblock_matmul(lib, xi, w8.packed, w8.hbits, wi.d, wi.m, wi.s, 8, 32)

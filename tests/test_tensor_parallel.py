@@ -25,7 +25,7 @@ import torch
 from sluice import LLM, SamplingParams
 from sluice.config import EngineConfig
 from sluice.core.errors import ConfigError, TensorParallelError
-from sluice.core.quantized_tensor import dequantize, pack
+from sluice.core.quantized_tensor import QuantizedTensor, dequantize, pack
 from sluice.loader import tokenizer_from_gguf
 from sluice.models.tp_shard import _columns, _padded_rows, local_config, shard_checkpoint
 from sluice.parallel.shm import ShmCollectives, create_segment
@@ -308,6 +308,27 @@ def test_quantized_column_shards_stay_blocks(bits: int, group: int, symmetric: b
     assert torch.equal(part, dense[:, 32:160])
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_integer_scale_column_shards(symmetric: bool) -> None:
+    # The K-quants' integer scales: a cut on 256-value super-blocks keeps them (exact);
+    # on a pair only, the shard takes float16 scales and stays blocks.
+    gen = torch.Generator().manual_seed(3)
+    n, k, group = 6, 768, 16
+    u = torch.randint(0, 64, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.randint(-127, 128, (n, k // group), generator=gen)
+    minimum = None if symmetric else torch.randint(-127, 128, (n, k // group), generator=gen)
+    mult = (torch.rand(n, 1 if symmetric else 2, k // 256, generator=gen) * 1e-3).half()
+    w = pack(u, scale, minimum, 6, group, "Q6_K", mult)
+    dense = dequantize(w)
+    part = _columns(w, 256, 768, "w", torch.float32)
+    assert isinstance(part, QuantizedTensor) and part.integer_scales
+    assert torch.equal(dequantize(part), dense[:, 256:768])
+    part = _columns(w, 64, 320, "w", torch.float32)
+    assert isinstance(part, QuantizedTensor) and not part.integer_scales
+    expected = dequantize(w.with_float_scales())[:, 64:320]
+    assert torch.equal(dequantize(part), expected)
+
+
 def test_vocab_slices_pad_with_zeros() -> None:
     w = torch.randn(10, 4)
     last = _padded_rows(w, 8, 5)  # a 10-row vocabulary over 2 ranks of 5: rows 8, 9 + 3 zeros
@@ -323,6 +344,13 @@ def test_vocab_slices_pad_with_zeros() -> None:
     part = _padded_rows(q, 8, 5)
     assert not isinstance(part, torch.Tensor)
     assert torch.equal(dequantize(part)[:2], dequantize(q)[8:]) and not dequantize(part)[2:].any()
+    # Integer scales pad their multipliers too.
+    qi = pack(
+        q.packed.new_zeros(10, 256) + 3, torch.ones(10, 8), None, 4, 32, "", torch.ones(10, 1, 1)
+    )
+    part = _padded_rows(qi, 8, 5)
+    assert isinstance(part, QuantizedTensor) and part.super_scale.shape == (5, 1, 1)
+    assert torch.equal(dequantize(part)[:2], dequantize(qi)[8:]) and not dequantize(part)[2:].any()
 
 
 def test_shard_checkpoint_shapes() -> None:

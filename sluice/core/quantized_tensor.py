@@ -2,13 +2,16 @@
 
 Every GGUF block format is repacked once, at load, into one of four layouts that our
 kernels read (sluice/kernels/csrc/qblock.h): 4, 5, 6 or 8 unsigned bits a value, with
-one float16 scale d and offset m per group of G = 16 or 32 values along the input
-dimension, W = d * u + m. One structure for every format keeps one kernel per layout
-instead of one per file type, at a small cost in bytes where a format's own scales
-are finer-packed (Q4_K's 6-bit scales become fp16: 5.0 bits a weight where the file
-has 4.5). A symmetric weight (Q4_0, Q5_0, Q8_0, Q6_K: the file stores no offsets)
-stores no m: it is -2**(bits - 1) * d, and `minimum` is an empty tensor (Q6_K: 7 bits
-a weight against the file's 6.56, where fp16 offsets would make it 8).
+one scale d and offset m per group of G = 16 or 32 values along the input dimension,
+W = d * u + m. One structure for every format keeps one kernel per layout instead of
+one per file type. A symmetric weight (Q4_0, Q5_0, Q8_0, Q6_K: the file stores no
+offsets) stores no m: it is -2**(bits - 1) * d, and `minimum` is an empty tensor.
+
+Scales are float16 a group (Q4_0, Q4_1, Q5_x, Q8_0: what the file has), or integer
+(the K-quants): int8 d and m a group times float16 multipliers per 256 values, the
+file's super-block (`super_scale` [rows, 1 or 2, cols / 256]: d's multiplier, then m's
+unless symmetric). Integer scales keep Q4_K at 4.625 bits a weight (the file: 4.5;
+fp16 scales and offsets would make it 5.0) and Q6_K at 6.56 (7.0), and are exact.
 
 Along K the values are stored in pairs of 32-blocks whose 64 positions hold
 b0[0:16], b1[0:16], b0[16:32], b1[16:32]: the order the kernels quantize activations
@@ -25,12 +28,19 @@ also serves devices without our kernels.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 LAYOUT_BITS = (4, 5, 6, 8)
 GROUPS = (16, 32)
+# Values under one multiplier of integer scales (a K-quant super-block), and the
+# layouts the kernels read with integer scales: Q4_K's, Q5_K's, and Q6_K's (which
+# also takes a Q4_K or Q5_K widened to it: q/k beside a Q6_K v).
+SUPER = 256
+INTEGER_SCALE_LAYOUTS = frozenset({(4, 32), (5, 32), (6, 16)})
+_EMPTY_F16 = torch.empty(0, dtype=torch.float16)
 
 
 @dataclass(frozen=True)
@@ -41,8 +51,9 @@ class QuantizedTensor:
     group: int  # 16 or 32
     packed: torch.Tensor  # uint8 [rows, cols * min(bits, 4 or 8) / 8]: nibbles or bytes
     hbits: torch.Tensor  # uint8 [rows, cols / 8] for 5 bits, [rows, cols / 4] for 6, else empty
-    scale: torch.Tensor  # float16 [rows, cols / group]
-    minimum: torch.Tensor  # float16 [rows, cols / group]; empty when symmetric
+    scale: torch.Tensor  # [rows, cols / group] float16, or int8 (integer scales)
+    minimum: torch.Tensor  # as scale; empty when symmetric
+    super_scale: torch.Tensor  # float16 [rows, 1 or 2, cols / 256]; empty for fp16 scales
     source: str = ""  # the file's type name (Q4_K, ...), for logs and stats
 
     @property
@@ -50,53 +61,58 @@ class QuantizedTensor:
         """No stored offsets: minimum = -2**(bits - 1) * scale."""
         return self.minimum.numel() == 0
 
+    @property
+    def integer_scales(self) -> bool:
+        """int8 scales and offsets with float16 multipliers per 256 values."""
+        return self.super_scale.numel() > 0
+
+    @property
+    def implied(self) -> float:
+        """A symmetric weight's offset as a multiple of its scale."""
+        return -float(1 << (self.bits - 1))
+
+    def _expand(self, values: torch.Tensor, which: int) -> torch.Tensor:
+        """Per-group values as fp32, times their multipliers (integer scales)."""
+        if not self.integer_scales:
+            return values.float()
+        mult = self.super_scale[:, which].float()
+        return values.float() * mult.repeat_interleave(SUPER // self.group, dim=1)
+
+    def scales(self) -> torch.Tensor:
+        """The per-group scales d [rows, cols / group] as fp32 (exact)."""
+        return self._expand(self.scale, 0)
+
     def offsets(self) -> torch.Tensor:
-        """The per-group offsets m [rows, cols / group] as float16 (made for a
-        symmetric weight: exact, a power-of-two multiple of the scale)."""
+        """The per-group offsets m [rows, cols / group] as fp32 (exact)."""
         if self.symmetric:
-            return (self.scale.float() * -float(1 << (self.bits - 1))).to(torch.float16)
-        return self.minimum
+            return self.scales() * self.implied
+        return self._expand(self.minimum, 1)
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.scale.shape[0], self.scale.shape[1] * self.group)
 
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed, self.hbits, self.scale, self.minimum, self.super_scale)
+
     @property
     def nbytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for t in (self.packed, self.hbits, self.scale, self.minimum)
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedTensor:
+        """fn applied to every tensor along rows (empty ones stay empty)."""
+        packed, hbits, scale, minimum, sup = (fn(t) if t.numel() else t for t in self._tensors())
+        return dataclasses.replace(
+            self, packed=packed, hbits=hbits, scale=scale, minimum=minimum, super_scale=sup
         )
 
     def rows(self, index: torch.Tensor) -> QuantizedTensor:
         """The rows `index` (rows are independent in every layout)."""
-
-        def take(t: torch.Tensor) -> torch.Tensor:  # empty hbits/minimum stay empty
-            return t[index].contiguous() if t.numel() else t
-
-        return QuantizedTensor(
-            self.bits,
-            self.group,
-            take(self.packed),
-            take(self.hbits),
-            take(self.scale),
-            take(self.minimum),
-            self.source,
-        )
+        return self._map(lambda t: t[index].contiguous())
 
     def row_slice(self, start: int, stop: int) -> QuantizedTensor:
         """Rows start..stop, as views (no copy)."""
-
-        def cut(t: torch.Tensor) -> torch.Tensor:
-            return t[start:stop] if t.numel() else t
-
-        return dataclasses.replace(
-            self,
-            packed=cut(self.packed),
-            hbits=cut(self.hbits),
-            scale=cut(self.scale),
-            minimum=cut(self.minimum),
-        )
+        return self._map(lambda t: t[start:stop])
 
     def widened(self, bits: int, group: int) -> QuantizedTensor:
         """The same values in a layout of at least as many bits and as fine a group:
@@ -105,25 +121,52 @@ class QuantizedTensor:
             raise ValueError(f"cannot widen {self.bits}/{self.group} to {bits}/{group}")
         if (bits, group) == (self.bits, self.group):
             return self
-        u = unpack_values(self)
-        repeat = self.group // group
-        scale = self.scale.repeat_interleave(repeat, dim=1)
         # Explicit offsets: a symmetric weight's implied ones depend on its bits.
-        minimum = self.offsets().repeat_interleave(repeat, dim=1)
-        return pack(u, scale, minimum, bits, group, self.source)
+        w = self.with_offsets()
+        repeat = self.group // group
+        return pack(
+            unpack_values(w),
+            w.scale.repeat_interleave(repeat, dim=1),
+            w.minimum.repeat_interleave(repeat, dim=1),
+            bits,
+            group,
+            w.source,
+            w.super_scale if w.integer_scales else None,
+        )
 
     def with_offsets(self) -> QuantizedTensor:
-        """The same weight with its offsets stored (for joining asymmetric ones)."""
-        return dataclasses.replace(self, minimum=self.offsets()) if self.symmetric else self
+        """The same weight with its offsets stored (for joining asymmetric ones); exact:
+        m = implied * d, a power-of-two multiple (of the multiplier, with integer
+        scales, whose offsets are then the scales themselves)."""
+        if not self.symmetric:
+            return self
+        if not self.integer_scales:
+            return dataclasses.replace(self, minimum=self.offsets().to(torch.float16))
+        sup = torch.cat([self.super_scale, self.super_scale * self.implied], dim=1)
+        return dataclasses.replace(self, minimum=self.scale.clone(), super_scale=sup)
+
+    def with_float_scales(self) -> QuantizedTensor:
+        """The same weight with float16 scales and offsets a group (rounded: d =
+        multiplier * integer has up to 19 significant bits)."""
+        if not self.integer_scales:
+            return self
+        minimum = _EMPTY_F16 if self.symmetric else self.offsets().to(torch.float16)
+        return dataclasses.replace(
+            self, scale=self.scales().to(torch.float16), minimum=minimum, super_scale=_EMPTY_F16
+        )
 
 
 def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     """Stack weights along rows (q, k and v into one QKV weight), widening them to
-    one common layout first where their formats differ (exact, see `widened`)."""
+    one common layout first where their formats differ (exact, see `widened`).
+    Integer scales are kept where every part has them in a layout that has them."""
     if len(parts) == 1:
         return parts[0]
     bits = max(p.bits for p in parts)
     group = min(p.group for p in parts)
+    integer = all(p.integer_scales for p in parts) and (bits, group) in INTEGER_SCALE_LAYOUTS
+    if not integer:
+        parts = [p.with_float_scales() for p in parts]
     parts = [p.widened(bits, group) for p in parts]
     if not all(p.symmetric for p in parts):
         parts = [p.with_offsets() for p in parts]
@@ -135,6 +178,7 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
         torch.cat([p.hbits for p in parts]) if bits in (5, 6) else parts[0].hbits,
         torch.cat([p.scale for p in parts]),
         torch.cat([p.minimum for p in parts]),
+        torch.cat([p.super_scale for p in parts]) if integer else _EMPTY_F16,
         "+".join(sources),
     )
 
@@ -164,15 +208,26 @@ def pack(
     bits: int,
     group: int,
     source: str = "",
+    super_scale: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Pack unsigned values u [N, K] (uint8, each below 2**bits) with their per-group
-    float scale and offset [N, K / group] into the layout; minimum None for a
-    symmetric weight (offset -2**(bits - 1) * scale, not stored)."""
+    scale and offset [N, K / group] into the layout; minimum None (or empty) for a
+    symmetric weight (offset -2**(bits - 1) * scale, not stored). Float scales are
+    stored as float16; with `super_scale` [N, 1 or 2, K / 256] the scales and offsets
+    are integers in int8's range, multiplied by it (see QuantizedTensor)."""
     if bits not in LAYOUT_BITS or group not in GROUPS:
         raise ValueError(f"no layout for {bits} bits in groups of {group}")
     n, k = u.shape
     if k % 64:
         raise ValueError(f"the input dimension ({k}) must be a multiple of 64")
+    if minimum is not None and not minimum.numel():
+        minimum = None
+    if super_scale is not None:
+        if (bits, group) not in INTEGER_SCALE_LAYOUTS or k % SUPER:
+            raise ValueError(f"no integer-scale layout for {bits}/{group} with {k} columns")
+        if tuple(super_scale.shape) != (n, 1 if minimum is None else 2, k // SUPER):
+            raise ValueError(f"super_scale must be [{n}, 1 or 2, {k // SUPER}]")
+    fmt = torch.float16 if super_scale is None else torch.int8
     pos = _to_positions(u.to(torch.uint8))
     hbits = torch.empty(0, dtype=torch.uint8)
     if bits == 8:
@@ -187,18 +242,15 @@ def pack(
             runs = ((pos >> 4) & 3).reshape(n, k // 64, 4, 16)  # [.., run j, byte i]
             shifted = runs << _PAIR_SHIFTS.view(1, 1, 4, 1)
             hbits = shifted.sum(2, dtype=torch.uint8).reshape(n, k // 4)
-    stored = (
-        torch.empty(0, dtype=torch.float16)
-        if minimum is None
-        else minimum.to(torch.float16).contiguous()
-    )
+    stored = torch.empty(0, dtype=fmt) if minimum is None else minimum.to(fmt).contiguous()
     return QuantizedTensor(
         bits,
         group,
         packed.contiguous(),
         hbits.contiguous(),
-        scale.to(torch.float16).contiguous(),
+        scale.to(fmt).contiguous(),
         stored,
+        _EMPTY_F16 if super_scale is None else super_scale.to(torch.float16).contiguous(),
         source,
     )
 
@@ -223,5 +275,5 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch
     """W [N, K] in `dtype`, computed in fp32 (the reference the kernels are held to)."""
     n, k = qt.shape
     u = unpack_values(qt).float().reshape(n, k // qt.group, qt.group)
-    w = u * qt.scale.float()[..., None] + qt.offsets().float()[..., None]
+    w = u * qt.scales()[..., None] + qt.offsets()[..., None]
     return w.reshape(n, k).to(dtype)

@@ -1,17 +1,20 @@
 """Bindings of the qblock kernels (csrc/qblock.cpp): GGUF block-quantized weights kept
 quantized in memory, in the three layouts of issue 13 (restated in csrc/qblock.h).
 
-A weight is (packed, hbits, scale, minimum, bits, group): W[n, k] = scale[n, k // group]
-* u[n, k] + minimum[n, k // group], u of `bits` bits (4, 5, 6 or 8) in pair-permuted
-order; `hbits` holds the bits above the fourth and is an empty uint8 tensor unless bits
-is 5 or 6; `minimum` is empty for a symmetric weight (minimum = -2**(bits - 1) * scale).
-Rows are independent, so row slices of the four tensors are weights too.
+A weight is (packed, hbits, scale, minimum, super_scale, bits, group): W[n, k] =
+scale[n, k // group] * u[n, k] + minimum[n, k // group], u of `bits` bits (4, 5, 6 or
+8) in pair-permuted order; `hbits` holds the bits above the fourth and is an empty
+uint8 tensor unless bits is 5 or 6; `minimum` is empty for a symmetric weight (minimum
+= -2**(bits - 1) * scale). Scales are float16, or int8 times the float16 multipliers
+`super_scale` [N, 1 or 2, K / 256] (empty for float16 scales). Rows are independent,
+so row slices of the five tensors are weights too (sluice/core/quantized_tensor.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from sluice.core.quantized_tensor import INTEGER_SCALE_LAYOUTS, SUPER
 from sluice.kernels._ffi import (
     INT,
     POINTER,
@@ -22,26 +25,59 @@ from sluice.kernels._ffi import (
     ptr,
 )
 
-# The formats the kernels take: (bits, group).
+# The formats the kernels take: (bits, group), and those also with integer scales.
 FORMATS = frozenset({(b, g) for b in (4, 5, 6, 8) for g in (32, 16)})
+INTEGER_SCALE_FORMATS = INTEGER_SCALE_LAYOUTS
 
-# (x, bf16, M, K, bits, group, packed, hbits, d, m, N, y)
-_MATMUL_ARGS = (POINTER, INT, INT, INT, INT, INT, POINTER, POINTER, POINTER, POINTER, INT, POINTER)
+# (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, y)
+_MATMUL_ARGS = (
+    *(POINTER, INT, INT, INT, INT, INT),
+    *(POINTER, POINTER, POINTER, POINTER, POINTER, INT, POINTER),
+)
 _MATMUL = c_function("sluice_qblock_matmul", None, *_MATMUL_ARGS)
 _MATMUL_FLOAT = c_function("sluice_qblock_matmul_float", None, *_MATMUL_ARGS)
 _MATMUL_RESIDUAL = c_function("sluice_qblock_matmul_residual", None, *_MATMUL_ARGS)
-# (bits, group, packed, hbits, d, m, K, N, out, out_bf16)
+# (bits, group, packed, hbits, d, m, s, K, N, out, out_bf16)
 _DEQUANTIZE = c_function(
     "sluice_qblock_dequantize",
     None,
-    *(INT, INT, POINTER, POINTER, POINTER, POINTER, INT, INT, POINTER, INT),
+    *(INT, INT, POINTER, POINTER, POINTER, POINTER, POINTER, INT, INT, POINTER, INT),
 )
-# (ids, T, bits, group, packed, hbits, d, m, K, out, out_bf16)
+# (ids, T, bits, group, packed, hbits, d, m, s, K, out, out_bf16)
 _EMBEDDING = c_function(
     "sluice_qblock_embedding",
     None,
-    *(POINTER, INT, INT, INT, POINTER, POINTER, POINTER, POINTER, INT, POINTER, INT),
+    *(POINTER, INT, INT, INT, POINTER, POINTER, POINTER, POINTER, POINTER, INT, POINTER, INT),
 )
+
+
+def _check_scales(
+    n: int,
+    k: int,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    super_scale: torch.Tensor,
+    bits: int,
+    group: int,
+) -> None:
+    """Raise unless the scales fit the layout: float16, or int8 with multipliers."""
+    symmetric = minimum.numel() == 0
+    if tuple(scale.shape) != (n, k // group) or not (symmetric or scale.shape == minimum.shape):
+        raise ValueError(
+            f"qblock weight shapes: {n} rows of {k}, scale {tuple(scale.shape)}, "
+            f"minimum {tuple(minimum.shape)}"
+        )
+    integer = super_scale.numel() > 0
+    want = torch.int8 if integer else torch.float16
+    if scale.dtype != want or (minimum.numel() and minimum.dtype != want):
+        raise ValueError(f"qblock scales and minimums must be {want} here, got {scale.dtype}")
+    if not integer:
+        return
+    if (bits, group) not in INTEGER_SCALE_FORMATS or k % SUPER:
+        raise ValueError(f"no qblock kernel for integer scales at {bits}/{group}, K = {k}")
+    shape = (n, 1 if symmetric else 2, k // SUPER)
+    if tuple(super_scale.shape) != shape or super_scale.dtype != torch.float16:
+        raise ValueError(f"super_scale must be float16 {list(shape)}")
 
 
 def _weight_args(
@@ -49,37 +85,31 @@ def _weight_args(
     hbits: torch.Tensor,
     scale: torch.Tensor,
     minimum: torch.Tensor,
+    super_scale: torch.Tensor,
     bits: int,
     group: int,
-) -> tuple[int, int, tuple[int, int, int, int]]:
-    """(N, K, the four pointers) after checking the weight's layout."""
+) -> tuple[int, int, tuple[int, int, int, int, int]]:
+    """(N, K, the five pointers) after checking the weight's layout."""
     if (bits, group) not in FORMATS:
         raise ValueError(f"no qblock kernel for {bits} bits in groups of {group}")
+    if packed.dtype != torch.uint8:
+        raise ValueError("qblock values are uint8")
     n = packed.shape[0]
     k = packed.shape[1] * (1 if bits == 8 else 2)
-    symmetric = minimum.numel() == 0
-    if (
-        k % 64
-        or tuple(scale.shape) != (n, k // group)
-        or not (symmetric or scale.shape == minimum.shape)
-    ):
-        raise ValueError(
-            f"qblock weight shapes: packed {tuple(packed.shape)}, scale "
-            f"{tuple(scale.shape)}, minimum {tuple(minimum.shape)}"
-        )
-    if packed.dtype != torch.uint8 or scale.dtype != torch.float16 or minimum.dtype != scale.dtype:
-        raise ValueError("qblock weights are uint8 values with float16 scales and minimums")
+    if k % 64:
+        raise ValueError(f"qblock rows of {k} values: not a multiple of 64")
+    _check_scales(n, k, scale, minimum, super_scale, bits, group)
     hcols = {5: k // 8, 6: k // 4}.get(bits, 0)
-    tensors = (packed, scale) + (() if symmetric else (minimum,)) + ((hbits,) if hcols else ())
-    if not all(t.is_contiguous() for t in tensors):
+    tensors = [t for t in (packed, scale, minimum, super_scale) if t.numel()]
+    if not all(t.is_contiguous() for t in tensors + ([hbits] if hcols else [])):
         raise ValueError("qblock weight tensors must be contiguous (row slices are)")
-    if hcols:
-        if tuple(hbits.shape) != (n, hcols) or hbits.dtype != torch.uint8:
-            raise ValueError(f"{bits}-bit hbits must be uint8 [{n}, {hcols}]")
-        h = ptr(hbits)
-    else:
-        h = 0
-    return n, k, (ptr(packed), h, ptr(scale), 0 if symmetric else ptr(minimum))
+    if hcols and (tuple(hbits.shape) != (n, hcols) or hbits.dtype != torch.uint8):
+        raise ValueError(f"{bits}-bit hbits must be uint8 [{n}, {hcols}]")
+
+    def p(t: torch.Tensor) -> int:
+        return ptr(t) if t.numel() else 0
+
+    return n, k, (ptr(packed), p(hbits) if hcols else 0, ptr(scale), p(minimum), p(super_scale))
 
 
 def _matmul(
@@ -90,10 +120,11 @@ def _matmul(
     hbits: torch.Tensor,
     scale: torch.Tensor,
     minimum: torch.Tensor,
+    super_scale: torch.Tensor,
     bits: int,
     group: int,
 ) -> torch.Tensor:
-    n, k, weight = _weight_args(packed, hbits, scale, minimum, bits, group)
+    n, k, weight = _weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
     x = x.contiguous()
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"x must be fp32 or bf16 [M, {k}], got {x.dtype} {tuple(x.shape)}")
@@ -109,13 +140,14 @@ def qblock_matmul(
     x: torch.Tensor,  # [M, K] fp32 or bf16
     packed: torch.Tensor,  # [N, K / 2] (4-6 bits) or [N, K] (8 bits) uint8
     hbits: torch.Tensor,  # [N, K / 8] (5 bits), [N, K / 4] (6 bits) uint8, else empty
-    scale: torch.Tensor,  # [N, K / group] fp16
-    minimum: torch.Tensor,  # [N, K / group] fp16, empty when symmetric
+    scale: torch.Tensor,  # [N, K / group] fp16 (or int8 with super_scale)
+    minimum: torch.Tensor,  # [N, K / group] as scale, empty when symmetric
+    super_scale: torch.Tensor,  # [N, 1 or 2, K / 256] fp16, empty for fp16 scales
     bits: int,
     group: int,
 ) -> torch.Tensor:
     """y [M, N] = x @ W.T in x's dtype, x quantized to int8 per block of 32."""
-    return _matmul(_MATMUL, lib, x, packed, hbits, scale, minimum, bits, group)
+    return _matmul(_MATMUL, lib, x, packed, hbits, scale, minimum, super_scale, bits, group)
 
 
 def qblock_matmul_float(
@@ -125,12 +157,13 @@ def qblock_matmul_float(
     hbits: torch.Tensor,
     scale: torch.Tensor,
     minimum: torch.Tensor,
+    super_scale: torch.Tensor,
     bits: int,
     group: int,
 ) -> torch.Tensor:
     """qblock_matmul with unquantized activations (fp32 accumulation): exact, the
     reference qblock_matmul_residual (the output head) is checked against."""
-    return _matmul(_MATMUL_FLOAT, lib, x, packed, hbits, scale, minimum, bits, group)
+    return _matmul(_MATMUL_FLOAT, lib, x, packed, hbits, scale, minimum, super_scale, bits, group)
 
 
 def qblock_matmul_residual(
@@ -140,6 +173,7 @@ def qblock_matmul_residual(
     hbits: torch.Tensor,
     scale: torch.Tensor,
     minimum: torch.Tensor,
+    super_scale: torch.Tensor,
     bits: int,
     group: int,
 ) -> torch.Tensor:
@@ -147,7 +181,9 @@ def qblock_matmul_residual(
     that leaves out (x - dx * q) in blocks of its own, so every value is kept to within
     1/508 of its block's step (~15 bits of the block's largest), at the int8 kernel's
     speed: the output head."""
-    return _matmul(_MATMUL_RESIDUAL, lib, x, packed, hbits, scale, minimum, bits, group)
+    return _matmul(
+        _MATMUL_RESIDUAL, lib, x, packed, hbits, scale, minimum, super_scale, bits, group
+    )
 
 
 def _out_dtype(dtype: torch.dtype) -> int:
@@ -162,6 +198,7 @@ def qblock_dequantize(
     hbits: torch.Tensor,
     scale: torch.Tensor,
     minimum: torch.Tensor,
+    super_scale: torch.Tensor,
     bits: int,
     group: int,
     dtype: torch.dtype,
@@ -170,7 +207,7 @@ def qblock_dequantize(
     """W [N, K] in natural order, in `dtype` (float32 or bfloat16); into `out` (a
     contiguous [N, K] tensor of that dtype) when given, so a caller can reuse one
     scratch buffer instead of faulting in fresh pages on every call."""
-    n, k, weight = _weight_args(packed, hbits, scale, minimum, bits, group)
+    n, k, weight = _weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
     if out is None:
         out = torch.empty(n, k, dtype=dtype)
     elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
@@ -186,12 +223,13 @@ def qblock_embedding(
     hbits: torch.Tensor,
     scale: torch.Tensor,
     minimum: torch.Tensor,
+    super_scale: torch.Tensor,
     bits: int,
     group: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """W[ids] [T, K] in `dtype` (a token embedding lookup)."""
-    n, k, weight = _weight_args(packed, hbits, scale, minimum, bits, group)
+    n, k, weight = _weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < n):
         raise IndexError(f"qblock embedding ids out of range [0, {n})")

@@ -79,8 +79,8 @@ def _dequantized_rows(
 
 def _kernel_args(
     qt: QuantizedTensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    return qt.packed, qt.hbits, qt.scale, qt.minimum, qt.bits, qt.group
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    return qt.packed, qt.hbits, qt.scale, qt.minimum, qt.super_scale, qt.bits, qt.group
 
 
 def _cpu_kernels(weight: torch.Tensor) -> Library | None:
@@ -124,6 +124,7 @@ class BlockQuantized(LinearMethod):
         # The kernel and the decode stack find the tensors on the layer by name.
         layer.qb_packed, layer.qb_hbits = weight.packed, weight.hbits
         layer.qb_scale, layer.qb_min = weight.scale, weight.minimum
+        layer.qb_super = weight.super_scale
         self.lib = _cpu_kernels(layer.weight)
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
         # Without our kernels the dense path is the only one.
@@ -178,12 +179,13 @@ def _qblock_linear_op(
     hbits: torch.Tensor,
     scale: torch.Tensor,
     minimum: torch.Tensor,
+    super_scale: torch.Tensor,
     bits: int,
     group: int,
     output_head: bool,
     dense_min_rows: int,
 ) -> torch.Tensor:
-    w = QuantizedTensor(bits, group, packed, hbits, scale, minimum)
+    w = QuantizedTensor(bits, group, packed, hbits, scale, minimum, super_scale)
     lib = kernels.load() if x.device.type == "cpu" else None
     return _linear(lib, w, x, output_head, dense_min_rows)
 
@@ -195,6 +197,7 @@ def _(
     hbits: torch.Tensor,
     scale: torch.Tensor,
     minimum: torch.Tensor,
+    super_scale: torch.Tensor,
     bits: int,
     group: int,
     output_head: bool,
@@ -242,13 +245,15 @@ def _qblock_embedding_op(
     hbits: torch.Tensor,
     scale: torch.Tensor,
     minimum: torch.Tensor,
+    super_scale: torch.Tensor,
     bits: int,
     group: int,
     like: torch.Tensor,  # empty, of the output dtype (an op's arguments are tensors)
 ) -> torch.Tensor:
     lib = kernels.load()
     assert lib is not None
-    return qblock.qblock_embedding(lib, ids, packed, hbits, scale, minimum, bits, group, like.dtype)
+    args = (packed, hbits, scale, minimum, super_scale, bits, group)
+    return qblock.qblock_embedding(lib, ids, *args, like.dtype)
 
 
 @_qblock_embedding_op.register_fake
@@ -258,6 +263,7 @@ def _(
     hbits: torch.Tensor,
     scale: torch.Tensor,
     minimum: torch.Tensor,
+    super_scale: torch.Tensor,
     bits: int,
     group: int,
     like: torch.Tensor,
@@ -279,7 +285,7 @@ def weight_bytes(model: nn.Module) -> int:
         tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
         if isinstance(module, Embedding) and module.quantized is not None:
             q = module.quantized
-            tensors += [q.packed, q.hbits, q.scale, q.minimum]
+            tensors += [q.packed, q.hbits, q.scale, q.minimum, q.super_scale]
         for t in tensors:
             # A shared weight (the tied head) is the same tensor object in both places.
             if t.numel() and id(t) not in seen:

@@ -12,9 +12,11 @@ of -2**(bits - 1) scales) store no offsets; they are implied. Q6_K then costs 7 
 weight against the file's 6.56 (as bytes with fp16 offsets it was 10, and Q6_K holds
 a Q4_K_M file's output head and half its down projections: ~20% of a decode step's
 weight reads on Qwen2.5-Coder-1.5B); Q5_0 5.5 for the file's 5.5, Q8_0 8.5 for 8.5.
-K-quant scales are products of a float16 super-block scale and a 6- or 8-bit integer;
-they are stored as float16 (relative rounding 2**-11, far below the 4-6 bit values'
-own step).
+K-quant scales and offsets are products of a float16 super-block scale (d, dmin) and
+a 6- or 8-bit integer; they stay so (integer scales: int8 a group, float16 per 256
+values), exact, at 4.625 bits a weight for Q4_K's 4.5 and 6.56 for Q6_K's (fp16 scales
+a group, as the other formats have, cost 5.0 and 7.0: 7% more bytes a decode step on
+Qwen2.5-Coder-1.5B, whose decode is bound by them).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import torch
 
 from sluice.core.quantized_tensor import QuantizedTensor, pack
 
-# (values, scale, offset): u [blocks, block values] uint8, scale/offset [blocks, groups];
-# offset None for a symmetric format (-2**(bits - 1) * scale, not stored)
-Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+# (values, scale, offset, multipliers): u [blocks, block values] uint8, scale/offset
+# [blocks, groups]; offset None for a symmetric format (-2**(bits - 1) * scale, not
+# stored); multipliers None, or for the K-quants [blocks, 1 or 2] (d, and -dmin unless
+# symmetric) by which the integer scale and offset are multiplied.
+Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 def _f16(raw: torch.Tensor, start: int) -> torch.Tensor:
@@ -47,26 +51,26 @@ def _bits_of(words: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def _q4_0(raw: torch.Tensor) -> Decoded:
-    return _nibbles(raw[:, 2:18]), _f16(raw, 0), None  # offset -8 * d
+    return _nibbles(raw[:, 2:18]), _f16(raw, 0), None, None  # offset -8 * d
 
 
 def _q4_1(raw: torch.Tensor) -> Decoded:
-    return _nibbles(raw[:, 4:20]), _f16(raw, 0), _f16(raw, 2)
+    return _nibbles(raw[:, 4:20]), _f16(raw, 0), _f16(raw, 2), None
 
 
 def _q5_0(raw: torch.Tensor) -> Decoded:
     u = _nibbles(raw[:, 6:22]) | (_bits_of(raw[:, 2:6], 32) << 4)
-    return u, _f16(raw, 0), None  # offset -16 * d
+    return u, _f16(raw, 0), None, None  # offset -16 * d
 
 
 def _q5_1(raw: torch.Tensor) -> Decoded:
     u = _nibbles(raw[:, 8:24]) | (_bits_of(raw[:, 4:8], 32) << 4)
-    return u, _f16(raw, 0), _f16(raw, 2)
+    return u, _f16(raw, 0), _f16(raw, 2), None
 
 
 def _q8_0(raw: torch.Tensor) -> Decoded:
     u = (raw[:, 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-    return u, _f16(raw, 0), None  # offset -128 * d
+    return u, _f16(raw, 0), None, None  # offset -128 * d
 
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,30 +88,28 @@ def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_k(raw: torch.Tensor) -> Decoded:
-    d, dmin = _f16(raw, 0), _f16(raw, 2)
     sc, mn = _k_scales(raw[:, 4:16])
-    return _k_nibbles(raw[:, 16:144]), d * sc, -dmin * mn
+    return _k_nibbles(raw[:, 16:144]), sc, mn, torch.cat([_f16(raw, 0), -_f16(raw, 2)], 1)
 
 
 def _q5_k(raw: torch.Tensor) -> Decoded:
-    d, dmin = _f16(raw, 0), _f16(raw, 2)
     sc, mn = _k_scales(raw[:, 4:16])
     # Bit i of qh[l] is the fifth bit of value l of sub-block i.
     high = _bits_of(raw[:, 16:48], 256).reshape(-1, 32, 8).transpose(1, 2).reshape(-1, 256)
-    return _k_nibbles(raw[:, 48:176]) | (high << 4), d * sc, -dmin * mn
+    mult = torch.cat([_f16(raw, 0), -_f16(raw, 2)], 1)
+    return _k_nibbles(raw[:, 48:176]) | (high << 4), sc, mn, mult
 
 
 def _q6_k(raw: torch.Tensor) -> Decoded:
     ql = raw[:, 0:128].reshape(-1, 2, 2, 32)  # [half, l + 0 / l + 32, 32]
     qh = raw[:, 128:192].reshape(-1, 2, 1, 32)
     sc = raw[:, 192:208].view(torch.int8).float()
-    d = _f16(raw, 208)
     # Per 128-value half: values 0-31 / 32-63 are ql's low nibbles, 64-127 the high
     # ones; qh's bit pairs 0-1, 2-3, 4-5, 6-7 top them up in that order.
     low = torch.cat([ql & 0x0F, ql >> 4], dim=2)  # [half, 4 quarters, 32]
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
     u = (low | (((qh >> shifts) & 3) << 4)).reshape(-1, 256)
-    return u, d * sc, None  # offset -32 * scale
+    return u, sc, None, _f16(raw, 208)  # offset -32 * scale
 
 
 # type name -> (values a block, bytes a block, decoder, layout bits, layout group)
@@ -140,16 +142,14 @@ def repack(
     if isinstance(raw, torch.Tensor):
         whole = raw.reshape(rows, row_bytes)
         raw = lambda r0, r1: whole[r0:r1]  # noqa: E731
-    hbits_cols = {5: cols // 8, 6: cols // 4}.get(bits, 0)
-    packed = torch.empty(rows, cols if bits == 8 else cols // 2, dtype=torch.uint8)
-    hbits = torch.empty(rows, hbits_cols, dtype=torch.uint8)
-    scale = torch.empty(rows, cols // group, dtype=torch.float16)
-    minimum = torch.empty(0, dtype=torch.float16)  # stays empty for a symmetric format
     chunk = max(1, (1 << 22) // cols)
+    fields = ("packed", "hbits", "scale", "minimum", "super_scale")
+    result: dict[str, torch.Tensor] = {}
     for r0 in range(0, rows, chunk):
         r1 = min(rows, r0 + chunk)
-        u, part_scale, offset = decode(raw(r0, r1).reshape(-1, nbytes))
-        # Every decoder yields one scale and offset per layout group.
+        u, part_scale, offset, mult = decode(raw(r0, r1).reshape(-1, nbytes))
+        # Every decoder yields one scale and offset per layout group (and the K-quants
+        # one or two multipliers per 256-value block).
         n, ng = r1 - r0, cols // group
         part = pack(
             u.reshape(n, cols),
@@ -157,14 +157,15 @@ def repack(
             None if offset is None else offset.reshape(n, ng),
             bits,
             group,
+            type_name,
+            None if mult is None else mult.reshape(n, -1, mult.shape[1]).transpose(1, 2),
         )
-        packed[r0:r1] = part.packed
-        hbits[r0:r1] = part.hbits.reshape(n, -1)
-        scale[r0:r1] = part.scale
-        if offset is not None:
-            if not minimum.numel():
-                minimum = torch.empty(rows, cols // group, dtype=torch.float16)
-            minimum[r0:r1] = part.minimum
-    if not hbits_cols:  # the layout's convention: an empty tensor, not [rows, 0]
-        hbits = torch.empty(0, dtype=torch.uint8)
-    return QuantizedTensor(bits, group, packed, hbits, scale, minimum, type_name)
+        for name in fields:
+            t = getattr(part, name)
+            if not t.numel():  # the layout's convention: empty, not [rows, 0]
+                result.setdefault(name, t)
+                continue
+            if name not in result:
+                result[name] = t.new_empty(rows, *t.shape[1:])
+            result[name][r0:r1] = t
+    return QuantizedTensor(bits, group, *(result[name] for name in fields), type_name)

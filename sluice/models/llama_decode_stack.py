@@ -62,24 +62,26 @@ def _tensor(layer: Linear, name: str) -> torch.Tensor:
 
 
 def _qblock_weights(layer: Linear) -> tuple[int, tuple[Field, ...]] | None:
-    """(format, (packed, hbits, scale, min)) of a layer on the qblock kernel."""
+    """(format, (packed, hbits, scale, min, super)) of a layer on the qblock kernel."""
     method = cast(_QBlockMethod, layer.method)
     if method.lib is None or getattr(layer, "qb_packed", None) is None:
         return None  # a weight the method keeps dense
     if (method.bits, method.group) not in qblock.FORMATS:
         return None
     hbits, minimum = _tensor(layer, "qb_hbits"), _tensor(layer, "qb_min")
+    sup = _tensor(layer, "qb_super")
     weights = (
         _tensor(layer, "qb_packed"),
         hbits if hbits.numel() else None,
         _tensor(layer, "qb_scale"),
         minimum if minimum.numel() else None,  # null: a symmetric weight
+        sup if sup.numel() else None,  # null: float16 scales
     )
     return decode_stack.qblock_format(method.bits, method.group), weights
 
 
 def _linear_fields(name: str, layer: Linear, bias_allowed: bool) -> tuple[int, Fields] | None:
-    """(format, the fields `name`_packed/_hbits/_scale/_min/_format) where the layer
+    """(format, the fields `name`_packed/_hbits/_scale/_min/_super/_format) where the layer
     runs on one of our weight kernels; None otherwise."""
     method = layer.method
     if layer.bias is not None and not bias_allowed:
@@ -87,10 +89,10 @@ def _linear_fields(name: str, layer: Linear, bias_allowed: bool) -> tuple[int, F
     found: tuple[int, tuple[Field, ...]] | None
     if isinstance(method, Int4WeightOnly) and method.lib is not None:
         w4 = tuple(_tensor(layer, w) for w in ("q4_packed", "q4_scale", "q4_min"))
-        found = decode_stack.FORMAT_INT4, (w4[0], None, w4[1], w4[2])
+        found = decode_stack.FORMAT_INT4, (w4[0], None, w4[1], w4[2], None)
     elif isinstance(method, Int8WeightOnly) and method.lib is not None:
         # int8 has no minimum: a null pointer
-        w8 = (_tensor(layer, "q8_packed"), None, _tensor(layer, "q8_scale"), None)
+        w8 = (_tensor(layer, "q8_packed"), None, _tensor(layer, "q8_scale"), None, None)
         found = decode_stack.FORMAT_INT8, w8
     elif isinstance(method, BlockQuantized):
         found = _qblock_weights(layer)
@@ -99,7 +101,7 @@ def _linear_fields(name: str, layer: Linear, bias_allowed: bool) -> tuple[int, F
     if found is None:
         return None
     fmt, weights = found
-    names = [f"{name}_{field}" for field in ("packed", "hbits", "scale", "min")]
+    names = [f"{name}_{field}" for field in ("packed", "hbits", "scale", "min", "super")]
     fields: Fields = dict(zip(names, weights, strict=True))
     fields[f"{name}_format"] = fmt
     return fmt, fields

@@ -10,11 +10,12 @@ off after the gather). A tied head takes the same slice as the embedding.
 
 GGUF weights stay in their blocks. A row slice is exact in every layout. A column
 slice of the in-memory layout (`QuantizedTensor`, repacked at load into groups of 16
-or 32 in pairs of 32-blocks) is exact where both ends fall on a 64-value pair: that is
-64, not the file's 256-value K-quant super-block, because the super-block's scales
-were already expanded to one fp16 scale per group. Qwen2.5-0.5B at N = 2: o_proj's
-896 / 2 = 448 and down's 4864 / 2 = 2432 are both multiples of 64. Where a slice is
-not, that one shard is dequantized to the compute dtype (and logged).
+or 32 in pairs of 32-blocks) is exact where both ends fall on a 64-value pair, and on
+a 256-value super-block for integer scales (the K-quants); a K-quant cut on a pair
+but not a super-block takes float16 scales (`with_float_scales`, rounded as fp16
+rounds) and stays quantized. Qwen2.5-0.5B at N = 2: o_proj's 896 / 2 = 448 and down's
+4864 / 2 = 2432 are both multiples of 64. Where a slice is not, that one shard is
+dequantized to the compute dtype (and logged).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Protocol
 import torch
 
 from sluice.config import ModelConfig
-from sluice.core.quantized_tensor import QuantizedTensor, dequantize
+from sluice.core.quantized_tensor import SUPER, QuantizedTensor, dequantize
 
 logger = logging.getLogger("sluice")
 
@@ -91,6 +92,7 @@ def _padded_rows(w: Weight, start: int, rows: int) -> Weight:
             hbits=pad(part.hbits),
             scale=pad(part.scale),
             minimum=pad(part.minimum),
+            super_scale=pad(part.super_scale),
         )
     return torch.cat([part, part.new_zeros(missing, *part.shape[1:])])
 
@@ -111,6 +113,8 @@ def _columns(w: Weight, start: int, stop: int, name: str, dtype: torch.dtype) ->
             dtype,
         )
         return dequantize(w, torch.float32)[:, start:stop].to(dtype).clone()
+    if w.integer_scales and (start % SUPER or stop % SUPER):
+        w = w.with_float_scales()
     per_byte = 1 if w.bits == 8 else 2  # values per packed byte
     per_hbyte = {5: 8, 6: 4}.get(w.bits, 1)  # values per hbits byte
 
@@ -123,6 +127,9 @@ def _columns(w: Weight, start: int, stop: int, name: str, dtype: torch.dtype) ->
         hbits=cut(w.hbits, per_hbyte),
         scale=cut(w.scale, w.group),
         minimum=cut(w.minimum, w.group),
+        super_scale=w.super_scale[..., start // SUPER : stop // SUPER].contiguous()
+        if w.integer_scales
+        else w.super_scale,
     )
 
 

@@ -31,10 +31,12 @@ namespace {
 enum Field { SLUICE_DECODE_STACK_FIELDS(SLUICE_FIELD_ENUM) kLayerFields };
 #undef SLUICE_FIELD_ENUM
 
-// linear() finds a linear's hbits, scale, min and format right after its packed weight.
+// linear() finds a linear's hbits, scale, min, super and format right after its packed
+// weight.
 #define SLUICE_LINEAR_FIELDS(p)                                                          \
   static_assert(k##p##Hbits == k##p##Packed + 1 && k##p##Scale == k##p##Packed + 2 &&    \
-                    k##p##Min == k##p##Packed + 3 && k##p##Format == k##p##Packed + 4,   \
+                    k##p##Min == k##p##Packed + 3 && k##p##Super == k##p##Packed + 4 &&  \
+                    k##p##Format == k##p##Packed + 5,                                    \
                 #p " fields");
 SLUICE_LINEAR_FIELDS(Qkv)
 SLUICE_LINEAR_FIELDS(O)
@@ -78,7 +80,7 @@ template <typename T>
 void linear(const int64_t* layer, Field packed, const sluice::QBlockActivations& xa, int M,
             int K, int N, T* y) {
   const auto* q = at<uint8_t>(layer, packed);
-  const int64_t format = layer[packed + 4];
+  const int64_t format = layer[packed + 5];
   if (format == kFormatInt4)
     sluice::q4_rows(xa, M, K, q, at<uint16_t>(layer, Field(packed + 2)),
                     at<uint16_t>(layer, Field(packed + 3)), N, y);
@@ -86,15 +88,17 @@ void linear(const int64_t* layer, Field packed, const sluice::QBlockActivations&
     sluice::q8_rows(xa, M, K, q, at<float>(layer, Field(packed + 2)), N, y);
   else
     sluice::qblock_rows(xa, M, K, static_cast<int>(format / 100), static_cast<int>(format % 100),
-                        q, at<uint8_t>(layer, Field(packed + 1)),
-                        at<uint16_t>(layer, Field(packed + 2)),
-                        at<uint16_t>(layer, Field(packed + 3)), N, y);
+                        sluice::QbWeight{q, at<uint8_t>(layer, Field(packed + 1)),
+                                         at<void>(layer, Field(packed + 2)),
+                                         at<void>(layer, Field(packed + 3)),
+                                         at<uint16_t>(layer, Field(packed + 4))},
+                        N, y);
 }
 
 // What the linear at `packed` needs of its activations (QBlockActivations::quantize):
 // 0 for the int4 and int8 kernels, else its qblock group.
 inline int activation_group(const int64_t* layer, Field packed) {
-  const int64_t format = layer[packed + 4];
+  const int64_t format = layer[packed + 5];
   return format == kFormatInt4 || format == kFormatInt8 ? 0 : static_cast<int>(format % 100);
 }
 

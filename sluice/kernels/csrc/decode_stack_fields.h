@@ -7,11 +7,14 @@
 // change: a name Python does not fill, or fills without the library knowing it, is an
 // error there instead of a silently shifted table.
 //
-// A linear is (packed, hbits, scale, min, format), format saying which kernel reads it:
+// A linear is (packed, hbits, scale, min, super, format), format saying which kernel
+// reads it:
 //   4: the int4 kernel (q4_matmul.h): fp16 scales and minimums per 32, hbits null;
 //   8: the per-channel int8 kernel (q8_matmul.h): fp32 channel scales, hbits and min null;
 //   bits * 100 + group (432, 416, 532, 516, 632, 616, 832, 816): the qblock kernel
-//      (qblock.h), hbits null unless bits is 5 or 6, min null for a symmetric weight.
+//      (qblock.h), hbits null unless bits is 5 or 6, min null for a symmetric weight,
+//      super (integer scales' fp16 multipliers) null for fp16 scales.
+// super is null for the int4 and int8 kernels.
 // The format is an integer stored in the table, not a pointer. GGUF files mix formats
 // per linear (Q4_K_M: Q6_K ffn_down in some layers), so each linear carries its own.
 // The QKV bias may be null.
@@ -24,23 +27,27 @@
   X(QkvHbits, qkv_hbits)              \
   X(QkvScale, qkv_scale)              \
   X(QkvMin, qkv_min)                  \
+  X(QkvSuper, qkv_super)              \
   X(QkvFormat, qkv_format)            \
   X(QkvBias, qkv_bias)                \
   X(OPacked, o_packed)                \
   X(OHbits, o_hbits)                  \
   X(OScale, o_scale)                  \
   X(OMin, o_min)                      \
+  X(OSuper, o_super)                  \
   X(OFormat, o_format)                \
   X(PostNorm, post_norm)              \
   X(GateUpPacked, gate_up_packed)     \
   X(GateUpHbits, gate_up_hbits)       \
   X(GateUpScale, gate_up_scale)       \
   X(GateUpMin, gate_up_min)           \
+  X(GateUpSuper, gate_up_super)       \
   X(GateUpFormat, gate_up_format)     \
   X(DownPacked, down_packed)          \
   X(DownHbits, down_hbits)            \
   X(DownScale, down_scale)            \
   X(DownMin, down_min)                \
+  X(DownSuper, down_super)            \
   X(DownFormat, down_format)          \
   X(KCache, k_cache)                  \
   X(VCache, v_cache)

@@ -1,5 +1,7 @@
 // C entry points of the qblock kernels (qblock.h, qblock_float.h). Every one takes the
-// weight as (bits, group, packed, hbits, d, m): hbits is null unless bits == 5.
+// weight as (bits, group, packed, hbits, d, m, s): hbits is null unless bits is 5 or 6,
+// m null for a symmetric weight, s (the multipliers of integer scales) null for fp16
+// scales.
 #include <cstdint>
 #include <vector>
 
@@ -9,13 +11,14 @@
 
 namespace {
 
+using sluice::QbWeight;
+
 template <typename T>
-void matmul(const T* x, int M, int K, int bits, int group, const uint8_t* packed,
-            const uint8_t* hbits, const uint16_t* d, const uint16_t* m, int N, T* y) {
+void matmul(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N, T* y) {
   sluice::QBlockActivations xa;
   xa.quantize(x, M, K, group);
 #pragma omp parallel
-  sluice::qblock_rows(xa, M, K, bits, group, packed, hbits, d, m, N, y);
+  sluice::qblock_rows(xa, M, K, bits, group, w, N, y);
 }
 
 // Row r of x becomes rows 2r (x) and 2r + 1 (what x's int8 blocks leave out, x - dx * q,
@@ -47,8 +50,8 @@ std::vector<float> with_residuals(const T* x, int M, int K) {
 }
 
 template <typename T>
-void matmul_residual(const T* x, int M, int K, int bits, int group, const uint8_t* packed,
-                     const uint8_t* hbits, const uint16_t* d, const uint16_t* m, int N, T* y) {
+void matmul_residual(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N,
+                     T* y) {
   const std::vector<float> x2 = with_residuals(x, M, K);
   sluice::QBlockActivations xa;
   xa.quantize(x2.data(), 2 * M, K, group);
@@ -56,7 +59,7 @@ void matmul_residual(const T* x, int M, int K, int bits, int group, const uint8_
   float* y2 = both.data();
 #pragma omp parallel
   {
-    sluice::qblock_rows(xa, 2 * M, K, bits, group, packed, hbits, d, m, N, y2);
+    sluice::qblock_rows(xa, 2 * M, K, bits, group, w, N, y2);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < static_cast<int64_t>(M) * N; ++i) {
       const int64_t r = i / N, n = i % N;
@@ -66,20 +69,19 @@ void matmul_residual(const T* x, int M, int K, int bits, int group, const uint8_
 }
 
 template <typename T>
-void matmul_float(const T* x, int M, int K, int bits, int group, const uint8_t* packed,
-                  const uint8_t* hbits, const uint16_t* d, const uint16_t* m, int N, T* y) {
+void matmul_float(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N, T* y) {
   const std::vector<float> xf = sluice::pair_ordered(x, M, K);
 #pragma omp parallel
-  SLUICE_QB_DISPATCH(bits, group,
-                     (sluice::qblock_float_rows_t<B, G>(xf.data(), M, K, packed, hbits, d, m, N, y)))
+  SLUICE_QB_DISPATCH(bits, group, w.s != nullptr,
+                     (sluice::qblock_float_rows_t<B, G, IQ>(xf.data(), M, K, w, N, y)))
 }
 
 template <typename T>
-void gather(const int64_t* rows, int count, int bits, int group, const uint8_t* packed,
-            const uint8_t* hbits, const uint16_t* d, const uint16_t* m, int K, T* out) {
+void gather(const int64_t* rows, int count, int bits, int group, const QbWeight& w, int K,
+            T* out) {
 #pragma omp parallel
-  SLUICE_QB_DISPATCH(bits, group,
-                     (sluice::qblock_gather_t<B, G>(rows, count, packed, hbits, d, m, K, out)))
+  SLUICE_QB_DISPATCH(bits, group, w.s != nullptr,
+                     (sluice::qblock_gather_t<B, G, IQ>(rows, count, w, K, out)))
 }
 
 }  // namespace
@@ -89,57 +91,63 @@ extern "C" {
 // y [M, N] = x @ W.T with x quantized to int8 per block of 32; x and y fp32 or bf16
 // (bf16 flag), K a multiple of 64.
 void sluice_qblock_matmul(const void* x, int bf16, int M, int K, int bits, int group,
-                          const uint8_t* packed, const uint8_t* hbits, const uint16_t* d,
-                          const uint16_t* m, int N, void* y) {
+                          const uint8_t* packed, const uint8_t* hbits, const void* d,
+                          const void* m, const uint16_t* s, int N, void* y) {
+  const QbWeight w{packed, hbits, d, m, s};
   if (bf16)
-    matmul(static_cast<const uint16_t*>(x), M, K, bits, group, packed, hbits, d, m, N,
+    matmul(static_cast<const uint16_t*>(x), M, K, bits, group, w, N,
            static_cast<uint16_t*>(y));
   else
-    matmul(static_cast<const float*>(x), M, K, bits, group, packed, hbits, d, m, N,
+    matmul(static_cast<const float*>(x), M, K, bits, group, w, N,
            static_cast<float*>(y));
 }
 
 // As sluice_qblock_matmul with x quantized in two int8 levels (x, then its residual).
 void sluice_qblock_matmul_residual(const void* x, int bf16, int M, int K, int bits, int group,
                                    const uint8_t* packed, const uint8_t* hbits,
-                                   const uint16_t* d, const uint16_t* m, int N, void* y) {
+                                   const void* d, const void* m, const uint16_t* s, int N,
+                                   void* y) {
+  const QbWeight w{packed, hbits, d, m, s};
   if (bf16)
-    matmul_residual(static_cast<const uint16_t*>(x), M, K, bits, group, packed, hbits, d, m, N,
+    matmul_residual(static_cast<const uint16_t*>(x), M, K, bits, group, w, N,
                     static_cast<uint16_t*>(y));
   else
-    matmul_residual(static_cast<const float*>(x), M, K, bits, group, packed, hbits, d, m, N,
+    matmul_residual(static_cast<const float*>(x), M, K, bits, group, w, N,
                     static_cast<float*>(y));
 }
 
 // As sluice_qblock_matmul with unquantized activations (fp32 accumulation).
 void sluice_qblock_matmul_float(const void* x, int bf16, int M, int K, int bits, int group,
-                                const uint8_t* packed, const uint8_t* hbits, const uint16_t* d,
-                                const uint16_t* m, int N, void* y) {
+                                const uint8_t* packed, const uint8_t* hbits, const void* d,
+                                const void* m, const uint16_t* s, int N, void* y) {
+  const QbWeight w{packed, hbits, d, m, s};
   if (bf16)
-    matmul_float(static_cast<const uint16_t*>(x), M, K, bits, group, packed, hbits, d, m, N,
+    matmul_float(static_cast<const uint16_t*>(x), M, K, bits, group, w, N,
                  static_cast<uint16_t*>(y));
   else
-    matmul_float(static_cast<const float*>(x), M, K, bits, group, packed, hbits, d, m, N,
+    matmul_float(static_cast<const float*>(x), M, K, bits, group, w, N,
                  static_cast<float*>(y));
 }
 
 // out [N, K] = W in natural order, fp32 or bf16 (out_bf16).
 void sluice_qblock_dequantize(int bits, int group, const uint8_t* packed, const uint8_t* hbits,
-                              const uint16_t* d, const uint16_t* m, int K, int N, void* out,
-                              int out_bf16) {
+                              const void* d, const void* m, const uint16_t* s, int K, int N,
+                              void* out, int out_bf16) {
+  const QbWeight w{packed, hbits, d, m, s};
   if (out_bf16)
-    gather(nullptr, N, bits, group, packed, hbits, d, m, K, static_cast<uint16_t*>(out));
+    gather(nullptr, N, bits, group, w, K, static_cast<uint16_t*>(out));
   else
-    gather(nullptr, N, bits, group, packed, hbits, d, m, K, static_cast<float*>(out));
+    gather(nullptr, N, bits, group, w, K, static_cast<float*>(out));
 }
 
 // out [T, K] = W[ids] (token embeddings), fp32 or bf16 (out_bf16).
 void sluice_qblock_embedding(const int64_t* ids, int T, int bits, int group,
-                             const uint8_t* packed, const uint8_t* hbits, const uint16_t* d,
-                             const uint16_t* m, int K, void* out, int out_bf16) {
+                             const uint8_t* packed, const uint8_t* hbits, const void* d,
+                             const void* m, const uint16_t* s, int K, void* out, int out_bf16) {
+  const QbWeight w{packed, hbits, d, m, s};
   if (out_bf16)
-    gather(ids, T, bits, group, packed, hbits, d, m, K, static_cast<uint16_t*>(out));
+    gather(ids, T, bits, group, w, K, static_cast<uint16_t*>(out));
   else
-    gather(ids, T, bits, group, packed, hbits, d, m, K, static_cast<float*>(out));
+    gather(ids, T, bits, group, w, K, static_cast<float*>(out));
 }
 }

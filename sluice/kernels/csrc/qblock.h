@@ -4,6 +4,13 @@
 // weight (Q4_0, Q5_0, Q8_0, Q6_K: the file stores no offsets) has no m: m =
 // -2**(bits - 1) * d, its m pointer is null, and a float16 a group is saved.
 //
+// Integer scales (IQ; the K-quants, as their files hold them): d and m are int8 a
+// group and each 256 values (a super-block: 8 groups of 32 or 16 of 16) add fp16
+// multipliers, d[g] = sd[g * G / 256] * dq[g] and m[g] = sm[..] * mq[g] (exact in
+// fp32). The super pointer s of a row holds sd [K / 256] then, unless symmetric, sm
+// [K / 256]. Q4_K is then 4.625 bits a weight (5.0 with fp16 d and m; the file 4.5)
+// and Q6_K 6.56 (7.0): 7% of the 1.5B model's bytes a decode step.
+//
 // 5 bits add a bit plane (bit i of a pair's uint64 is bit 4 of position i); 6 bits
 // add 16 bytes a pair, byte i holding bits 4-5 of positions i, 16 + i, 32 + i and
 // 48 + i in its bit pairs 0-1, 2-3, 4-5, 6-7: one run's high bits are one shift of
@@ -47,6 +54,10 @@ constexpr int64_t qb_hbits_row_bytes(int bits, int K) {
 // The offset factor of a symmetric weight: m = qb_implied_m<BITS> * d.
 template <int BITS>
 constexpr float qb_implied_m = -static_cast<float>(1 << (BITS - 1));
+
+// Values a super-block of integer scales covers, and its pairs.
+constexpr int kQbSuper = 256;
+constexpr int kQbSuperPairs = kQbSuper / 64;
 
 inline float qb_half(uint16_t h) {
 #if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
@@ -97,45 +108,67 @@ struct QBlockActivations : Q4Activations {
 
 // One weight row's pointers.
 struct QbRow {
-  const uint8_t* w;   // packed
-  const uint8_t* h;   // hbits (bits 5 and 6)
-  const uint16_t* d;  // [K / G]
-  const uint16_t* m;  // [K / G], null for a symmetric weight
+  const uint8_t* w;    // packed
+  const uint8_t* h;    // hbits (bits 5 and 6)
+  const void* d;       // [K / G] fp16, or int8 with integer scales
+  const void* m;       // [K / G] as d; null for a symmetric weight
+  const uint16_t* sd;  // integer scales: [K / 256] fp16 multipliers of d
+  const uint16_t* sm;  // ... and of m (null for a symmetric weight)
 };
 
-template <int BITS, int G>
-QbRow qb_row(const uint8_t* packed, const uint8_t* hbits, const uint16_t* d, const uint16_t* m,
-             int K, int64_t n) {
+// Row n of a weight; s: the integer scales' multipliers [N, 1 or 2, K / 256] (null
+// for fp16 scales).
+template <int BITS, int G, bool IQ>
+QbRow qb_row(const uint8_t* packed, const uint8_t* hbits, const void* d, const void* m,
+             const uint16_t* s, int K, int64_t n) {
   const int64_t hrow = qb_hbits_row_bytes(BITS, K);
+  const int64_t off = n * (K / G) * (IQ ? 1 : 2);  // bytes into d and m
+  const int64_t sup = K / kQbSuper;
+  const uint16_t* sd = IQ ? s + n * sup * (m ? 2 : 1) : nullptr;
   return {packed + n * qb_row_bytes(BITS, K), hrow ? hbits + n * hrow : nullptr,
-          d + n * (K / G), m ? m + n * (K / G) : nullptr};
+          static_cast<const uint8_t*>(d) + off, m ? static_cast<const uint8_t*>(m) + off : nullptr,
+          sd, IQ && m ? sd + sup : nullptr};
 }
 
-// sum_i h_i s_i over n fp16 h and fp32 s: the minimum terms.
-inline float qb_half_dot(const uint16_t* h, const float* s, int n) {
-#if defined(SLUICE_ISA_AVX512)
-  __m512 acc = _mm512_setzero_ps();
-  for (int i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + i)),
-                          _mm512_maskz_loadu_ps(k, s + i), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-#elif defined(SLUICE_ISA_AVX2)
-  __m256 acc = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))),
-                          _mm256_loadu_ps(s + i), acc);
-  float sum = hsum8(acc);
-  for (; i < n; ++i) sum += qb_half(h[i]) * s[i];
-  return sum;
-#else
-  float sum = 0.f;
-  for (int i = 0; i < n; ++i) sum += half_to_float(h[i]) * s[i];
-  return sum;
-#endif
+// Group g's scale (v = d, s = sd) or offset (v = m, s = sm) as fp32.
+template <int G, bool IQ>
+SLUICE_INLINE float qb_group(const void* v, const uint16_t* s, int g) {
+  if constexpr (IQ)
+    return qb_half(s[g / (kQbSuper / G)]) * static_cast<float>(static_cast<const int8_t*>(v)[g]);
+  else
+    return qb_half(static_cast<const uint16_t*>(v)[g]);
 }
+
+#if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
+// v as computed: fast-math may not fold a multiplier of it into a later product
+// (integer scales: for one activation row it merged sd into dx, for several it did
+// not, and a row's result must not depend on the batch).
+template <typename V>
+SLUICE_INLINE V qb_keep(V v) {
+  __asm__("" : "+x"(v));
+  return v;
+}
+
+// The scales (or offsets) of pair p's groups in the low lanes: groups 2p, 2p + 1 (G =
+// 32) or 4p .. 4p + 3 (G = 16).
+template <int G, bool IQ>
+SLUICE_INLINE __m128 qb_pair_groups(const void* v, const uint16_t* s, int p) {
+  constexpr int n = 64 / G;  // groups a pair
+  if constexpr (IQ) {
+    int32_t raw = 0;
+    std::memcpy(&raw, static_cast<const int8_t*>(v) + n * p, n);
+    const __m128 q = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(raw)));
+    return qb_keep(_mm_mul_ps(q, _mm_set1_ps(qb_half(s[p / kQbSuperPairs]))));
+  } else if constexpr (G == 32) {
+    int32_t d2;
+    std::memcpy(&d2, static_cast<const uint16_t*>(v) + 2 * p, sizeof(d2));
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(d2));
+  } else {
+    return _mm_cvtph_ps(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(v) + 4 * p)));
+  }
+}
+#endif
 
 // Decode (M <= 4 rows, qb_rows_small) streams every weight byte once: prefetch the
 // packed bytes kQbPrefetchBytes ahead (past a row's end, the next row's, which the
@@ -195,49 +228,40 @@ SLUICE_INLINE __m512i qb_unpack(const QbRow& w, int p) {
 }
 
 // Pair p's d per int32 lane (four lanes a run).
-template <int G>
-SLUICE_INLINE __m512 qb_pair_d(const uint16_t* d, int p) {
-  if constexpr (G == 32) {
-    int32_t d2;
-    std::memcpy(&d2, d + 2 * p, sizeof(d2));
-    const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-    return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(d2))));
-  } else {
-    const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0);
-    const __m128i d4 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + 4 * p));
-    return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_cvtph_ps(d4)));
-  }
+template <int G, bool IQ>
+SLUICE_INLINE __m512 qb_pair_d(const QbRow& w, int p) {
+  // G = 32: runs 0..3 are groups 2p, 2p+1, 2p, 2p+1; G = 16: 4p, 4p+2, 4p+1, 4p+3.
+  const __m512i lanes = G == 32 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                : _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(qb_pair_groups<G, IQ>(w.d, w.sd, p)));
 }
 
 // Pair p's d * dx per lane, for one activation row (dx: its block scales).
-template <int G>
-SLUICE_INLINE __m512 qb_pair_scale(const uint16_t* d, const float* dx, int p) {
+template <int G, bool IQ>
+SLUICE_INLINE __m512 qb_pair_scale(const QbRow& w, const float* dx, int p) {
   const __m128 dx2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dx + 2 * p)));
+  const __m128 d = qb_pair_groups<G, IQ>(w.d, w.sd, p);
   if constexpr (G == 32) {
-    int32_t d2;
-    std::memcpy(&d2, d + 2 * p, sizeof(d2));
     const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m128 s = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d2)), dx2);
-    return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s));
+    return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_mul_ps(d, dx2)));
   } else {  // groups 4p..4p+3 belong to blocks 2p, 2p, 2p+1, 2p+1
     const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0);
-    const __m128i d4 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + 4 * p));
-    const __m128 s = _mm_mul_ps(_mm_cvtph_ps(d4), _mm_permute_ps(dx2, _MM_SHUFFLE(1, 1, 0, 0)));
+    const __m128 s = _mm_mul_ps(d, _mm_permute_ps(dx2, _MM_SHUFFLE(1, 1, 0, 0)));
     return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s));
   }
 }
 
 // acc[r] += pair p's share of row r.
-template <int BITS, int G, int R>
+template <int BITS, int G, bool IQ, int R>
 SLUICE_INLINE void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __m512* acc) {
   const __m512i u = qb_unpack<BITS>(w, p);
   if constexpr (R == 1) {  // decode: d * dx on 2 or 4 lanes, then spread (the same products)
     const __m512 dot = _mm512_cvtepi32_ps(
         _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a.x[0] + 64 * p)));
-    acc[0] = _mm512_fmadd_ps(dot, qb_pair_scale<G>(w.d, a.dx[0], p), acc[0]);
+    acc[0] = _mm512_fmadd_ps(dot, qb_pair_scale<G, IQ>(w, a.dx[0], p), acc[0]);
     return;
   }
-  const __m512 dv = qb_pair_d<G>(w.d, p);
+  const __m512 dv = qb_pair_d<G, IQ>(w, p);
   for (int r = 0; r < R; ++r) {
     const __m512i x = _mm512_loadu_si512(a.x[r] + 64 * p);
     const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x));
@@ -246,7 +270,24 @@ SLUICE_INLINE void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __
   }
 }
 
-template <int BITS, int G, int R, bool PREFETCH = false>
+// Groups g .. g + 15 (k: those in range) of d or m (s: sd or sm) as fp32.
+template <int G, bool IQ>
+SLUICE_INLINE __m512 qb_groups16(const void* v, const uint16_t* s, int g, __mmask16 k) {
+  if constexpr (IQ) {
+    const __m128i q = _mm_maskz_loadu_epi8(k, static_cast<const int8_t*>(v) + g);
+    const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+    if constexpr (G == 16) return qb_keep(_mm512_mul_ps(u, _mm512_set1_ps(qb_half(s[g / 16]))));
+    // G = 32: groups g .. g+7 and g+8 .. g+15 are super-blocks g / 8 and g / 8 + 1
+    // (the second read only where it is in range).
+    const __m128 s2 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(k >> 8 ? 3 : 1, s + g / 8));
+    const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return qb_keep(_mm512_mul_ps(u, _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s2))));
+  } else {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(v) + g));
+  }
+}
+
+template <int BITS, int G, bool IQ, int R, bool PREFETCH = false>
 inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, float* out) {
   // Two accumulators a row: consecutive pairs do not wait on each other's FMA.
   __m512 acc0[R], acc1[R];
@@ -254,18 +295,19 @@ inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, f
   int p = 0;
   for (; p + 1 < np; p += 2) {
     if constexpr (PREFETCH) qb_prefetch<BITS>(w, p);
-    qb_pair_step<BITS, G, R>(w, a, p, acc0);
-    qb_pair_step<BITS, G, R>(w, a, p + 1, acc1);
+    qb_pair_step<BITS, G, IQ, R>(w, a, p, acc0);
+    qb_pair_step<BITS, G, IQ, R>(w, a, p + 1, acc1);
   }
-  if (p < np) qb_pair_step<BITS, G, R>(w, a, p, acc0);
+  if (p < np) qb_pair_step<BITS, G, IQ, R>(w, a, p, acc0);
   // The minimum terms: sum_g m_g * sx_g, 16 groups at a time; a symmetric weight's
   // m_g is implied * d_g, so it sums d_g * sx_g and scales once.
-  const uint16_t* ms = w.m ? w.m : w.d;
+  const void* ms = w.m ? w.m : w.d;
+  const uint16_t* mss = w.m ? w.sm : w.sd;
   __m512 macc[R];
   for (int r = 0; r < R; ++r) macc[r] = _mm512_setzero_ps();
   for (int g = 0; g < ng; g += 16) {
     const __mmask16 k = ng - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (ng - g)) - 1);
-    const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, ms + g));
+    const __m512 mv = qb_groups16<G, IQ>(ms, mss, g, k);
     for (int r = 0; r < R; ++r) macc[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, a.sx[r] + g), macc[r]);
   }
   const __m512 mscale = _mm512_set1_ps(w.m ? 1.f : qb_implied_m<BITS>);
@@ -318,15 +360,13 @@ SLUICE_INLINE void qb_unpack(const QbRow& w, int p, __m256i& lo, __m256i& hi) {
 }
 
 // d per int32 lane of the low half's (runs 0, 1) and high half's (runs 2, 3) dots.
-template <int G>
-SLUICE_INLINE void qb_pair_d(const uint16_t* d, int p, __m256& dlo, __m256& dhi) {
+template <int G, bool IQ>
+SLUICE_INLINE void qb_pair_d(const QbRow& w, int p, __m256& dlo, __m256& dhi) {
+  const __m128 d = qb_pair_groups<G, IQ>(w.d, w.sd, p);
   if constexpr (G == 32) {
-    int32_t d2;
-    std::memcpy(&d2, d + 2 * p, sizeof(d2));
-    dlo = dhi = pair_lanes(_mm_cvtph_ps(_mm_cvtsi32_si128(d2)));
+    dlo = dhi = pair_lanes(d);
   } else {
-    const __m256 d4 = _mm256_castps128_ps256(
-        _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + 4 * p))));
+    const __m256 d4 = _mm256_castps128_ps256(d);
     dlo = _mm256_permutevar8x32_ps(d4, _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0));  // 4p, 4p+2
     dhi = _mm256_permutevar8x32_ps(d4, _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1));  // 4p+1, 4p+3
   }
@@ -340,13 +380,13 @@ SLUICE_INLINE __m256i qb_maddubs(__m256i u, __m256i x) {
   return _mm256_maddubs_epi16(u, x);
 }
 
-template <int BITS, int G, int R>
+template <int BITS, int G, bool IQ, int R>
 SLUICE_INLINE void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __m256* acc) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i lo, hi;
   __m256 dlo, dhi;
   qb_unpack<BITS>(w, p, lo, hi);
-  qb_pair_d<G>(w.d, p, dlo, dhi);
+  qb_pair_d<G, IQ>(w, p, dlo, dhi);
   for (int r = 0; r < R; ++r) {
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x[r] + 64 * p));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x[r] + 64 * p + 32));
@@ -366,33 +406,44 @@ SLUICE_INLINE void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __
   }
 }
 
-template <int BITS, int G, int R, bool PREFETCH = false>
+// Groups g .. g + 7 of d or m (s: sd or sm) as fp32 (never two super-blocks: g is a
+// multiple of 8, and 8 groups are 128 or 256 values).
+template <int G, bool IQ>
+SLUICE_INLINE __m256 qb_groups8(const void* v, const uint16_t* s, int g) {
+  if constexpr (IQ) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(v) + g));
+    return qb_keep(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                                 _mm256_set1_ps(qb_half(s[g / (kQbSuper / G)]))));
+  } else {
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(v) + g)));
+  }
+}
+
+template <int BITS, int G, bool IQ, int R, bool PREFETCH = false>
 inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, float* out) {
   __m256 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
   int p = 0;
   for (; p + 1 < np; p += 2) {
     if constexpr (PREFETCH) qb_prefetch<BITS>(w, p);
-    qb_pair_step<BITS, G, R>(w, a, p, acc0);
-    qb_pair_step<BITS, G, R>(w, a, p + 1, acc1);
+    qb_pair_step<BITS, G, IQ, R>(w, a, p, acc0);
+    qb_pair_step<BITS, G, IQ, R>(w, a, p + 1, acc1);
   }
-  if (p < np) qb_pair_step<BITS, G, R>(w, a, p, acc0);
+  if (p < np) qb_pair_step<BITS, G, IQ, R>(w, a, p, acc0);
   // The minimum terms sum_g m_g * sx_g; for 8 bits also the sign trick's offset,
   // 128 * d_g * sx_g.
   // A symmetric weight's m is a multiple of d: (implied + 128) * d for 8 bits is 0.
   const float dfactor = (BITS == 8 ? 128.f : 0.f) + (w.m ? 0.f : qb_implied_m<BITS>);
   int g = 0;
   for (; g + 8 <= ng && (w.m || dfactor != 0.f); g += 8) {
-    __m256 mv = w.m ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.m + g)))
-                    : _mm256_setzero_ps();
-    if (dfactor != 0.f)
-      mv = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + g))),
-                           _mm256_set1_ps(dfactor), mv);
+    __m256 mv = w.m ? qb_groups8<G, IQ>(w.m, w.sm, g) : _mm256_setzero_ps();
+    if (dfactor != 0.f) mv = _mm256_fmadd_ps(qb_groups8<G, IQ>(w.d, w.sd, g), _mm256_set1_ps(dfactor), mv);
     for (int r = 0; r < R; ++r) acc1[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(a.sx[r] + g), acc1[r]);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
   for (; g < ng && (w.m || dfactor != 0.f); ++g) {
-    const float mg = (w.m ? qb_half(w.m[g]) : 0.f) + dfactor * qb_half(w.d[g]);
+    const float mg = (w.m ? qb_group<G, IQ>(w.m, w.sm, g) : 0.f) + dfactor * qb_group<G, IQ>(w.d, w.sd, g);
     for (int r = 0; r < R; ++r) out[r] += mg * a.sx[r][g];
   }
 }
@@ -434,22 +485,26 @@ __attribute__((noinline)) inline float qb_pair_dot(const uint8_t* u, const float
   return sum;
 }
 
-template <int BITS>
+// sum_g m_g sx_g: the minimum terms (m_g = implied * d_g for a symmetric weight).
+template <int BITS, int G, bool IQ>
 __attribute__((noinline)) inline float qb_min_dot(const QbRow& w, const float* sx, int ng) {
-  return w.m ? qb_half_dot(w.m, sx, ng) : qb_implied_m<BITS> * qb_half_dot(w.d, sx, ng);
+  float sum = 0.f;
+  for (int g = 0; g < ng; ++g)
+    sum += (w.m ? qb_group<G, IQ>(w.m, w.sm, g) : qb_group<G, IQ>(w.d, w.sd, g)) * sx[g];
+  return w.m ? sum : qb_implied_m<BITS> * sum;
 }
 
-template <int BITS, int G, int R, bool PREFETCH = false>
+template <int BITS, int G, bool IQ, int R, bool PREFETCH = false>
 inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, float* out) {
   for (int r = 0; r < R; ++r) out[r] = 0.f;
   uint8_t u[64];
   for (int p = 0; p < np; ++p) {
     qb_unpack<BITS>(w, p, u);
     float d[4];
-    for (int j = 0; j < 4; ++j) d[j] = half_to_float(w.d[qb_run_group<G>(p, j)]);
+    for (int j = 0; j < 4; ++j) d[j] = qb_group<G, IQ>(w.d, w.sd, qb_run_group<G>(p, j));
     for (int r = 0; r < R; ++r) out[r] += qb_pair_dot(u, d, a.x[r] + 64 * p, a.dx[r] + 2 * p);
   }
-  for (int r = 0; r < R; ++r) out[r] += qb_min_dot<BITS>(w, a.sx[r], ng);
+  for (int r = 0; r < R; ++r) out[r] += qb_min_dot<BITS, G, IQ>(w, a.sx[r], ng);
 }
 #endif
 
@@ -472,22 +527,33 @@ QbActRows<R> qb_act_rows(const QBlockActivations& xa, int r0, int K) {
   return a;
 }
 
-template <int BITS, int G, int R>
+template <int BITS, int G, bool IQ, int R>
 inline void qb_dot_block(const QbRow& w, const QBlockActivations& xa, int r0, int K,
                          float* out) {
-  qb_dot_rows<BITS, G, R>(w, qb_act_rows<G, R>(xa, r0, K), K / 64, K / G, out);
+  qb_dot_rows<BITS, G, IQ, R>(w, qb_act_rows<G, R>(xa, r0, K), K / 64, K / G, out);
 }
 
+// A weight's pointers as the kernels take them: (packed, hbits, d, m, s), see QbRow.
+struct QbWeight {
+  const uint8_t* packed;
+  const uint8_t* hbits;
+  const void* d;
+  const void* m;
+  const uint16_t* s;
+  template <int BITS, int G, bool IQ>
+  QbRow row(int K, int64_t n) const {
+    return qb_row<BITS, G, IQ>(packed, hbits, d, m, s, K, n);
+  }
+};
+
 // Decode (M = R <= 4): every weight row times all rows, in one orphaned `omp for`.
-template <int BITS, int G, int R, typename T>
-void qb_rows_small(const QBlockActivations& xa, int K, const uint8_t* packed,
-                   const uint8_t* hbits, const uint16_t* d, const uint16_t* m, int N, T* y) {
+template <int BITS, int G, bool IQ, int R, typename T>
+void qb_rows_small(const QBlockActivations& xa, int K, const QbWeight& wt, int N, T* y) {
   const QbActRows<R> a = qb_act_rows<G, R>(xa, 0, K);
 #pragma omp for schedule(static)
   for (int n = 0; n < N; ++n) {
     float out[R];
-    qb_dot_rows<BITS, G, R, true>(qb_row<BITS, G>(packed, hbits, d, m, K, n), a, K / 64, K / G,
-                                  out);
+    qb_dot_rows<BITS, G, IQ, R, true>(wt.row<BITS, G, IQ>(K, n), a, K / 64, K / G, out);
     for (int r = 0; r < R; ++r) {
       T* dst = y + static_cast<int64_t>(r) * N + n;
       *dst = round_to(dst, out[r]);
@@ -496,17 +562,17 @@ void qb_rows_small(const QBlockActivations& xa, int K, const uint8_t* packed,
 }
 
 // y[r0..r1, n] for one weight row.
-template <int BITS, int G, typename T>
+template <int BITS, int G, bool IQ, typename T>
 void qb_row_times_tile(const QbRow& w, const QBlockActivations& xa, int r0, int r1, int K,
                        int N, int64_t n, T* y) {
   for (int r = r0; r < r1; r += 4) {
     float out[4];
     const int R = std::min(4, r1 - r);
     switch (R) {
-      case 4: qb_dot_block<BITS, G, 4>(w, xa, r, K, out); break;
-      case 3: qb_dot_block<BITS, G, 3>(w, xa, r, K, out); break;
-      case 2: qb_dot_block<BITS, G, 2>(w, xa, r, K, out); break;
-      default: qb_dot_block<BITS, G, 1>(w, xa, r, K, out); break;
+      case 4: qb_dot_block<BITS, G, IQ, 4>(w, xa, r, K, out); break;
+      case 3: qb_dot_block<BITS, G, IQ, 3>(w, xa, r, K, out); break;
+      case 2: qb_dot_block<BITS, G, IQ, 2>(w, xa, r, K, out); break;
+      default: qb_dot_block<BITS, G, IQ, 1>(w, xa, r, K, out); break;
     }
     for (int i = 0; i < R; ++i) {
       T* dst = y + static_cast<int64_t>(r + i) * N + n;
@@ -515,14 +581,13 @@ void qb_row_times_tile(const QbRow& w, const QBlockActivations& xa, int r0, int 
   }
 }
 
-template <int BITS, int G, typename T>
-void qblock_rows_t(const QBlockActivations& xa, int M, int K, const uint8_t* packed,
-                   const uint8_t* hbits, const uint16_t* d, const uint16_t* m, int N, T* y) {
+template <int BITS, int G, bool IQ, typename T>
+void qblock_rows_t(const QBlockActivations& xa, int M, int K, const QbWeight& wt, int N, T* y) {
   switch (M) {
-    case 1: return qb_rows_small<BITS, G, 1>(xa, K, packed, hbits, d, m, N, y);
-    case 2: return qb_rows_small<BITS, G, 2>(xa, K, packed, hbits, d, m, N, y);
-    case 3: return qb_rows_small<BITS, G, 3>(xa, K, packed, hbits, d, m, N, y);
-    case 4: return qb_rows_small<BITS, G, 4>(xa, K, packed, hbits, d, m, N, y);
+    case 1: return qb_rows_small<BITS, G, IQ, 1>(xa, K, wt, N, y);
+    case 2: return qb_rows_small<BITS, G, IQ, 2>(xa, K, wt, N, y);
+    case 3: return qb_rows_small<BITS, G, IQ, 3>(xa, K, wt, N, y);
+    case 4: return qb_rows_small<BITS, G, IQ, 4>(xa, K, wt, N, y);
     default: break;
   }
   const int tile = qb_row_tile(K);
@@ -530,36 +595,38 @@ void qblock_rows_t(const QBlockActivations& xa, int M, int K, const uint8_t* pac
     const int r1 = std::min(M, r0 + tile);
 #pragma omp for schedule(static) nowait
     for (int n = 0; n < N; ++n)
-      qb_row_times_tile<BITS, G>(qb_row<BITS, G>(packed, hbits, d, m, K, n), xa, r0, r1, K, N, n,
-                                 y);
+      qb_row_times_tile<BITS, G, IQ>(wt.row<BITS, G, IQ>(K, n), xa, r0, r1, K, N, n, y);
   }
 #pragma omp barrier
 }
 
-// The runtime format (bits, group) as the constants B and G inside `call`.
-#define SLUICE_QB_DISPATCH(bits, group, call)                      \
-  switch ((bits) * 100 + (group)) {                                \
-    case 432: { constexpr int B = 4, G = 32; call; } break;        \
-    case 416: { constexpr int B = 4, G = 16; call; } break;        \
-    case 532: { constexpr int B = 5, G = 32; call; } break;        \
-    case 516: { constexpr int B = 5, G = 16; call; } break;        \
-    case 632: { constexpr int B = 6, G = 32; call; } break;        \
-    case 616: { constexpr int B = 6, G = 16; call; } break;        \
-    case 832: { constexpr int B = 8, G = 32; call; } break;        \
-    case 816: { constexpr int B = 8, G = 16; call; } break;        \
-    default: break; /* the bindings reject other formats */        \
+// The runtime format (bits, group; integer scales where the weight has multipliers s)
+// as the constants B, G and IQ inside `call`. Integer scales come with the K-quants'
+// layouts only: Q4_K 4/32, Q5_K 5/32, Q6_K (and what is widened to it) 6/16.
+#define SLUICE_QB_DISPATCH(bits, group, iq, call)                                      \
+  switch ((bits) * 100 + (group) + ((iq) ? 1000 : 0)) {                                \
+    case 432: { constexpr int B = 4, G = 32; constexpr bool IQ = false; call; } break;  \
+    case 416: { constexpr int B = 4, G = 16; constexpr bool IQ = false; call; } break;  \
+    case 532: { constexpr int B = 5, G = 32; constexpr bool IQ = false; call; } break;  \
+    case 516: { constexpr int B = 5, G = 16; constexpr bool IQ = false; call; } break;  \
+    case 632: { constexpr int B = 6, G = 32; constexpr bool IQ = false; call; } break;  \
+    case 616: { constexpr int B = 6, G = 16; constexpr bool IQ = false; call; } break;  \
+    case 832: { constexpr int B = 8, G = 32; constexpr bool IQ = false; call; } break;  \
+    case 816: { constexpr int B = 8, G = 16; constexpr bool IQ = false; call; } break;  \
+    case 1432: { constexpr int B = 4, G = 32; constexpr bool IQ = true; call; } break;  \
+    case 1532: { constexpr int B = 5, G = 32; constexpr bool IQ = true; call; } break;  \
+    case 1616: { constexpr int B = 6, G = 16; constexpr bool IQ = true; call; } break;  \
+    default: break; /* the bindings reject other formats */                            \
   }
 
 // y [M, N] = x @ W.T for quantized x; the weight rows are shared out by orphaned `omp
 // for`s (every thread of an enclosing parallel region calls this; barrier at the end).
 // bits in {4, 5, 6, 8}, group in {16, 32}; hbits only for 5 and 6 bits, m null for a
-// symmetric weight.
+// symmetric weight, s null unless the scales are integers.
 template <typename T>
 void qblock_rows(const QBlockActivations& xa, int M, int K, int bits, int group,
-                 const uint8_t* packed, const uint8_t* hbits, const uint16_t* d,
-                 const uint16_t* m, int N, T* y) {
-  SLUICE_QB_DISPATCH(bits, group, (qblock_rows_t<B, G>(xa, M, K, packed, hbits, d, m, N, y)))
+                 const QbWeight& wt, int N, T* y) {
+  SLUICE_QB_DISPATCH(bits, group, wt.s != nullptr, (qblock_rows_t<B, G, IQ>(xa, M, K, wt, N, y)))
 }
 
 }  // namespace sluice
-

@@ -2,8 +2,9 @@
 // unquantized activations (exact to fp32 rounding: the reference the output head's
 // two-level int8 path is checked against), dequantization to [N, K] (feeding dense
 // GEMMs for large batches) and embedding rows. A run of 16 values becomes 16 fp32
-// weights d * u + m (one rounding: d * u is exact in fp32, an fp16 times an 8-bit
-// integer), written out or multiplied into the activation rows with fp32 accumulation.
+// weights d * u + m, one FMA (one rounding; an integer scale times its fp16
+// multiplier is exact in fp32), written out or multiplied into the activation rows
+// with fp32 accumulation.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -142,38 +143,32 @@ inline QbAcc qb_zero() { return 0.f; }
 #endif
 
 // d and m of pair p's runs 0..3 as fp32 (m = implied * d for a symmetric weight).
-template <int BITS, int G>
+template <int BITS, int G, bool IQ>
 SLUICE_INLINE void qb_pair_dm(const QbRow& w, int p, float* d, float* m) {
 #if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
-  const uint16_t* ms = w.m ? w.m : w.d;  // a symmetric weight: scaled below
-  __m128 dv, mv;
+  __m128 dv = qb_pair_groups<G, IQ>(w.d, w.sd, p);
+  __m128 mv = w.m ? qb_pair_groups<G, IQ>(w.m, w.sm, p)
+                  : _mm_mul_ps(dv, _mm_set1_ps(qb_implied_m<BITS>));
   if constexpr (G == 32) {  // runs: groups 2p, 2p+1, 2p, 2p+1
-    int32_t d2, m2;
-    std::memcpy(&d2, w.d + 2 * p, sizeof(d2));
-    std::memcpy(&m2, ms + 2 * p, sizeof(m2));
-    dv = _mm_cvtph_ps(_mm_cvtsi32_si128(d2));
-    mv = _mm_cvtph_ps(_mm_cvtsi32_si128(m2));
     dv = _mm_movelh_ps(dv, dv);
     mv = _mm_movelh_ps(mv, mv);
   } else {  // runs: groups 4p, 4p+2, 4p+1, 4p+3
-    dv = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.d + 4 * p)));
-    mv = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ms + 4 * p)));
     dv = _mm_shuffle_ps(dv, dv, _MM_SHUFFLE(3, 1, 2, 0));
     mv = _mm_shuffle_ps(mv, mv, _MM_SHUFFLE(3, 1, 2, 0));
   }
-  if (!w.m) mv = _mm_mul_ps(mv, _mm_set1_ps(qb_implied_m<BITS>));
   _mm_storeu_ps(d, dv);
   _mm_storeu_ps(m, mv);
 #else
   for (int j = 0; j < 4; ++j) {
-    d[j] = half_to_float(w.d[qb_run_group<G>(p, j)]);
-    m[j] = w.m ? half_to_float(w.m[qb_run_group<G>(p, j)]) : qb_implied_m<BITS> * d[j];
+    const int g = qb_run_group<G>(p, j);
+    d[j] = qb_group<G, IQ>(w.d, w.sd, g);
+    m[j] = w.m ? qb_group<G, IQ>(w.m, w.sm, g) : qb_implied_m<BITS> * d[j];
   }
 #endif
 }
 
 // out[r] = sum_k W[k] x_r[k] for one weight row and R <= 4 pair-ordered fp32 rows.
-template <int BITS, int G, int R>
+template <int BITS, int G, bool IQ, int R>
 inline void qbf_dot_rows(const QbRow& w, const float* const* xr, int np, float* out) {
   QbAcc acc0[R], acc1[R];  // runs 0, 2 and runs 1, 3: two FMA chains a row
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = qb_zero();
@@ -181,7 +176,7 @@ inline void qbf_dot_rows(const QbRow& w, const float* const* xr, int np, float* 
   for (int p = 0; p < np; ++p) {
     const uint8_t* u = qb_pair_bytes<BITS>(w, p, buf);
     float d[4], m[4];
-    qb_pair_dm<BITS, G>(w, p, d, m);
+    qb_pair_dm<BITS, G, IQ>(w, p, d, m);
     for (int j = 0; j < 4; j += 2) {
       qb_run_fma<R>(qb_run<BITS>(w, p, j, u, d[j], m[j]), xr, 64 * p + 16 * j, acc0);
       qb_run_fma<R>(qb_run<BITS>(w, p, j + 1, u, d[j + 1], m[j + 1]), xr, 64 * p + 16 * j + 16,
@@ -191,22 +186,21 @@ inline void qbf_dot_rows(const QbRow& w, const float* const* xr, int np, float* 
   for (int r = 0; r < R; ++r) out[r] = qb_sum(acc0[r], acc1[r]);
 }
 
-template <int BITS, int G, typename T>
-void qblock_float_rows_t(const float* x, int M, int K, const uint8_t* packed,
-                         const uint8_t* hbits, const uint16_t* d, const uint16_t* m, int N, T* y) {
+template <int BITS, int G, bool IQ, typename T>
+void qblock_float_rows_t(const float* x, int M, int K, const QbWeight& wt, int N, T* y) {
 #pragma omp for schedule(static)
   for (int n = 0; n < N; ++n) {
-    const QbRow w = qb_row<BITS, G>(packed, hbits, d, m, K, n);
+    const QbRow w = wt.row<BITS, G, IQ>(K, n);
     for (int r0 = 0; r0 < M; r0 += 4) {
       const float* xr[4];
       float out[4];
       const int R = std::min(4, M - r0);
       for (int r = 0; r < R; ++r) xr[r] = x + static_cast<int64_t>(r0 + r) * K;
       switch (R) {
-        case 4: qbf_dot_rows<BITS, G, 4>(w, xr, K / 64, out); break;
-        case 3: qbf_dot_rows<BITS, G, 3>(w, xr, K / 64, out); break;
-        case 2: qbf_dot_rows<BITS, G, 2>(w, xr, K / 64, out); break;
-        default: qbf_dot_rows<BITS, G, 1>(w, xr, K / 64, out); break;
+        case 4: qbf_dot_rows<BITS, G, IQ, 4>(w, xr, K / 64, out); break;
+        case 3: qbf_dot_rows<BITS, G, IQ, 3>(w, xr, K / 64, out); break;
+        case 2: qbf_dot_rows<BITS, G, IQ, 2>(w, xr, K / 64, out); break;
+        default: qbf_dot_rows<BITS, G, IQ, 1>(w, xr, K / 64, out); break;
       }
       for (int r = 0; r < R; ++r) {
         T* dst = y + static_cast<int64_t>(r0 + r) * N + n;
@@ -217,26 +211,24 @@ void qblock_float_rows_t(const float* x, int M, int K, const uint8_t* packed,
 }
 
 // ---- Dequantization of whole rows, natural order.
-template <int BITS, int G, typename T>
+template <int BITS, int G, bool IQ, typename T>
 inline void qb_dequantize_row(const QbRow& w, int K, T* out) {
   alignas(64) uint8_t buf[64];
   for (int p = 0; p < K / 64; ++p) {
     const uint8_t* u = qb_pair_bytes<BITS>(w, p, buf);
     float d[4], m[4];
-    qb_pair_dm<BITS, G>(w, p, d, m);
+    qb_pair_dm<BITS, G, IQ>(w, p, d, m);
     for (int j = 0; j < 4; ++j) qb_store(qb_run<BITS>(w, p, j, u, d[j], m[j]), out + qb_run_k(p, j));
   }
 }
 
 // out[t] = W[rows[t]] for t < T (rows: null for 0..T-1); orphaned `omp for`.
-template <int BITS, int G, typename T>
-void qblock_gather_t(const int64_t* rows, int T_, const uint8_t* packed, const uint8_t* hbits,
-                     const uint16_t* d, const uint16_t* m, int K, T* out) {
+template <int BITS, int G, bool IQ, typename T>
+void qblock_gather_t(const int64_t* rows, int T_, const QbWeight& wt, int K, T* out) {
 #pragma omp for schedule(static)
   for (int t = 0; t < T_; ++t) {
     const int64_t n = rows ? rows[t] : t;
-    qb_dequantize_row<BITS, G>(qb_row<BITS, G>(packed, hbits, d, m, K, n), K,
-                               out + static_cast<int64_t>(t) * K);
+    qb_dequantize_row<BITS, G, IQ>(wt.row<BITS, G, IQ>(K, n), K, out + static_cast<int64_t>(t) * K);
   }
 }
 
