@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve run test test-slow test-dist lint bench llamacpp llama-server clean
+.PHONY: install serve run test test-slow test-dist lint bench llamacpp llamacpp-levels llama-server clean
 
 install: $(STAMP)
 
@@ -53,6 +53,11 @@ bench: install
 llamacpp: install
 	CMAKE_ARGS="$$(bash benchmarks/ggml_cpu_flags.sh)" \
 		$(BIN)/pip install --no-binary llama-cpp-python llama-cpp-python==0.3.36 diskcache
+
+# Optional: llama.cpp's CPU backend also built for each lower instruction-set level
+# (minutes), so benchmarks/cpu_levels.py compares sluice and llama.cpp at the same one.
+llamacpp-levels: install
+	bash benchmarks/build_ggml_levels.sh
 
 # Optional: llama-server for the serving side-by-side (benchmarks/serve.py). Reuses the
 # libraries `make llamacpp` built when present (minutes), else builds them too.

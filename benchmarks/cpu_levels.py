@@ -48,8 +48,24 @@ _TORCH_ENV = {
 }
 
 
+# llama.cpp's CPU backend built for a lower level (`make llamacpp-levels`), if it is.
+_GGML_LEVELS = Path(_ROOT) / ".venv" / "llama.cpp"
+
+
+def ggml_level_dir(level: str) -> Path | None:
+    """Where `make llamacpp-levels` put llama.cpp's CPU backend for `level`, if it did."""
+    path = _GGML_LEVELS / f"ggml-cpu-{level}"
+    return path if (path / "libggml-cpu.so.0").exists() else None
+
+
 def level_env(level: str) -> dict[str, str]:
-    return {**os.environ, "SLUICE_CPU_ISA": level, **_TORCH_ENV[level]}
+    env = {**os.environ, "SLUICE_CPU_ISA": level, **_TORCH_ENV[level]}
+    ggml = ggml_level_dir(level)
+    if ggml is not None:  # found before the installed library (its RUNPATH comes after)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (str(ggml), os.environ.get("LD_LIBRARY_PATH", "")) if p
+        )
+    return env
 
 
 def run_level(level: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -81,6 +97,7 @@ def run_level(level: str, args: argparse.Namespace) -> dict[str, Any]:
         "ratio_to_llamacpp": sluice / llama if llama else None,
         "variant": data["provenance"]["kernel_variant"],
         "dtype": data["systems"][args.method]["dtype"],
+        "llamacpp_isa": data["systems"].get("llama.cpp", {}).get("isa"),
     }
 
 

@@ -330,7 +330,12 @@ def measure_speed(alias: str, args: argparse.Namespace) -> dict[str, Any]:
         assert all(r["variant"] == level for r in rs), (level, rs)
     metrics = ["sluice_tok_s", "llamacpp_tok_s", "ratio_to_llamacpp"]
     cmp = compare(runs, metrics, args.levels[0])
-    return {"comparison": cmp, "dtype": {lvl: rs[0]["dtype"] for lvl, rs in runs.items()}}
+    return {
+        "comparison": cmp,
+        "dtype": {lvl: rs[0]["dtype"] for lvl, rs in runs.items()},
+        # Which ggml CPU backend llama.cpp ran at each level (make llamacpp-levels).
+        "llamacpp_isa": {lvl: rs[0].get("llamacpp_isa") for lvl, rs in runs.items()},
+    }
 
 
 def measure_perplexity(
@@ -416,6 +421,7 @@ def speed_rows(models: dict[str, Any]) -> list[list[Any]]:
                     level,
                     m["speed"]["dtype"][level],
                     fmt_spread(s["sluice_tok_s"]),
+                    m["speed"].get("llamacpp_isa", {}).get(level) or "-",
                     fmt_spread(s["llamacpp_tok_s"]),
                     fmt_spread(s["ratio_to_llamacpp"], 1, 2),
                 ]
@@ -423,7 +429,10 @@ def speed_rows(models: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
-SPEED_HEADERS = ["model", "level", "dtype", "sluice tok/s", "llama.cpp tok/s", "sluice/llama.cpp"]
+SPEED_HEADERS = [
+    *("model", "level", "dtype", "sluice tok/s", "llama.cpp built for", "llama.cpp tok/s"),
+    "sluice/llama.cpp",
+]
 
 
 def _ppl(p: dict[str, Any] | None) -> str:

@@ -392,6 +392,8 @@ def _gguf_speed(results: Sequence[Result]) -> str:
             if "speed" not in m:
                 continue
             cmp = m["speed"]["comparison"]
+            # Older results did not record llama.cpp's level: it was the machine's own.
+            peer_isa = m["speed"].get("llamacpp_isa", {})
             for level in cmp["sides"]:
                 rows.append(
                     [
@@ -399,12 +401,16 @@ def _gguf_speed(results: Sequence[Result]) -> str:
                         alias,
                         f"{level} ({m['speed']['dtype'][level]})",
                         _spread(cmp, level, "sluice_tok_s"),
+                        peer_isa.get(level) or "this CPU's",
                         _spread(cmp, level, "llamacpp_tok_s"),
                         _spread(cmp, level, "ratio_to_llamacpp", digits=2),
                         str(cmp["rounds"]),
                     ]
                 )
-    headers = ["model", "level", "sluice tok/s", "llama.cpp tok/s", "sluice / llama.cpp", "rounds"]
+    headers = [
+        *("model", "level", "sluice tok/s", "llama.cpp built for", "llama.cpp tok/s"),
+        *("sluice / llama.cpp", "rounds"),
+    ]
     return _table(RUN_HEADERS + headers, rows) if rows else ""
 
 

@@ -120,6 +120,17 @@ class LlamaCppSystem:
         }
 
 
+def llamacpp_isa() -> str:
+    """The x86 instruction-set level llama.cpp's CPU backend was built for (from its
+    system info: which ggml library the loader found, see benchmarks/cpu_levels.py)."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    if "AVX512 = 1" in info:
+        return "avx512"
+    return "avx2" if "AVX2 = 1" in info else "generic"
+
+
 def main() -> None:
     args = parse_args()
     threads = torch.get_num_threads()
@@ -164,6 +175,7 @@ def main() -> None:
                 "version": __import__("llama_cpp").__version__,
                 "model": gguf.name,
                 "threads": threads,
+                "isa": llamacpp_isa(),
             }
         except ImportError:
             print("llama-cpp-python is not installed: no llama.cpp row", flush=True)

@@ -173,6 +173,7 @@ def _fake_gguf_model() -> dict[str, Any]:
         "speed": {
             "comparison": common.compare(runs, metrics, "avx512"),
             "dtype": {"avx512": "bfloat16", "avx2": "float32"},
+            "llamacpp_isa": {"avx512": "avx512", "avx2": "avx2"},
         },
         "perplexity": {
             "chunks": 20,
@@ -510,7 +511,10 @@ def test_report_rows_name_their_run(tmp_path: Path) -> None:
     row = "| smollm2-135m (m.Q4_1.gguf) | sluice | 100 | 300 | 690 | 390 | 256 (11,776 tokens) "
     assert row in full
     assert "| 110 | 1.34 |" in full and "| – | 1.44 |" in full
-    assert "| smollm2-135m | avx2 (float32) | 90.0 (90.0–90.0) | 100.0 (100.0–100.0) |" in full
+    # llama.cpp at the same level as sluice (make llamacpp-levels), and which it was.
+    assert (
+        "| smollm2-135m | avx2 (float32) | 90.0 (90.0–90.0) | avx2 | 100.0 (100.0–100.0) |" in full
+    )
     assert "| 20.512 ± 0.610 | 20.400 ± 0.600 | yes |" in full
     assert report.render(full, report.load_results(tmp_path)) == full
 
