@@ -86,7 +86,18 @@ def is_bf16(t: torch.Tensor) -> int:
     return int(t.dtype == torch.bfloat16)
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+# glibc's mallopt parameters
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# After a load: a step's transient tensors (a 64-stream step's logits and sampling
+# buffers are 12.6 MB each on SmolLM2's vocabulary, 39 MB on Qwen's) come from the heap
+# and stay mapped when freed. With glibc's defaults once the mmap threshold is set
+# (which also fixes the trim threshold at 128 KB), each step trimmed the freed top of
+# the heap and faulted the pages back in: 1-3 million page faults in a 64-stream run,
+# whether it happened depending on what else sat at the top of the heap, and 64-stream
+# throughput varied 430-650 tok/s from one process to the next.
+_STEADY_MMAP_THRESHOLD = 64 << 20
+_STEADY_TRIM_THRESHOLD = 256 << 20
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -103,8 +114,9 @@ def large_allocations_mapped() -> Iterator[None]:
     raises its mmap threshold as large buffers are freed (up to 32 MB), serves the
     next ones from the heap, and the freed read buffers and decoded chunks of a load
     interleave with the weights kept: the heap fragments and the peak grew by ~20%
-    of the model (Qwen2.5-Coder-1.5B: 2040 -> 1738 MB). Afterwards the threshold is
-    32 MB, where the dynamic one would settle, and the freed heap is handed back."""
+    of the model (Qwen2.5-Coder-1.5B: 2040 -> 1738 MB). Afterwards the freed heap is
+    handed back and the thresholds are set for serving (_STEADY_*: steps reuse their
+    buffers' pages instead of faulting them in again)."""
     libc = _libc()
     mallopt = getattr(libc, "mallopt", None)
     if mallopt is not None:
@@ -112,9 +124,10 @@ def large_allocations_mapped() -> Iterator[None]:
     try:
         yield
     finally:
-        if mallopt is not None:
-            mallopt(_M_MMAP_THRESHOLD, 32 << 20)
         release_freed_heap()
+        if mallopt is not None:
+            mallopt(_M_MMAP_THRESHOLD, _STEADY_MMAP_THRESHOLD)
+            mallopt(_M_TRIM_THRESHOLD, _STEADY_TRIM_THRESHOLD)
 
 
 def release_freed_heap() -> None:
