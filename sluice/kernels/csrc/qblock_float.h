@@ -146,8 +146,9 @@ inline QbAcc qb_zero() { return 0.f; }
 template <int BITS, int G, bool IQ>
 SLUICE_INLINE void qb_pair_dm(const QbRow& w, int p, float* d, float* m) {
 #if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
-  __m128 dv = qb_pair_groups<G, IQ>(w.d, w.sd, p);
-  __m128 mv = w.m ? qb_pair_groups<G, IQ>(w.m, w.sm, p)
+  const int sb = p / kQbSuperPairs;
+  __m128 dv = qb_pair_groups<G, IQ>(w.d, IQ ? qb_half(w.sd[sb]) : 0.f, p);
+  __m128 mv = w.m ? qb_pair_groups<G, IQ>(w.m, IQ ? qb_half(w.sm[sb]) : 0.f, p)
                   : _mm_mul_ps(dv, _mm_set1_ps(qb_implied_m<BITS>));
   if constexpr (G == 32) {  // runs: groups 2p, 2p+1, 2p, 2p+1
     dv = _mm_movelh_ps(dv, dv);
