@@ -168,4 +168,5 @@ def repack(
             if name not in result:
                 result[name] = t.new_empty(rows, *t.shape[1:])
             result[name][r0:r1] = t
-    return QuantizedTensor(bits, group, *(result[name] for name in fields), type_name)
+    packed, hbits, scale, minimum, super_scale = (result[name] for name in fields)
+    return QuantizedTensor(bits, group, packed, hbits, scale, minimum, super_scale, type_name)
