@@ -24,6 +24,6 @@ case "$level" in
     out="$out -DGGML_AVX512_VNNI=ON"
     if has avx512_bf16; then out="$out -DGGML_AVX512_BF16=ON"; fi ;;
   avx2) out="$common -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" ;;
-  *) out="$common -DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF -DGGML_F16C=OFF" ;;
+  *) out="$common -DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_BMI2=OFF -DGGML_FMA=OFF -DGGML_F16C=OFF" ;;
 esac
 echo "$out"
