@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sluice import kernels
+from sluice.core.quantized_tensor import INTEGER_SCALE_LAYOUTS
 from sluice.kernels import qblock
 
 FORMATS = sorted(qblock.FORMATS)  # (bits, group): 4, 5, 6 and 8 bits in groups of 16 and 32
@@ -118,7 +119,7 @@ def random_weight(
 # Every format with float16 scales, symmetric (no stored m) or not, and the K-quants'
 # layouts with integer scales; (bits, group, symmetric, integer).
 CASES = [(b, g, sym, False) for b, g in FORMATS for sym in (False, True)] + [
-    (b, g, sym, True) for b, g in sorted(qblock.INTEGER_SCALE_FORMATS) for sym in (False, True)
+    (b, g, sym, True) for b, g in sorted(INTEGER_SCALE_LAYOUTS) for sym in (False, True)
 ]
 
 

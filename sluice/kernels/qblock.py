@@ -25,9 +25,8 @@ from sluice.kernels._ffi import (
     ptr,
 )
 
-# The formats the kernels take: (bits, group), and those also with integer scales.
+# The formats the kernels take: (bits, group); with integer scales, INTEGER_SCALE_LAYOUTS.
 FORMATS = frozenset({(b, g) for b in (4, 5, 6, 8) for g in (32, 16)})
-INTEGER_SCALE_FORMATS = INTEGER_SCALE_LAYOUTS
 
 # (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, y)
 _MATMUL_ARGS = (
@@ -73,7 +72,7 @@ def _check_scales(
         raise ValueError(f"qblock scales and minimums must be {want} here, got {scale.dtype}")
     if not integer:
         return
-    if (bits, group) not in INTEGER_SCALE_FORMATS or k % SUPER:
+    if (bits, group) not in INTEGER_SCALE_LAYOUTS or k % SUPER:
         raise ValueError(f"no qblock kernel for integer scales at {bits}/{group}, K = {k}")
     shape = (n, 1 if symmetric else 2, k // SUPER)
     if tuple(super_scale.shape) != shape or super_scale.dtype != torch.float16:

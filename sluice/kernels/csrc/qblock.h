@@ -116,19 +116,27 @@ struct QbRow {
   const uint16_t* sm;  // ... and of m (null for a symmetric weight)
 };
 
-// Row n of a weight; s: the integer scales' multipliers [N, 1 or 2, K / 256] (null
-// for fp16 scales).
-template <int BITS, int G, bool IQ>
-QbRow qb_row(const uint8_t* packed, const uint8_t* hbits, const void* d, const void* m,
-             const uint16_t* s, int K, int64_t n) {
-  const int64_t hrow = qb_hbits_row_bytes(BITS, K);
-  const int64_t off = n * (K / G) * (IQ ? 1 : 2);  // bytes into d and m
-  const int64_t sup = K / kQbSuper;
-  const uint16_t* sd = IQ ? s + n * sup * (m ? 2 : 1) : nullptr;
-  return {packed + n * qb_row_bytes(BITS, K), hrow ? hbits + n * hrow : nullptr,
-          static_cast<const uint8_t*>(d) + off, m ? static_cast<const uint8_t*>(m) + off : nullptr,
-          sd, IQ && m ? sd + sup : nullptr};
-}
+// A weight's pointers as the kernels take them: packed, hbits, d, m (see QbRow) and s,
+// the integer scales' multipliers [N, 1 or 2, K / 256] (null for fp16 scales).
+struct QbWeight {
+  const uint8_t* packed;
+  const uint8_t* hbits;
+  const void* d;
+  const void* m;
+  const uint16_t* s;
+
+  // Row n's pointers.
+  template <int BITS, int G, bool IQ>
+  QbRow row(int K, int64_t n) const {
+    const int64_t hrow = qb_hbits_row_bytes(BITS, K);
+    const int64_t off = n * (K / G) * (IQ ? 1 : 2);  // bytes into d and m
+    const int64_t sup = K / kQbSuper;
+    const uint16_t* sd = IQ ? s + n * sup * (m ? 2 : 1) : nullptr;
+    return {packed + n * qb_row_bytes(BITS, K), hrow ? hbits + n * hrow : nullptr,
+            static_cast<const uint8_t*>(d) + off,
+            m ? static_cast<const uint8_t*>(m) + off : nullptr, sd, IQ && m ? sd + sup : nullptr};
+  }
+};
 
 // Group g's scale (v = d, s = sd) or offset (v = m, s = sm) as fp32.
 template <int G, bool IQ>
@@ -407,9 +415,7 @@ SLUICE_INLINE void qb_pair_scales16(const QbRow& w, int p, __m256i& slo, __m256i
 template <int BITS, int G, bool IQ, int R>
 SLUICE_INLINE void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __m256* acc,
                                 float sd = 0.f) {
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256i lo, hi;
-  __m256 dlo, dhi;
   qb_unpack<BITS>(w, p, lo, hi);
   if constexpr (IQ && G == 16 && BITS != 8) {
     // The int16 pair sums (|.| <= 2 * 63 * 127) meet their group's integer scale in
@@ -429,6 +435,8 @@ SLUICE_INLINE void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __
     }
     return;
   }
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 dlo, dhi;
   qb_pair_d<G, IQ>(w, p, sd, dlo, dhi);
   for (int r = 0; r < R; ++r) {
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x[r] + 64 * p));
@@ -585,19 +593,6 @@ inline void qb_dot_block(const QbRow& w, const QBlockActivations& xa, int r0, in
                          float* out) {
   qb_dot_rows<BITS, G, IQ, R>(w, qb_act_rows<G, R>(xa, r0, K), K / 64, K / G, out);
 }
-
-// A weight's pointers as the kernels take them: (packed, hbits, d, m, s), see QbRow.
-struct QbWeight {
-  const uint8_t* packed;
-  const uint8_t* hbits;
-  const void* d;
-  const void* m;
-  const uint16_t* s;
-  template <int BITS, int G, bool IQ>
-  QbRow row(int K, int64_t n) const {
-    return qb_row<BITS, G, IQ>(packed, hbits, d, m, s, K, n);
-  }
-};
 
 // Decode (M = R <= 4): every weight row times all rows, in one orphaned `omp for`.
 template <int BITS, int G, bool IQ, int R, typename T>
