@@ -129,15 +129,21 @@ def columns(integer: bool) -> int:
     return 768 if integer else 192
 
 
-def int8_grid(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+def span(integer: bool) -> int:
+    """Values under one activation scale: a block of 32, or for a weight with integer
+    scales its super-block of 256 (the kernels sum a super-block in int32)."""
+    return 256 if integer else 32
+
+
+def int8_grid(rows: int, k: int, dtype: torch.dtype, seed: int, block: int = 32) -> torch.Tensor:
     """Rows on the int8 grid of their blocks (an integer times a power of two, 127 in
     each block): quantize_rows keeps them exactly, so the int8-activation matmul can be
     held to fp32 rounding. Off the grid, values within an ulp of a rounding tie (common
     in bf16) go the way the kernel's fast-math reciprocal sends them."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(-127, 128, (rows, k // 32, 32), generator=gen)
+    q = torch.randint(-127, 128, (rows, k // block, block), generator=gen)
     q[..., 0] = 127
-    scale = 2.0 ** torch.randint(-8, 1, (rows, k // 32, 1), generator=gen)
+    scale = 2.0 ** torch.randint(-8, 1, (rows, k // block, 1), generator=gen)
     return (q * scale).view(rows, k).to(dtype)
 
 
@@ -191,7 +197,7 @@ def test_matmuls_match_the_reference(
     dense = w.dense().double()
     abs_w = dense.abs().t()
     x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(group)).to(dtype)
-    grid = int8_grid(max(ROWS), k, dtype, seed=group)
+    grid = int8_grid(max(ROWS), k, dtype, seed=group, block=span(integer))
     for rows in ROWS:
         got = qblock.qblock_matmul_float(lib, x[:rows], *w.rows(0, n), bits, group)
         assert got.dtype == dtype
@@ -202,11 +208,11 @@ def test_matmuls_match_the_reference(
         )
 
 
-def block_steps(x: torch.Tensor) -> torch.Tensor:
-    """Each value's int8 block step (its block of 32's largest magnitude / 127)."""
+def block_steps(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Each value's int8 block step (its block's largest magnitude / 127)."""
     rows, k = x.shape
-    amax = x.double().abs().view(rows, k // 32, 32).amax(-1, keepdim=True)
-    return (amax / 127).expand(rows, k // 32, 32).reshape(rows, k)
+    amax = x.double().abs().view(rows, k // block, block).amax(-1, keepdim=True)
+    return (amax / 127).expand(rows, k // block, block).reshape(rows, k)
 
 
 @pytest.mark.parametrize(("bits", "group", "symmetric", "integer"), CASES)
@@ -227,7 +233,7 @@ def test_residual_matmul_keeps_activations_to_a_fraction_of_their_step(
         ref = xr.double() @ dense.t()
         # |dx error| <= step / 2 / 254 (+ a little for the residual's own fp32
         # rounding); the fp32 sums add their 1e-5 relative.
-        bound = (block_steps(xr) / 500) @ dense.abs().t()
+        bound = (block_steps(xr, span(integer)) / 500) @ dense.abs().t()
         assert_close(got, ref, bound + 1e-5 * (xr.double().abs() @ dense.abs().t()), 1.0)
         if dtype == torch.float32:  # (bf16's rounding of the result hides the gain)
             one_level = qblock.qblock_matmul(lib, xr, *w.rows(0, n), bits, group)
@@ -253,7 +259,8 @@ def test_matmul_rows_do_not_depend_on_the_batch(
         batch = fn(lib, x, *weight, bits, group)
         for r in (0, 1, 63, 64, 65, 129):
             assert torch.equal(fn(lib, x[r : r + 1], *weight, bits, group), batch[r : r + 1])
-    grid, dense = int8_grid(130, k, torch.float32, seed=12).double(), w.dense()[3:].double()
+    grid = int8_grid(130, k, torch.float32, seed=12, block=span(integer)).double()
+    dense = w.dense()[3:].double()
     got = qblock.qblock_matmul(lib, grid.float(), *weight, bits, group)
     assert_close(got, grid @ dense.t(), grid.abs() @ dense.abs().t(), 1e-5)
 

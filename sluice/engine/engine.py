@@ -203,7 +203,7 @@ class LLMEngine:
             "draft_model": config.speculative_model,
             "dtype": str(self.dtype),
             "quantization": self.quantization,
-            "kernels": self.cpu_kernels,
+            "kernels": kernels.build_id() if device.type == "cpu" else "off",
             "threads": torch.get_num_threads() if device.type == "cpu" else 0,
             "device": str(device),
             "block_size": config.block_size,

@@ -168,6 +168,15 @@ def variant() -> str:
     return "off" if lib is None else built_level(lib)
 
 
+def build_id() -> str:
+    """The kernels in use as built: their file's name, which holds the level and a digest
+    of compiler, flags and sources ("off" when none load). Anything measured of the
+    kernels and cached (the speculator's step costs) keys on it: a kernel change must
+    not be judged by the table of the code before it."""
+    lib = load()
+    return "off" if lib is None else Path(lib._name).name
+
+
 @contextlib.contextmanager
 def use_variant(level: str) -> Iterator[Library | None]:
     """Make `load()` return the `level` kernels while in the block (for tests that run

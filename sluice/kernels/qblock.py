@@ -28,6 +28,7 @@ from sluice.kernels._ffi import (
 # The formats the kernels take: (bits, group); with integer scales, INTEGER_SCALE_LAYOUTS.
 FORMATS = frozenset({(b, g) for b in (4, 5, 6, 8) for g in (32, 16)})
 
+_ROW_BLOCK = c_function("sluice_qblock_row_block", INT)
 # (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, y)
 _MATMUL_ARGS = (
     *(POINTER, INT, INT, INT, INT, INT),
@@ -48,6 +49,12 @@ _EMBEDDING = c_function(
     None,
     *(POINTER, INT, INT, INT, POINTER, POINTER, POINTER, POINTER, POINTER, INT, POINTER, INT),
 )
+
+
+def row_block(lib: Library) -> int:
+    """Activation rows the int8-activation matmul serves with one read of each weight
+    (8 at AVX-512, 4 below): up to this many rows cost one pass over the weights."""
+    return int(_ROW_BLOCK(lib))
 
 
 def _check_scales(

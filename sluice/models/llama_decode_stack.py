@@ -34,6 +34,9 @@ from sluice.layers.quantization import Int4WeightOnly, Int8WeightOnly
 from sluice.models.llama import DecoderLayer, LlamaForCausalLM
 
 STACK_MAX_ROWS = 3
+QBLOCK_FORMATS = frozenset(
+    decode_stack.qblock_format(bits, group) for bits, group in qblock.FORMATS
+)
 
 # A layer's row of the stack's table: field name (csrc/decode_stack_fields.h) -> tensor,
 # None for a null pointer, or an int (a linear's format).
@@ -202,12 +205,7 @@ class LlamaDecodeStack:
             return None
         rows: list[Fields] = []
         formats: set[int] = set()
-        # At most 3 rows, whatever the eager crossover: with qblock weights the stack
-        # stalled the server for ~15 s at times on 4-15-row steps (the kernel's
-        # row-blocked path inside the stack's parallel region; tests/test_server.py's
-        # queue-full test caught it, not yet understood), and 1-3 rows is the decode
-        # regime the stack is for.
-        max_rows = STACK_MAX_ROWS
+        max_rows_eager = 1 << 30  # below every linear's dense crossover
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
             found = layer_fields(layer, k_cache, v_cache, dtype)
             if found is None:
@@ -218,7 +216,14 @@ class LlamaDecodeStack:
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 # layer_fields returned fields, so every linear runs one of our kernels.
                 method = cast(_KernelMethod, linear.method)
-                max_rows = min(max_rows, method.dense_min_rows - 1)
+                max_rows_eager = min(max_rows_eager, method.dense_min_rows - 1)
+        # On qblock weights, at most the rows one pass of its kernel serves
+        # (qblock.row_block: 8 at AVX-512, 4 below), else 3: with more, the kernel's
+        # row-tiled path inside the stack's parallel region stalled the server for ~15 s
+        # at times (tests/test_server.py's queue-full test, 4-15-row steps; not
+        # understood, and not seen with the one-pass path).
+        limit = qblock.row_block(lib) if formats <= QBLOCK_FORMATS else STACK_MAX_ROWS
+        max_rows = min(limit, max_rows_eager)
         if max_rows < 1:
             return None
         block_size = kv_caches[0][0].shape[2]  # pools are [blocks, kv_heads, block_size, d]

@@ -25,7 +25,7 @@ start-up, the way vLLM's users are told to tune their schedule by hand:
 - The measurement uses its own requests and blocks and leaves the pool and the
   prefix cache as they were; it takes about a second for the bundled model and tens
   of seconds for a 1.5B one, hence the cache: `cache_dir()/step_costs/<key>.json`,
-  keyed by the model file, dtype, weight format, kernel variant, threads, device and
+  keyed by the model file, dtype, weight format, kernel build, threads, device and
   the versions of sluice and torch. Delete the file to measure again.
 """
 

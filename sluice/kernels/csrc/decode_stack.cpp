@@ -95,11 +95,16 @@ void linear(const int64_t* layer, Field packed, const sluice::QBlockActivations&
                         N, y);
 }
 
-// What the linear at `packed` needs of its activations (QBlockActivations::quantize):
-// 0 for the int4 and int8 kernels, else its qblock group.
-inline int activation_group(const int64_t* layer, Field packed) {
+// x [M, K] quantized as the linear at `packed` reads it (QBlockActivations::quantize):
+// group 0 for the int4 and int8 kernels, else its qblock group, and one scale per 256
+// values where its scales are integers.
+template <typename T>
+void quantize_for(sluice::QBlockActivations& xa, const int64_t* layer, Field packed, const T* x,
+                  int M, int K) {
   const int64_t format = layer[packed + 5];
-  return format == kFormatInt4 || format == kFormatInt8 ? 0 : static_cast<int>(format % 100);
+  const bool qblock = format != kFormatInt4 && format != kFormatInt8;
+  xa.quantize(x, M, K, qblock ? static_cast<int>(format % 100) : 0,
+              qblock && layer[packed + 4] != 0);
 }
 
 // This step's new K/V rows (token stride `stride`) into layer L's pools.
@@ -139,7 +144,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
       } else {
         sluice::add_rms_norm<T>(h, residual.data(), at<T>(L, kInputNorm), x.data(), M, H, s.eps);
       }
-      xa.quantize(x.data(), M, H, activation_group(L, kQkvPacked));
+      quantize_for(xa, L, kQkvPacked, x.data(), M, H);
     }
     linear(L, kQkvPacked, xa, M, H, qkv_n, qkv.data());
 #pragma omp single
@@ -165,18 +170,18 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
                            s.kv_heads, s.head_dim, s.block_size, s.scale,
                            static_cast<int64_t>(qkv_n), /*window=*/0);
 #pragma omp single
-    xa.quantize(attn.data(), M, q_size, activation_group(L, kOPacked));
+    quantize_for(xa, L, kOPacked, attn.data(), M, q_size);
     linear(L, kOPacked, xa, M, q_size, H, h);
 #pragma omp single
     {
       sluice::add_rms_norm<T>(h, residual.data(), at<T>(L, kPostNorm), x.data(), M, H, s.eps);
-      xa.quantize(x.data(), M, H, activation_group(L, kGateUpPacked));
+      quantize_for(xa, L, kGateUpPacked, x.data(), M, H);
     }
     linear(L, kGateUpPacked, xa, M, H, 2 * s.inter, gate_up.data());
 #pragma omp single
     {
       sluice::silu_and_mul(gate_up.data(), act.data(), M, s.inter);
-      xa.quantize(act.data(), M, s.inter, activation_group(L, kDownPacked));
+      quantize_for(xa, L, kDownPacked, act.data(), M, s.inter);
     }
     linear(L, kDownPacked, xa, M, s.inter, H, h);
   }

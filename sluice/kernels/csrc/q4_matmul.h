@@ -30,32 +30,34 @@
 namespace sluice {
 
 // x [M, K] -> int8 in pair-permuted order, per-block scales dx and dx * sum(qx).
+// span: values under one scale, 32 or 256 (the integer-scale qblock kernels sum a
+// whole 256-value super-block in int32, so its 8 blocks share their largest's scale;
+// dx and sx stay per 32-block, dx then repeating a super-block's scale 8 times).
 template <typename T>
-void quantize_rows(const T* x, int M, int K, int8_t* xq, float* dx, float* sx) {
-  const int nb = K / 32;
+void quantize_rows(const T* x, int M, int K, int8_t* xq, float* dx, float* sx, int span = 32) {
+  const int nb = K / 32, per = span / 32;
   for (int r = 0; r < M; ++r) {
     const T* xr = x + static_cast<int64_t>(r) * K;
     int8_t* qr = xq + static_cast<int64_t>(r) * K;
-    for (int b = 0; b < nb; ++b) {
-      float v[32], amax = 0.f;
-      for (int i = 0; i < 32; ++i) {
-        v[i] = to_float(xr[b * 32 + i]);
-        amax = std::fmax(amax, std::fabs(v[i]));
-      }
+    for (int b0 = 0; b0 < nb; b0 += per) {
+      float amax = 0.f;
+      for (int i = 0; i < span; ++i) amax = std::fmax(amax, std::fabs(to_float(xr[b0 * 32 + i])));
       const float scale = amax / 127.f;
       const float inv = scale > 0.f ? 1.f / scale : 0.f;
-      // Block b is the first (0) or second (1) of its pair; its low 16 values go to
-      // bytes [16*half, +16) of the pair, its high 16 to [32 + 16*half, +16).
-      int8_t* pair = qr + (b / 2) * 64;
-      const int half = b % 2;
-      int sum = 0;
-      for (int i = 0; i < 32; ++i) {
-        const int q = static_cast<int>(std::nearbyint(v[i] * inv));
-        sum += q;
-        pair[(i < 16 ? 0 : 32) + 16 * half + (i % 16)] = static_cast<int8_t>(q);
+      for (int b = b0; b < b0 + per; ++b) {
+        // Block b is the first (0) or second (1) of its pair; its low 16 values go to
+        // bytes [16*half, +16) of the pair, its high 16 to [32 + 16*half, +16).
+        int8_t* pair = qr + (b / 2) * 64;
+        const int half = b % 2;
+        int sum = 0;
+        for (int i = 0; i < 32; ++i) {
+          const int q = static_cast<int>(std::nearbyint(to_float(xr[b * 32 + i]) * inv));
+          sum += q;
+          pair[(i < 16 ? 0 : 32) + 16 * half + (i % 16)] = static_cast<int8_t>(q);
+        }
+        dx[static_cast<int64_t>(r) * nb + b] = scale;
+        sx[static_cast<int64_t>(r) * nb + b] = scale * static_cast<float>(sum);
       }
-      dx[static_cast<int64_t>(r) * nb + b] = scale;
-      sx[static_cast<int64_t>(r) * nb + b] = scale * static_cast<float>(sum);
     }
   }
 }
@@ -65,11 +67,11 @@ struct Q4Activations {
   std::vector<int8_t> q;
   std::vector<float> dx, sx;
   template <typename T>
-  void quantize(const T* x, int M, int K) {
+  void quantize(const T* x, int M, int K, int span = 32) {
     q.resize(static_cast<size_t>(M) * K);
     dx.resize(static_cast<size_t>(M) * (K / 32));
     sx.resize(dx.size());
-    quantize_rows(x, M, K, q.data(), dx.data(), sx.data());
+    quantize_rows(x, M, K, q.data(), dx.data(), sx.data(), span);
   }
 };
 

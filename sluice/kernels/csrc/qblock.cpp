@@ -16,21 +16,22 @@ using sluice::QbWeight;
 template <typename T>
 void matmul(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N, T* y) {
   sluice::QBlockActivations xa;
-  xa.quantize(x, M, K, group);
+  xa.quantize(x, M, K, group, w.s != nullptr);
 #pragma omp parallel
   sluice::qblock_rows(xa, M, K, bits, group, w, N, y);
 }
 
 // Row r of x becomes rows 2r (x) and 2r + 1 (what x's int8 blocks leave out, x - dx * q,
-// itself quantized in blocks of a scale ~254 times finer): the int8 kernel then sees
+// itself quantized in blocks of a scale ~254 times finer; blocks of 256 for a weight
+// with integer scales, of 32 else): the int8 kernel then sees
 // each value to ~15 bits where one level keeps 8, and a weight pair unpacked once
 // serves both rows. The output head's logits decide greedy picks among near-ties, so
 // it needs more than int8; this gets that at the int8 kernel's bandwidth instead of
 // the float kernel's instruction count (its 6-bit head was compute-bound).
 template <typename T>
-std::vector<float> with_residuals(const T* x, int M, int K) {
+std::vector<float> with_residuals(const T* x, int M, int K, bool integer) {
   sluice::QBlockActivations coarse;
-  coarse.quantize(x, M, K, 0);
+  coarse.quantize(x, M, K, 0, integer);
   std::vector<float> out(static_cast<size_t>(2) * M * K);
   for (int r = 0; r < M; ++r) {
     const T* xr = x + static_cast<int64_t>(r) * K;
@@ -52,9 +53,10 @@ std::vector<float> with_residuals(const T* x, int M, int K) {
 template <typename T>
 void matmul_residual(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N,
                      T* y) {
-  const std::vector<float> x2 = with_residuals(x, M, K);
+  const bool integer = w.s != nullptr;
+  const std::vector<float> x2 = with_residuals(x, M, K, integer);
   sluice::QBlockActivations xa;
-  xa.quantize(x2.data(), 2 * M, K, group);
+  xa.quantize(x2.data(), 2 * M, K, group, integer);
   std::vector<float> both(static_cast<size_t>(2) * M * N);  // the two levels' products
   float* y2 = both.data();
 #pragma omp parallel
@@ -88,7 +90,12 @@ void gather(const int64_t* rows, int count, int bits, int group, const QbWeight&
 
 extern "C" {
 
-// y [M, N] = x @ W.T with x quantized to int8 per block of 32; x and y fp32 or bf16
+// Activation rows one pass of a weight row serves (the int8-activation matmul reads each
+// weight once for up to this many rows; more are tiled).
+int sluice_qblock_row_block() { return sluice::kQbRowBlock; }
+
+// y [M, N] = x @ W.T with x quantized to int8 per block of 32 (of 256 for integer
+// scales); x and y fp32 or bf16
 // (bf16 flag), K a multiple of 64.
 void sluice_qblock_matmul(const void* x, int bf16, int M, int K, int bits, int group,
                           const uint8_t* packed, const uint8_t* hbits, const void* d,
