@@ -662,7 +662,11 @@ def test_queue_full_is_503_on_streaming_and_chat_requests() -> None:
     with serve(*args) as srv, httpx.Client(headers=srv.headers, timeout=60) as http:
         with http.stream("POST", f"{srv.url}{C}", json=long) as running:
             assert running.status_code == 200
-            next(running.iter_lines())  # it has started
+            # It has started. The line iterator must outlive this line: dropping it
+            # closes the response, the server aborts the request as disconnected, the
+            # waiting one takes the seat, and a refused request found room (1 run in 4).
+            lines = running.iter_lines()
+            next(lines)
             with http.stream("POST", f"{srv.url}{C}", json=long) as waiting:
                 assert waiting.status_code == 200  # accepted: it waits for the seat
                 for path, body in refused:
