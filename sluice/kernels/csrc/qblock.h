@@ -358,31 +358,20 @@ SLUICE_INLINE __m512 qb_groups16(const void* v, const uint16_t* s, int g, __mmas
   }
 }
 
-template <int BITS, int G, bool IQ, int R, bool PREFETCH = false>
-SLUICE_INLINE void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, float* out) {
-  // Two accumulators a row: consecutive pairs do not wait on each other's FMA.
-  __m512 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-  if constexpr (IQ) {  // one float step a super-block a row: sd * dx (dx the super-block's)
-    for (int p = 0; p < np; p += kQbSuperPairs) {
-      __m512i isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-      qb_super_step<BITS, G, R, PREFETCH>(w, a, p, isum);
-      const float sd = qb_half(w.sd[p / kQbSuperPairs]);
-      for (int r = 0; r < R; ++r) {
-        const __m512 scale = qb_keep(_mm512_set1_ps(sd * a.dx[r][2 * p]));
-        acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc0[r]);
-      }
-    }
-  } else {
-    int p = 0;
-    for (; p + 1 < np; p += 2) {
-      if constexpr (PREFETCH) qb_prefetch<BITS>(w, p);
-      qb_pair_step<BITS, G, R>(w, a, p, acc0);
-      qb_pair_step<BITS, G, R>(w, a, p + 1, acc1);
-    }
-    if (p < np) qb_pair_step<BITS, G, R>(w, a, p, acc0);
-  }
+// The vectors qb_dot_rows (below, shared by the SIMD levels) accumulates in.
+using QbFloats = __m512;
+using QbInts = __m512i;
+SLUICE_INLINE __m512 qb_fzero() { return _mm512_setzero_ps(); }
+SLUICE_INLINE __m512i qb_izero() { return _mm512_setzero_si512(); }
+// acc + isum * scale, the scale kept as computed (qb_keep).
+SLUICE_INLINE __m512 qb_scaled_add(__m512i isum, float scale, __m512 acc) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), qb_keep(_mm512_set1_ps(scale)), acc);
+}
+
+// out[r]: the pairs' sums (acc0 + acc1) plus the minimum terms.
+template <int BITS, int G, bool IQ, int R>
+SLUICE_INLINE void qb_finish(const QbRow& w, const QbActRows<R>& a, int ng, const __m512* acc0,
+                             const __m512* acc1, float* out) {
   // The minimum terms: sum_g m_g * sx_g, 16 groups at a time; a symmetric weight's
   // m_g is implied * d_g, so it sums d_g * sx_g and scales once.
   const void* ms = w.m ? w.m : w.d;
@@ -550,30 +539,20 @@ SLUICE_INLINE __m256 qb_groups8(const void* v, const uint16_t* s, int g) {
   }
 }
 
-template <int BITS, int G, bool IQ, int R, bool PREFETCH = false>
-SLUICE_INLINE void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, float* out) {
-  __m256 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  if constexpr (IQ) {  // one float step a super-block a row: sd * dx (dx the super-block's)
-    for (int p = 0; p < np; p += kQbSuperPairs) {
-      __m256i isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-      qb_super_step<BITS, G, R, PREFETCH>(w, a, p, isum);
-      const float sd = qb_half(w.sd[p / kQbSuperPairs]);
-      for (int r = 0; r < R; ++r) {
-        const __m256 scale = qb_keep(_mm256_set1_ps(sd * a.dx[r][2 * p]));
-        acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc0[r]);
-      }
-    }
-  } else {
-    int p = 0;
-    for (; p + 1 < np; p += 2) {
-      if constexpr (PREFETCH) qb_prefetch<BITS>(w, p);
-      qb_pair_step<BITS, G, R>(w, a, p, acc0);
-      qb_pair_step<BITS, G, R>(w, a, p + 1, acc1);
-    }
-    if (p < np) qb_pair_step<BITS, G, R>(w, a, p, acc0);
-  }
+// The vectors qb_dot_rows (below, shared by the SIMD levels) accumulates in.
+using QbFloats = __m256;
+using QbInts = __m256i;
+SLUICE_INLINE __m256 qb_fzero() { return _mm256_setzero_ps(); }
+SLUICE_INLINE __m256i qb_izero() { return _mm256_setzero_si256(); }
+// acc + isum * scale, the scale kept as computed (qb_keep).
+SLUICE_INLINE __m256 qb_scaled_add(__m256i isum, float scale, __m256 acc) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), qb_keep(_mm256_set1_ps(scale)), acc);
+}
+
+// out[r]: the pairs' sums (acc0 + acc1) plus the minimum terms.
+template <int BITS, int G, bool IQ, int R>
+SLUICE_INLINE void qb_finish(const QbRow& w, const QbActRows<R>& a, int ng, const __m256* acc0,
+                             __m256* acc1, float* out) {
   // The minimum terms sum_g m_g * sx_g; for 8 bits also the sign trick's offset,
   // 128 * d_g * sx_g.
   // A symmetric weight's m is a multiple of d: (implied + 128) * d for 8 bits is 0.
@@ -678,6 +657,35 @@ inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, f
     }
   }
   for (int r = 0; r < R; ++r) out[r] += qb_min_dot<BITS, G, IQ>(w, a.sx[r], ng);
+}
+#endif
+
+#if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
+// out[r] = weight row w . activation row r over np pairs (ng groups), at either SIMD
+// level (its vectors and steps above).
+template <int BITS, int G, bool IQ, int R, bool PREFETCH = false>
+SLUICE_INLINE void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, float* out) {
+  // Two accumulators a row: consecutive pairs do not wait on each other's FMA.
+  QbFloats acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = qb_fzero();
+  if constexpr (IQ) {  // one float step a super-block a row: sd * dx (dx the super-block's)
+    for (int p = 0; p < np; p += kQbSuperPairs) {
+      QbInts isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = qb_izero();
+      qb_super_step<BITS, G, R, PREFETCH>(w, a, p, isum);
+      const float sd = qb_half(w.sd[p / kQbSuperPairs]);
+      for (int r = 0; r < R; ++r) acc0[r] = qb_scaled_add(isum[r], sd * a.dx[r][2 * p], acc0[r]);
+    }
+  } else {
+    int p = 0;
+    for (; p + 1 < np; p += 2) {
+      if constexpr (PREFETCH) qb_prefetch<BITS>(w, p);
+      qb_pair_step<BITS, G, R>(w, a, p, acc0);
+      qb_pair_step<BITS, G, R>(w, a, p + 1, acc1);
+    }
+    if (p < np) qb_pair_step<BITS, G, R>(w, a, p, acc0);
+  }
+  qb_finish<BITS, G, IQ, R>(w, a, ng, acc0, acc1, out);
 }
 #endif
 
