@@ -152,7 +152,8 @@ def qblock_matmul(
     bits: int,
     group: int,
 ) -> torch.Tensor:
-    """y [M, N] = x @ W.T in x's dtype, x quantized to int8 per block of 32."""
+    """y [M, N] = x @ W.T in x's dtype, x quantized to int8 per block of 32 (of 256
+    values, the super-block, for integer scales: their products then sum in int32)."""
     return _matmul(_MATMUL, lib, x, packed, hbits, scale, minimum, super_scale, bits, group)
 
 
@@ -183,10 +184,10 @@ def qblock_matmul_residual(
     bits: int,
     group: int,
 ) -> torch.Tensor:
-    """qblock_matmul with x quantized in two int8 levels: each block of 32, then what
-    that leaves out (x - dx * q) in blocks of its own, so every value is kept to within
-    1/508 of its block's step (~15 bits of the block's largest), at the int8 kernel's
-    speed: the output head."""
+    """qblock_matmul with x quantized in two int8 levels: each block (as qblock_matmul
+    makes them), then what that leaves out (x - dx * q) in blocks of its own, so every
+    value is kept to within 1/508 of its block's step (~15 bits of the block's largest),
+    at the int8 kernel's speed: the output head."""
     return _matmul(
         _MATMUL_RESIDUAL, lib, x, packed, hbits, scale, minimum, super_scale, bits, group
     )

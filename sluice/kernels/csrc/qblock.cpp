@@ -22,10 +22,9 @@ void matmul(const T* x, int M, int K, int bits, int group, const QbWeight& w, in
 }
 
 // Row r of x becomes rows 2r (x) and 2r + 1 (what x's int8 blocks leave out, x - dx * q,
-// itself quantized in blocks of a scale ~254 times finer; blocks of 256 for a weight
-// with integer scales, of 32 else): the int8 kernel then sees
-// each value to ~15 bits where one level keeps 8, and a weight pair unpacked once
-// serves both rows. The output head's logits decide greedy picks among near-ties, so
+// itself quantized in blocks of a scale ~254 times finer; blocks of 256 values for a
+// weight with integer scales, of 32 else): the int8 kernel then sees each value to ~15
+// bits where one level keeps 8, and a weight pair unpacked once serves both rows. The output head's logits decide greedy picks among near-ties, so
 // it needs more than int8; this gets that at the int8 kernel's bandwidth instead of
 // the float kernel's instruction count (its 6-bit head was compute-bound).
 template <typename T>
@@ -90,13 +89,12 @@ void gather(const int64_t* rows, int count, int bits, int group, const QbWeight&
 
 extern "C" {
 
-// Activation rows one pass of a weight row serves (the int8-activation matmul reads each
-// weight once for up to this many rows; more are tiled).
+// Activation rows one pass of the int8-activation matmul serves (each weight is read
+// once for up to this many rows; more take a pass per block of them).
 int sluice_qblock_row_block() { return sluice::kQbRowBlock; }
 
 // y [M, N] = x @ W.T with x quantized to int8 per block of 32 (of 256 for integer
-// scales); x and y fp32 or bf16
-// (bf16 flag), K a multiple of 64.
+// scales); x and y fp32 or bf16 (bf16 flag), K a multiple of 64.
 void sluice_qblock_matmul(const void* x, int bf16, int M, int K, int bits, int group,
                           const uint8_t* packed, const uint8_t* hbits, const void* d,
                           const void* m, const uint16_t* s, int N, void* y) {
