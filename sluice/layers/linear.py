@@ -7,6 +7,7 @@ Quantization plugs in here: a method converts the loaded dense weight once
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -48,11 +49,36 @@ class LinearMethod:
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-                x, layer.packed_weight, layer.bias, "none", [], ""
-            )
-            return out
+            packed = cast(torch.Tensor, layer.packed_weight)
+            if torch.compiler.is_compiling():
+                # Inductor lowers this op only for weights it froze itself; ours are
+                # module state, so the call stays opaque to it.
+                return cast(
+                    torch.Tensor, _onednn_linear_op(x, packed, layer.bias, layer.out_features)
+                )
+            return _onednn_linear(x, packed, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
+
+
+def _onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
+
+
+@torch.library.custom_op("sluice::onednn_linear", mutates_args=())
+def _onednn_linear_op(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return _onednn_linear(x, packed, bias)
+
+
+@_onednn_linear_op.register_fake
+def _(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 class Linear(nn.Module):
