@@ -725,6 +725,38 @@ def _swa_pool(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _cuda_check(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        cells = _run_cells(name, d)
+        cells[1] = f"{d.get('gpu') or '?'} (torch {d['provenance'].get('torch', '?')})"
+        checks = d.get("correctness")
+        ok = (
+            f"{sum(c['ok'] for c in checks)} of {len(checks)}"
+            if isinstance(checks, list)
+            else "not run"
+        )
+        single = (d.get("figures") or {}).get("single_stream")
+        compiled = (d.get("compile") or {}).get("single_stream")
+        server = d.get("server") or {}
+        rows.append(
+            [
+                *cells,
+                ok,
+                _pair(single, "sluice", "transformers", "output_tok_s", 0) if single else "-",
+                _pair(compiled, "eager", "compiled", "output_tok_s", 0) if compiled else "-",
+                "-" if not server else ("answers" if server.get("ok") else "failed to start"),
+            ]
+        )
+    headers = [
+        "greedy = transformers (model × speculation)",
+        "single stream tok/s: sluice / transformers",
+        "single stream tok/s: eager / compiled",
+        "server",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
 RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "cpu_levels": _cpu_levels,
     "throughput": _throughput,
@@ -742,6 +774,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "scale_out": _scale_out,
     "tensor_parallel": _tensor_parallel,
     "swa_pool": _swa_pool,
+    "cuda_check": _cuda_check,
 }
 
 

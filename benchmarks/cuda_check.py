@@ -1,0 +1,451 @@
+"""The CUDA path end to end, on a machine with a GPU: correctness against transformers,
+then figures side by side.
+
+sluice is CPU first, but the engine is device-agnostic (`device="cuda"`): the dense
+layers, SDPA over the paged KV cache, the sampler and the scheduler run unchanged on a
+GPU. No CI machine has one, so this script is what checks that path where a GPU is lent:
+
+1. correctness: small random-weight Llama, Qwen2 and Qwen3 models (the shapes of
+   tests/test_architectures.py) on the GPU in fp32, sluice's greedy output against
+   transformers' on the same weights, token for token, with chunked prefill (a 32-token
+   budget), prefix caching, and again with n-gram and draft-model speculative decoding;
+2. figures: a random-weight model of SmolLM2-135M's shape in bf16, single-stream
+   decode and offline throughput against transformers' static-batch `generate` on the
+   same weights and prompts, interleaved rounds (A B A B), medians;
+3. the server: `sluice serve --device cuda` answers a completion, a streamed one and
+   /metrics, and refuses a bad request with a 400;
+4. torch.compile: greedy still equal to transformers, and single-stream decode eager
+   against compiled.
+
+The weights are random (no model file fits the GPU lease's upload), so the outputs are
+not text; only the shapes, and so the time a step takes, are SmolLM2's.
+
+Run (the tokenizer directory holds tokenizer.json; any sluice-readable one serves):
+    python -m benchmarks.cuda_check --tokenizer DIR --output result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import REPO_ROOT, compare, interleave, write_result
+
+SMALL = dict(
+    vocab_size=49152,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.3,  # peaky logits: no near-ties for greedy to trip on
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# SmolLM2-135M's shape (30 layers, hidden 576, GQA 9/3, vocab 49152, tied embeddings).
+SMOLLM2_SHAPE = dict(
+    SMALL,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    initializer_range=0.02,
+    tie_word_embeddings=True,
+    rope_theta=100000.0,
+)
+
+
+def build(kind: str, shape: dict[str, Any], directory: Path, tokenizer: Path) -> Any:
+    """A random-weight transformers model saved (safetensors) with the tokenizer beside it."""
+    import shutil
+
+    import transformers
+
+    torch.manual_seed(0)
+    config = {
+        "llama": lambda: transformers.LlamaConfig(**shape),
+        "qwen2": lambda: transformers.Qwen2Config(**{**shape, "rope_theta": 1e6}),
+        "qwen3": lambda: transformers.Qwen3Config(**{**shape, "rope_theta": 1e6}, head_dim=48),
+    }[kind]()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if kind == "qwen2":  # make the q/k/v biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(directory)
+    for f in tokenizer.iterdir():
+        shutil.copy(f, directory / f.name)
+    return model
+
+
+def hf_greedy(model: Any, prompts: list[list[int]], n: int, device: str) -> list[list[int]]:
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids], device=device)
+            y = model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            outs.append(y[0, len(ids) :].tolist())
+    return outs
+
+
+def check_correctness(tokenizer: Path, device: str, work: Path) -> list[dict[str, Any]]:
+    from sluice import LLM, SamplingParams
+    from sluice.engine.speculative.step_costs import StepCosts
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 23, 40, 70)]
+    # A prompt that repeats itself, so n-gram lookup has drafts to verify.
+    prompts.append((prompts[1] * 4)[:80])
+    results = []
+    for kind in ("llama", "qwen2", "qwen3"):
+        directory = work / kind
+        model = build(kind, SMALL, directory, tokenizer).to(device)
+        ref = hf_greedy(model, prompts, 24, device)
+        # "draft": the model drafts for itself, so every draft is accepted and the
+        # draft model's own paged KV and catch-up run too.
+        for spec in (None, "ngram", "draft"):
+            llm = LLM(
+                model=str(directory),
+                device=device,
+                dtype="float32",
+                kv_cache_memory=0.05,
+                max_num_batched_tokens=32,  # chunked prefill: 70 tokens take 3 steps
+                block_size=8,
+                speculative_method=spec,
+                speculative_model=str(directory) if spec == "draft" else None,
+            )
+            if spec is not None:
+                # Verify every draft (the cost model would rightly skip most on a model
+                # this small): what is checked here is verification and rollback.
+                assert llm.engine.speculator is not None
+                llm.engine.speculator.costs = StepCosts.uniform(0.0, max_rows=16)
+            sp = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+            done = llm.generate(prompts, sp, use_tqdm=False)
+            outs = [o.outputs[0].token_ids for o in done]
+            equal = [o == r for o, r in zip(outs, ref, strict=True)]
+            same = sum(
+                next((i for i, (a, b) in enumerate(zip(o, r, strict=False)) if a != b), len(r))
+                for o, r in zip(outs, ref, strict=True)
+            )
+            results.append(
+                {
+                    "model": kind,
+                    "speculative": spec,
+                    "prompts_equal": sum(equal),
+                    "prompts": len(prompts),
+                    "leading_tokens_equal": same,
+                    "tokens": 24 * len(prompts),
+                    "ok": all(equal),
+                    "drafted": llm.stats().get("spec_drafted_tokens", 0),
+                    "accepted": llm.stats().get("spec_accepted_tokens", 0),
+                }
+            )
+            print(json.dumps(results[-1]), flush=True)
+            del llm
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def sluice_run(llm: Any, prompts: list[list[int]], n: int) -> dict[str, float]:
+    from sluice import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    sync()
+    dt = time.perf_counter() - t0
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": dt, "output_tok_s": produced / dt}
+
+
+def hf_run(model: Any, prompts: list[list[int]], n: int, batch: int) -> dict[str, float]:
+    """transformers' static batches, left-padded; every row makes n tokens."""
+    device = next(model.parameters()).device
+    sync()
+    t0 = time.perf_counter()
+    produced = 0
+    with torch.no_grad():
+        for i in range(0, len(prompts), batch):
+            rows = prompts[i : i + batch]
+            width = max(len(r) for r in rows)
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            mask = torch.zeros(len(rows), width, dtype=torch.long)
+            for j, r in enumerate(rows):
+                ids[j, width - len(r) :] = torch.tensor(r)
+                mask[j, width - len(r) :] = 1
+            y = model.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            produced += (y.shape[1] - width) * len(rows)
+    sync()
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "output_tok_s": produced / dt}
+
+
+def figures(
+    tokenizer: Path, work: Path, rounds: int, n_prompts: int, device: str
+) -> dict[str, Any]:
+    from sluice import LLM
+
+    directory = work / "smollm2-shape"
+    model = build("llama", SMOLLM2_SHAPE, directory, tokenizer).to(device, torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.randint(32, 512, (n_prompts,), generator=gen).tolist()
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in lengths]
+    single = [prompts[0][:128]]
+    llm = LLM(
+        model=str(directory),
+        device=device,
+        dtype="bfloat16",
+        kv_cache_memory=8.0,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        # Every round runs the same prompts: a prefix cache would skip their prefill
+        # from the second round on, which transformers cannot.
+        enable_prefix_caching=False,
+    )
+    out: dict[str, Any] = {"prompts": n_prompts, "prompt_tokens": sum(lengths)}
+    for name, batch, n in (("single_stream", None, 256), ("offline", 64, 128)):
+        work_prompts = single if batch is None else prompts
+
+        def measure(
+            side: str, wp: list[list[int]] = work_prompts, b: int | None = batch, n: int = n
+        ) -> dict[str, float]:
+            if side == "sluice":
+                return sluice_run(llm, wp, n)
+            return hf_run(model, wp, n, b or 1)
+
+        for side in ("sluice", "transformers"):  # an untimed round: kernels' first use
+            measure(side)
+        runs = interleave(["sluice", "transformers"], rounds, measure, label=name)
+        out[name] = {
+            "output_tokens_per_request": n,
+            "hf_batch": batch or 1,
+            **compare(runs, ["output_tok_s", "seconds"], baseline="transformers"),
+        }
+        s = out[name]["summary"]
+        print(
+            f"{name}: sluice {s['sluice']['output_tok_s']['median']:.0f} tok/s, transformers "
+            f"{s['transformers']['output_tok_s']['median']:.0f} tok/s",
+            flush=True,
+        )
+    return out
+
+
+def check_compile(tokenizer: Path, work: Path, rounds: int, device: str) -> dict[str, Any]:
+    """compile=True: greedy equal to transformers (fp32, small llama), and single-stream
+    decode of the SmolLM2-shaped model, eager against compiled, interleaved."""
+    from sluice import LLM, SamplingParams
+
+    directory = work / "llama-compile"
+    model = build("llama", SMALL, directory, tokenizer).to(device)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 23, 40, 70)]
+    ref = hf_greedy(model, prompts, 24, device)
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=str(directory),
+        device=device,
+        dtype="float32",
+        kv_cache_memory=0.05,
+        max_num_batched_tokens=32,
+        block_size=8,
+        compile=True,
+    )
+    sp = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    out: dict[str, Any] = {
+        "ok": outs == ref,
+        "prompts_equal": sum(o == r for o, r in zip(outs, ref, strict=True)),
+        "first_generate_seconds": round(time.perf_counter() - t0, 1),
+    }
+    print(json.dumps(out), flush=True)
+    del llm
+    shaped = work / "smollm2-shape"
+    if not shaped.exists():  # the figures part builds it; alone, this part does
+        build("llama", SMOLLM2_SHAPE, shaped, tokenizer)
+    single = [torch.randint(3, 49152, (128,), generator=gen).tolist()]
+    engines = {
+        side: LLM(
+            model=str(shaped),
+            device=device,
+            dtype="bfloat16",
+            kv_cache_memory=1.0,
+            compile=side == "compiled",
+            enable_prefix_caching=False,
+        )
+        for side in ("eager", "compiled")
+    }
+    for llm in engines.values():
+        sluice_run(llm, single, 16)  # compiles the decode shapes
+    runs = interleave(
+        list(engines), rounds, lambda side: sluice_run(engines[side], single, 256), label="compile"
+    )
+    out["single_stream"] = compare(runs, ["output_tok_s", "seconds"], baseline="eager")
+    s = out["single_stream"]["summary"]
+    print(
+        f"compile: eager {s['eager']['output_tok_s']['median']:.0f} tok/s, compiled "
+        f"{s['compiled']['output_tok_s']['median']:.0f} tok/s",
+        flush=True,
+    )
+    return out
+
+
+def check_server(work: Path, tokenizer: Path, device: str, port: int = 8011) -> dict[str, Any]:
+    directory = work / "llama"
+    if not directory.exists():  # the correctness part builds it; alone, this part does
+        build("llama", SMALL, directory, tokenizer)
+    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "sluice.cli",
+        "serve",
+        "--model",
+        str(directory),
+        "--device",
+        device,
+        "--dtype",
+        "float32",
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        "0.1",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    base = f"http://127.0.0.1:{port}"
+    result: dict[str, Any] = {}
+    try:
+        for _ in range(240):
+            if proc.poll() is not None:
+                raise RuntimeError(f"sluice serve exited with {proc.returncode}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        body = {"model": str(directory), "prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0}
+
+        def post(payload: dict[str, Any]) -> tuple[int, str]:
+            req = urllib.request.Request(
+                base + "/v1/completions",
+                json.dumps(payload).encode(),
+                {"Content-Type": "application/json"},
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+
+        status, text = post(body)
+        result["completion"] = {"status": status, "usage": json.loads(text).get("usage")}
+        status, text = post({**body, "stream": True})
+        result["stream"] = {"status": status, "events": text.count("data: ")}
+        status, text = post({**body, "max_tokens": -1})
+        result["bad_request"] = {"status": status, "error": json.loads(text).get("error")}
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        result["metrics_lines"] = [ln for ln in metrics.splitlines() if "generation_tokens" in ln][
+            :3
+        ]
+        result["ok"] = (
+            result["completion"]["status"] == 200
+            and result["stream"]["status"] == 200
+            and result["bad_request"]["status"] == 400
+        )
+    except Exception:  # keep the server's own log with the error
+        result["error"] = traceback.format_exc()
+        result["ok"] = False
+    finally:
+        proc.terminate()
+        try:
+            log, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log, _ = proc.communicate()
+        result["log_tail"] = log.splitlines()[-40 if not result.get("ok") else -8 :]
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--tokenizer", type=Path, required=True, help="a directory with tokenizer.json")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=256, help="offline throughput prompts")
+    ap.add_argument(
+        "--parts", default="correctness,server,figures,compile", help="which parts, in order"
+    )
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
+    ap.add_argument("--output", type=Path, default=REPO_ROOT / "benchmarks/results/cuda_check.json")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("cuda_check needs a CUDA GPU (torch.cuda.is_available() is False)")
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
+    payload: dict[str, Any] = {"gpu": gpu, "device": args.device}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for name, step in (
+            ("correctness", lambda: check_correctness(args.tokenizer, args.device, work)),
+            ("server", lambda: check_server(work, args.tokenizer, args.device)),
+            (
+                "figures",
+                lambda: figures(args.tokenizer, work, args.rounds, args.prompts, args.device),
+            ),
+            ("compile", lambda: check_compile(args.tokenizer, work, args.rounds, args.device)),
+        ):
+            if name not in args.parts.split(","):
+                continue
+            t0 = time.perf_counter()
+            try:
+                payload[name] = step()
+            except Exception:  # record and go on: a later part may still tell something
+                payload[name] = {"error": traceback.format_exc()}
+                print(payload[name]["error"], flush=True)
+            payload[f"{name}_seconds"] = round(time.perf_counter() - t0, 1)
+            write_result("cuda_check", payload, args.output)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
