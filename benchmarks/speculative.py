@@ -254,11 +254,15 @@ def parse_args() -> argparse.Namespace:
 def build_engines(args: argparse.Namespace) -> dict[str, LLM]:
     engines = {"off": LLM(args.model, dtype=args.dtype)}
     for method in filter(None, args.methods.split(",")):
-        extra = {"speculative_model": args.draft_model} if method == "draft" else {}
+        # "draft:N": the draft model with its head over its first N ids (and added tokens).
+        name, _, head = method.partition(":")
+        extra: dict[str, Any] = {"speculative_model": args.draft_model} if name == "draft" else {}
+        if head:
+            extra["speculative_draft_vocab_size"] = int(head)
         engines[method] = LLM(
             args.model,
             dtype=args.dtype,
-            speculative_method=method,
+            speculative_method=name,
             num_speculative_tokens=args.num_speculative_tokens,
             **extra,
         )

@@ -52,6 +52,9 @@ _OPTION_HELP = {
     "model, --speculative-model; default: off)",
     "speculative_model": "the draft model of --speculative-method draft (implies it): an "
     "alias, .gguf file or Hugging Face directory with the target's tokenizer",
+    "speculative_draft_vocab_size": "the draft model's output head over its first N token "
+    "ids and its added tokens only, a cheaper draft step (default: 32768; 0: the whole "
+    "vocabulary)",
     "num_speculative_tokens": "at most this many draft tokens verified per request and "
     "step (default: 4); fewer, or none, where the cost model says they would not pay",
     "data_parallel_size": "engine replicas behind one server, each its own process (or Ray "

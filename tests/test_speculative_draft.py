@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -292,6 +292,12 @@ def test_options_and_flag() -> None:
     with pytest.raises(ConfigError, match="speculative_method='draft'") as err:
         EngineConfig(speculative_method="ngram", speculative_model="x")
     assert err.value.param == "speculative_model"
+    args = build_parser().parse_args(["serve", "--speculative-draft-vocab-size", "32768"])
+    assert engine_config(args).speculative_draft_vocab_size == 32768
+    for bad in (-1, 2.5, True, None):
+        with pytest.raises(ConfigError) as err:
+            EngineConfig(speculative_model="x", speculative_draft_vocab_size=bad)
+        assert err.value.param == "speculative_draft_vocab_size"
     with pytest.raises(ConfigError) as err:
         LLM(speculative_model="no-such-model")
     assert err.value.param == "speculative_model"
@@ -332,6 +338,92 @@ def test_a_request_holding_an_id_the_draft_lacks_is_not_drafted_for(
     req.append_token(4000)  # an id past the draft's vocabulary
     assert draft.propose([req], [2]) == [[]]
     assert draft.num_tracked == 0 and draft.kv.num_free_blocks == draft.kv.pool.num_blocks
+
+
+def _recording_drafts(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every draft token the engine's draft model proposes from now on."""
+    draft = llm.engine.draft
+    assert draft is not None
+    seen: list[int] = []
+    propose = draft.propose
+
+    def record(requests: Any, num_tokens: Any) -> list[list[int]]:
+        out = propose(requests, num_tokens)
+        seen.extend(t for d in out for t in d)
+        return out
+
+    monkeypatch.setattr(draft, "propose", record)
+    return seen
+
+
+def test_a_restricted_draft_head_proposes_its_ids_only(
+    models: dict[str, Path], plain: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """speculative_draft_vocab_size=N: the draft's head has rows for ids 0..N-1 and the
+    added tokens only, every draft is one of them, and the output is unchanged."""
+    size = VOCAB // 2
+    llm = engine(models, "close", speculative_draft_vocab_size=size)
+    draft = llm.engine.draft
+    assert draft is not None and draft.output_ids is not None
+    kept = set(draft.output_ids.tolist())
+    assert set(range(size)) <= kept and len(kept) < VOCAB
+    assert draft.runner.model.lm_head.out_features == len(kept)
+    seen = _recording_drafts(llm, monkeypatch)
+    ps = prompts(5, 23, 70, seed=3)
+    assert token_ids(llm, ps, greedy(24)) == token_ids(plain, ps, greedy(24))
+    assert seen and set(seen) <= kept
+    assert llm.stats()["spec_accepted_tokens"] > 0
+    assert_draft_pool_full(llm)
+
+
+def test_draft_output_ids_keep_the_added_tokens(smollm2_path: Path) -> None:
+    """Added tokens past the first N ids (Qwen's end-of-turn marks sit at the end of its
+    vocabulary) stay in a restricted head; a size covering the vocabulary is no cut."""
+    from types import SimpleNamespace
+
+    from sluice.engine.speculative.draft_load import draft_output_ids
+
+    tok = tokenizer_from_gguf(smollm2_path)
+    tok.backend.add_special_tokens(["<|late_mark|>"])
+    late = tok.backend.token_to_id("<|late_mark|>")
+    assert late == VOCAB
+    loaded = cast(Any, SimpleNamespace(tokenizer=tok))
+    ids = draft_output_ids(loaded, VOCAB + 1, 1000)
+    assert ids is not None
+    assert ids.tolist() == sorted(set(range(1000)) | {late} | set(range(17)))
+    assert draft_output_ids(loaded, VOCAB + 1, VOCAB + 1) is None
+    assert draft_output_ids(loaded, VOCAB + 1, 0) is None
+
+
+def test_a_restricted_head_on_tied_quantized_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bundled GGUF (its head is its Q8_0 embedding) drafting for itself with a
+    head over 8,192 ids: the head keeps those rows of the quantized blocks, the
+    embedding keeps every row, and greedy output equals the plain engine's (no prefix
+    cache: bf16 prefill of another length could round a near-tie the other way)."""
+    llm = LLM(
+        speculative_model="smollm2-135m",
+        speculative_draft_vocab_size=8192,
+        kv_cache_memory=0.1,
+        max_model_len=256,
+        enable_prefix_caching=False,
+    )
+    eng = llm.engine
+    assert eng.speculator is not None and eng.draft is not None
+    eng.speculator.costs = ALWAYS
+    model = eng.draft.runner.model
+    assert model.lm_head.out_features == 8192  # SmolLM2's added tokens are ids 0..16
+    assert model.embed_tokens.quantized is not None
+    assert model.embed_tokens.quantized.shape[0] == VOCAB
+    seen = _recording_drafts(llm, monkeypatch)
+    prompt = "<|im_start|>user\nCount from 1 to 20.<|im_end|>\n<|im_start|>assistant\n"
+    with_drafts = token_ids(llm, [llm.tokenizer.encode(prompt)], greedy(32))
+    spec = eng.speculator
+    eng.speculator = None
+    plain = token_ids(llm, [llm.tokenizer.encode(prompt)], greedy(32))
+    eng.speculator = spec
+    assert with_drafts == plain
+    assert seen and max(seen) < 8192
+    assert llm.stats()["spec_accepted_tokens"] > len(seen) // 2
 
 
 # ---- the real pair -----------------------------------------------------------------

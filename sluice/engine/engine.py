@@ -201,6 +201,7 @@ class LLMEngine:
             "model": str(path.resolve()),
             "size": path.stat().st_size if path.is_file() else 0,
             "draft_model": config.speculative_model,
+            "draft_vocab": config.speculative_draft_vocab_size,
             "dtype": str(self.dtype),
             "quantization": self.quantization,
             "kernels": kernels.build_id() if device.type == "cpu" else "off",

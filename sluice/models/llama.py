@@ -142,6 +142,15 @@ class LlamaForCausalLM(nn.Module):
         self.tp: Collectives | None = None
         self.vocab_start = 0
         self.full_vocab_size = config.vocab_size
+        # restrict_output: the vocabulary ids the head's rows are, in order (None: all).
+        self.output_ids: torch.Tensor | None = None
+
+    def restrict_output(self, token_ids: torch.Tensor) -> None:
+        """Compute logits for these vocabulary ids only, in this order: column j of the
+        logits is token_ids[j]. A draft model's head over its frequent tokens reads a
+        fraction of the head's bytes each step. Call before the weights are loaded."""
+        self.output_ids = token_ids
+        self.lm_head = Linear(self.config.hidden_size, len(token_ids))
 
     def set_tensor_parallel(self, tp: Collectives, full_vocab_size: int) -> None:
         """Make this model one rank of `tp` (built from tp_shard.local_config, loaded
@@ -241,16 +250,27 @@ class LlamaForCausalLM(nn.Module):
         ck.put(norm.weight, ck.take(name))
 
     def _load_head(self, ck: _Checkpoint) -> None:
-        """A separate output weight, or the embedding's (tied: one copy in memory)."""
+        """A separate output weight, or the embedding's (tied: one copy in memory); only
+        the rows of output_ids where the output is restricted."""
+        ids = self.output_ids
         if not self.config.tie_word_embeddings and "lm_head.weight" in ck.tensors:
+            if ids is not None:
+                head = ck.tensors["lm_head.weight"]
+                ck.tensors["lm_head.weight"] = (
+                    head.rows(ids) if isinstance(head, QuantizedTensor) else head[ids]
+                )
             ck.put_linear(self.lm_head, ["lm_head.weight"])
             return
         quantized = self.embed_tokens.quantized
         if quantized is not None and isinstance(self.lm_head.method, BlockQuantized):
-            self.lm_head.method.load_quantized(self.lm_head, quantized)
+            rows = quantized if ids is None else quantized.rows(ids)
+            self.lm_head.method.load_quantized(self.lm_head, rows)
             return
         tied = self.embed_tokens.weight
         assert isinstance(tied, nn.Parameter)
+        if ids is not None:  # a copy of the rows kept: the embedding needs them all
+            self.lm_head.weight = nn.Parameter(tied.detach()[ids].clone(), requires_grad=False)
+            return
         self.lm_head.weight = tied
 
 

@@ -254,7 +254,10 @@ class ModelRunner:
         kv_cache_skip_layers: tuple[int, ...] = (),
         tp: Collectives | None = None,
         local_num_blocks: int | None = None,
+        output_ids: torch.Tensor | None = None,
     ) -> None:
+        """output_ids: logits for these vocabulary ids only (a draft model's restricted
+        head; LlamaForCausalLM.restrict_output)."""
         full_vocab = config.vocab_size
         if tp is not None:
             # This rank's heads, intermediate units and vocabulary slice only.
@@ -276,6 +279,8 @@ class ModelRunner:
         try:
             with torch.device(device):
                 model = model_class(config)(config)
+                if output_ids is not None:
+                    model.restrict_output(output_ids)
         finally:
             torch.set_default_dtype(default_dtype)
         if quantization != "none":

@@ -70,6 +70,8 @@ def build_draft_proposer(
     """The draft's runner (consuming its loaded weights) and KV pool, as a proposer."""
     mc = draft.loaded.config
     max_len = min(max_model_len, mc.max_position_embeddings)
+    vocab_size = min(mc.vocab_size, target_config.vocab_size)
+    output_ids = draft_output_ids(draft.loaded, vocab_size, config.speculative_draft_vocab_size)
     runner = ModelRunner(
         mc,
         draft.loaded.tensors,
@@ -80,12 +82,26 @@ def build_draft_proposer(
         max_len,
         draft.quantization,
         config.compile,
+        output_ids=output_ids,
     )
     draft.loaded.tensors = {}
     return DraftModelProposer(
         runner,
         KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=False),
-        vocab_size=min(mc.vocab_size, target_config.vocab_size),
+        vocab_size=vocab_size,
         max_model_len=max_len,
         max_chunk_tokens=config.max_num_batched_tokens,
+        output_ids=output_ids,
     )
+
+
+def draft_output_ids(loaded: LoadedModel, vocab_size: int, size: int) -> torch.Tensor | None:
+    """The ids a restricted draft head keeps: the first `size` ids (BPE assigns ids in
+    merge order, roughly from frequent to rare) and the tokenizer's added tokens (the
+    end-of-turn and end-of-text marks sit at the end of the vocabulary); None where
+    that is the whole vocabulary (or size is 0)."""
+    if size == 0 or size >= vocab_size:
+        return None
+    added = loaded.tokenizer.backend.get_added_tokens_decoder()
+    ids = sorted(set(range(size)) | {i for i in added if i < vocab_size})
+    return torch.tensor(ids, dtype=torch.long)

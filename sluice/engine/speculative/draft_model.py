@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from sluice.core.request import Request
 from sluice.core.sampling_params import SamplingParams
 from sluice.engine.kv_cache import KVCacheManager
@@ -68,14 +70,18 @@ class DraftModelProposer:
         vocab_size: int,
         max_model_len: int,
         max_chunk_tokens: int,
+        output_ids: torch.Tensor | None = None,
     ) -> None:
         """vocab_size: the ids both models have (the smaller vocabulary): drafts are the
         argmax over them, and a request holding a larger id is not drafted for;
         max_model_len: the draft's context (positions past it get no drafts);
-        max_chunk_tokens: the tokens a call may catch up on."""
+        max_chunk_tokens: the tokens a call may catch up on; output_ids: the ids the
+        draft's logits are for, column by column, where its head is restricted (all
+        below vocab_size)."""
         self.runner = runner
         self.kv = kv
         self.vocab_size = vocab_size
+        self.output_ids = output_ids
         self.max_model_len = max_model_len
         self.max_chunk_tokens = max_chunk_tokens
         self._shadows: dict[Request, _Shadow] = {}
@@ -174,7 +180,10 @@ class DraftModelProposer:
         self.num_forwards += 1
         for seq, n in batch:
             seq.num_computed_tokens += n
-        ids = result.logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+        if self.output_ids is None:
+            ids = result.logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+        else:
+            ids = self.output_ids[result.logits.argmax(dim=-1).cpu()].tolist()
         return dict(zip(result.sampling_requests, ids, strict=True))
 
     # ---- shadows -----------------------------------------------------------------
