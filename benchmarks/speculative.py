@@ -341,6 +341,12 @@ def main() -> None:
     payload = {
         "model": args.model or "smollm2-135m",
         "draft_model": args.draft_model,
+        # Each side's draft head (speculative_draft_vocab_size; 0: the whole vocabulary).
+        "draft_vocab_sizes": {
+            m: e.engine.config.speculative_draft_vocab_size
+            for m, e in engines.items()
+            if e.engine.draft is not None
+        },
         "dtype": str(off.engine.dtype).removeprefix("torch."),
         "quantization": off.engine.quantization,
         "num_speculative_tokens": args.num_speculative_tokens,

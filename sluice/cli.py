@@ -53,7 +53,7 @@ _OPTION_HELP = {
     "speculative_model": "the draft model of --speculative-method draft (implies it): an "
     "alias, .gguf file or Hugging Face directory with the target's tokenizer",
     "speculative_draft_vocab_size": "the draft model's output head over its first N token "
-    "ids and its added tokens only, a cheaper draft step (default: 32768; 0: the whole "
+    "ids and its added tokens only, a cheaper draft step (default: 65536; 0: the whole "
     "vocabulary)",
     "num_speculative_tokens": "at most this many draft tokens verified per request and "
     "step (default: 4); fewer, or none, where the cost model says they would not pay",
