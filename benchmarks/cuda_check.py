@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,21 +42,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import REPO_ROOT, compare, interleave, write_result
+from benchmarks.random_models import SMALL, build_model
 
-SMALL = dict(
-    vocab_size=49152,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    initializer_range=0.3,  # peaky logits: no near-ties for greedy to trip on
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 # SmolLM2-135M's shape (30 layers, hidden 576, GQA 9/3, vocab 49152, tied embeddings).
 SMOLLM2_SHAPE = dict(
     SMALL,
@@ -72,28 +60,8 @@ SMOLLM2_SHAPE = dict(
 
 
 def build(kind: str, shape: dict[str, Any], directory: Path, tokenizer: Path) -> Any:
-    """A random-weight transformers model saved (safetensors) with the tokenizer beside it."""
-    import shutil
-
-    import transformers
-
-    torch.manual_seed(0)
-    config = {
-        "llama": lambda: transformers.LlamaConfig(**shape),
-        "qwen2": lambda: transformers.Qwen2Config(**{**shape, "rope_theta": 1e6}),
-        "qwen3": lambda: transformers.Qwen3Config(**{**shape, "rope_theta": 1e6}, head_dim=48),
-    }[kind]()
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if kind == "qwen2":  # make the q/k/v biases matter
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (
-                    layer.self_attn.q_proj,
-                    layer.self_attn.k_proj,
-                    layer.self_attn.v_proj,
-                ):
-                    proj.bias.normal_(0, 0.5)
-    model.save_pretrained(directory)
+    """A random-weight model saved with the tokenizer's files beside it."""
+    model = build_model(kind, shape, directory)
     for f in tokenizer.iterdir():
         shutil.copy(f, directory / f.name)
     return model

@@ -8,58 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.random_models import KINDS, SMALL, build_model
 from sluice import LLM, SamplingParams
 from sluice.loader import tokenizer_from_gguf
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(
-    vocab_size=49152,  # the SmolLM2 tokenizer is reused for detokenization
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    initializer_range=0.3,  # peaky logits: no near-ties for greedy to trip on
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**COMMON, rope_theta=10000.0),
-    "llama-rope3": lambda: transformers.LlamaConfig(
-        **COMMON,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-    ),
-    "qwen2": lambda: transformers.Qwen2Config(**COMMON, rope_theta=1000000.0),
-    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=48, rope_theta=1000000.0),
-}
-
 
 def build(kind: str, directory: Path, smollm2_path: Path) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = CONFIGS[kind]()
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if kind == "qwen2":  # make the q/k/v biases matter
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (
-                    layer.self_attn.q_proj,
-                    layer.self_attn.k_proj,
-                    layer.self_attn.v_proj,
-                ):
-                    proj.bias.normal_(0, 0.5)
-    model.save_pretrained(directory)
+    model = build_model(kind, SMALL, directory)
     tokenizer_from_gguf(smollm2_path).save(directory)
     return model
 
@@ -67,7 +24,7 @@ def build(kind: str, directory: Path, smollm2_path: Path) -> torch.nn.Module:
 @pytest.mark.parametrize(
     ("kind", "compile"),
     # torch.compile once, on the plainest architecture: compiling costs tens of seconds.
-    [(kind, False) for kind in sorted(CONFIGS)] + [("llama", True)],
+    [(kind, False) for kind in sorted(KINDS)] + [("llama", True)],
 )
 def test_random_model_matches_transformers(
     kind: str, compile: bool, tmp_path: Path, smollm2_path: Path

@@ -1,0 +1,73 @@
+"""Small random-weight models of the architectures sluice runs, built with transformers.
+
+sluice's output on them is compared with transformers' on the same weights, token for
+token (tests/test_architectures.py on CPU, benchmarks/cuda_check.py on a GPU, where no
+model file can travel). Each is saved as a Hugging Face directory (config.json and
+safetensors); the caller adds a tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Three layers, GQA 4/2, SmolLM2's vocabulary (its tokenizer detokenizes the output).
+SMALL: dict[str, Any] = dict(
+    vocab_size=49152,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.3,  # peaky logits: no near-ties for greedy to trip on
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+KINDS = ("llama", "llama-rope3", "qwen2", "qwen3")
+
+
+def hf_config(kind: str, shape: dict[str, Any]) -> Any:
+    """The transformers config of `kind` (one of KINDS) with `shape`'s sizes."""
+    import transformers
+
+    if kind == "llama":
+        return transformers.LlamaConfig(**{"rope_theta": 10000.0, **shape})
+    if kind == "llama-rope3":
+        return transformers.LlamaConfig(**shape, rope_parameters=_LLAMA3_ROPE)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**{**shape, "rope_theta": 1000000.0})
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**{**shape, "rope_theta": 1000000.0}, head_dim=48)
+    raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}")
+
+
+def build_model(kind: str, shape: dict[str, Any], directory: Path) -> Any:
+    """A seeded random-weight model of `kind`, saved to `directory`; returns it (fp32)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = hf_config(kind, shape)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if kind == "qwen2":  # make the q/k/v biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                attn = layer.self_attn
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(directory)
+    return model
