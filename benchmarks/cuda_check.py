@@ -77,29 +77,67 @@ def hf_greedy(model: Any, prompts: list[list[int]], n: int, device: str) -> list
     return outs
 
 
+GREEDY_TOKENS = 24
+
+
+def small_prompts() -> list[list[int]]:
+    """Seeded random prompts of 5-70 tokens (70: three chunks of a 32-token budget)."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 23, 40, 70)]
+
+
+def small_engine(directory: Path, device: str, **options: Any) -> Any:
+    """fp32, a 32-token step budget (chunked prefill) and blocks of 8 tokens."""
+    from sluice import LLM
+
+    return LLM(
+        model=str(directory),
+        device=device,
+        dtype="float32",
+        kv_cache_memory=0.05,
+        max_num_batched_tokens=32,
+        block_size=8,
+        **options,
+    )
+
+
+def greedy_against(llm: Any, prompts: list[list[int]], ref: list[list[int]]) -> dict[str, Any]:
+    """sluice's greedy tokens against transformers' `ref`: prompts and leading tokens equal."""
+    from sluice import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, min_tokens=GREEDY_TOKENS)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    equal = [o == r for o, r in zip(outs, ref, strict=True)]
+    same = sum(
+        next((i for i, (a, b) in enumerate(zip(o, r, strict=False)) if a != b), len(r))
+        for o, r in zip(outs, ref, strict=True)
+    )
+    return {
+        "prompts_equal": sum(equal),
+        "prompts": len(prompts),
+        "leading_tokens_equal": same,
+        "tokens": GREEDY_TOKENS * len(prompts),
+        "ok": all(equal),
+    }
+
+
 def check_correctness(tokenizer: Path, device: str, work: Path) -> list[dict[str, Any]]:
-    from sluice import LLM, SamplingParams
     from sluice.engine.speculative.step_costs import StepCosts
 
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 23, 40, 70)]
+    prompts = small_prompts()
     # A prompt that repeats itself, so n-gram lookup has drafts to verify.
     prompts.append((prompts[1] * 4)[:80])
     results = []
     for kind in ("llama", "qwen2", "qwen3"):
         directory = work / kind
         model = build(kind, SMALL, directory, tokenizer).to(device)
-        ref = hf_greedy(model, prompts, 24, device)
+        ref = hf_greedy(model, prompts, GREEDY_TOKENS, device)
         # "draft": the model drafts for itself, so every draft is accepted and the
         # draft model's own paged KV and catch-up run too.
         for spec in (None, "ngram", "draft"):
-            llm = LLM(
-                model=str(directory),
-                device=device,
-                dtype="float32",
-                kv_cache_memory=0.05,
-                max_num_batched_tokens=32,  # chunked prefill: 70 tokens take 3 steps
-                block_size=8,
+            llm = small_engine(
+                directory,
+                device,
                 speculative_method=spec,
                 speculative_model=str(directory) if spec == "draft" else None,
             )
@@ -108,23 +146,12 @@ def check_correctness(tokenizer: Path, device: str, work: Path) -> list[dict[str
                 # this small): what is checked here is verification and rollback.
                 assert llm.engine.speculator is not None
                 llm.engine.speculator.costs = StepCosts.uniform(0.0, max_rows=16)
-            sp = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
-            done = llm.generate(prompts, sp, use_tqdm=False)
-            outs = [o.outputs[0].token_ids for o in done]
-            equal = [o == r for o, r in zip(outs, ref, strict=True)]
-            same = sum(
-                next((i for i, (a, b) in enumerate(zip(o, r, strict=False)) if a != b), len(r))
-                for o, r in zip(outs, ref, strict=True)
-            )
+            stats = greedy_against(llm, prompts, ref)
             results.append(
                 {
                     "model": kind,
                     "speculative": spec,
-                    "prompts_equal": sum(equal),
-                    "prompts": len(prompts),
-                    "leading_tokens_equal": same,
-                    "tokens": 24 * len(prompts),
-                    "ok": all(equal),
+                    **stats,
                     "drafted": llm.stats().get("spec_drafted_tokens", 0),
                     "accepted": llm.stats().get("spec_accepted_tokens", 0),
                 }
@@ -237,28 +264,16 @@ def figures(
 def check_compile(tokenizer: Path, work: Path, rounds: int, device: str) -> dict[str, Any]:
     """compile=True: greedy equal to transformers (fp32, small llama), and single-stream
     decode of the SmolLM2-shaped model, eager against compiled, interleaved."""
-    from sluice import LLM, SamplingParams
+    from sluice import LLM
 
     directory = work / "llama-compile"
     model = build("llama", SMALL, directory, tokenizer).to(device)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 23, 40, 70)]
-    ref = hf_greedy(model, prompts, 24, device)
+    prompts = small_prompts()
+    ref = hf_greedy(model, prompts, GREEDY_TOKENS, device)
     t0 = time.perf_counter()
-    llm = LLM(
-        model=str(directory),
-        device=device,
-        dtype="float32",
-        kv_cache_memory=0.05,
-        max_num_batched_tokens=32,
-        block_size=8,
-        compile=True,
-    )
-    sp = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
-    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    llm = small_engine(directory, device, compile=True)
     out: dict[str, Any] = {
-        "ok": outs == ref,
-        "prompts_equal": sum(o == r for o, r in zip(outs, ref, strict=True)),
+        **greedy_against(llm, prompts, ref),
         "first_generate_seconds": round(time.perf_counter() - t0, 1),
     }
     print(json.dumps(out), flush=True)
@@ -266,7 +281,7 @@ def check_compile(tokenizer: Path, work: Path, rounds: int, device: str) -> dict
     shaped = work / "smollm2-shape"
     if not shaped.exists():  # the figures part builds it; alone, this part does
         build("llama", SMOLLM2_SHAPE, shaped, tokenizer)
-    single = [torch.randint(3, 49152, (128,), generator=gen).tolist()]
+    single = [torch.randint(3, 49152, (128,), generator=torch.Generator().manual_seed(3)).tolist()]
     engines = {
         side: LLM(
             model=str(shaped),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
@@ -136,6 +136,17 @@ def greedy(n: int) -> SamplingParams:
 
 def token_ids(llm: LLM, ps: list[list[int]], params: SamplingParams) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(ps, params, use_tqdm=False)]
+
+
+def without_speculation(llm: LLM, ps: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """token_ids from the same engine with its speculator set aside (same weights, pools
+    and kernels: only the drafts differ)."""
+    eng = llm.engine
+    spec, eng.speculator = eng.speculator, None
+    try:
+        return token_ids(llm, ps, params)
+    finally:
+        eng.speculator = spec
 
 
 def assert_draft_pool_full(llm: LLM) -> None:
@@ -379,20 +390,17 @@ def test_a_restricted_draft_head_proposes_its_ids_only(
 def test_draft_output_ids_keep_the_added_tokens(smollm2_path: Path) -> None:
     """Added tokens past the first N ids (Qwen's end-of-turn marks sit at the end of its
     vocabulary) stay in a restricted head; a size covering the vocabulary is no cut."""
-    from types import SimpleNamespace
-
     from sluice.engine.speculative.draft_load import draft_output_ids
 
     tok = tokenizer_from_gguf(smollm2_path)
     tok.backend.add_special_tokens(["<|late_mark|>"])
     late = tok.backend.token_to_id("<|late_mark|>")
     assert late == VOCAB
-    loaded = cast(Any, SimpleNamespace(tokenizer=tok))
-    ids = draft_output_ids(loaded, VOCAB + 1, 1000)
+    ids = draft_output_ids(tok, VOCAB + 1, 1000)
     assert ids is not None
     assert ids.tolist() == sorted(set(range(1000)) | {late} | set(range(17)))
-    assert draft_output_ids(loaded, VOCAB + 1, VOCAB + 1) is None
-    assert draft_output_ids(loaded, VOCAB + 1, 0) is None
+    assert draft_output_ids(tok, VOCAB + 1, VOCAB + 1) is None
+    assert draft_output_ids(tok, VOCAB + 1, 0) is None
 
 
 def test_a_restricted_head_on_tied_quantized_weights(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -416,11 +424,9 @@ def test_a_restricted_head_on_tied_quantized_weights(monkeypatch: pytest.MonkeyP
     assert model.embed_tokens.quantized.shape[0] == VOCAB
     seen = _recording_drafts(llm, monkeypatch)
     prompt = "<|im_start|>user\nCount from 1 to 20.<|im_end|>\n<|im_start|>assistant\n"
-    with_drafts = token_ids(llm, [llm.tokenizer.encode(prompt)], greedy(32))
-    spec = eng.speculator
-    eng.speculator = None
-    plain = token_ids(llm, [llm.tokenizer.encode(prompt)], greedy(32))
-    eng.speculator = spec
+    ps = [llm.tokenizer.encode(prompt)]
+    with_drafts = token_ids(llm, ps, greedy(32))
+    plain = without_speculation(llm, ps, greedy(32))
     assert with_drafts == plain
     assert seen and max(seen) < 8192
     assert llm.stats()["spec_accepted_tokens"] > len(seen) // 2
@@ -458,13 +464,10 @@ def test_qwen_pair_greedy_equals_no_speculation(target: str) -> None:
         max_model_len=256,
         enable_prefix_caching=False,
     )
-    eng = llm.engine
-    spec = eng.speculator
+    spec = llm.engine.speculator
     assert spec is not None
     spec.costs = ALWAYS
-    eng.speculator = None
-    ref = token_ids(llm, [EDIT_PROMPT], greedy(24))
-    eng.speculator = spec
+    ref = without_speculation(llm, [EDIT_PROMPT], greedy(24))
     got = token_ids(llm, [EDIT_PROMPT], greedy(24))
     assert got == ref
     stats = llm.stats()

@@ -277,3 +277,12 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch
     u = unpack_values(qt).float().reshape(n, k // qt.group, qt.group)
     w = u * qt.scales()[..., None] + qt.offsets()[..., None]
     return w.reshape(n, k).to(dtype)
+
+
+# A checkpoint's tensor: dense, or a GGUF's blocks kept quantized.
+Weight = torch.Tensor | QuantizedTensor
+
+
+def weight_rows(w: Weight, index: torch.Tensor) -> Weight:
+    """Rows `index` of a dense or quantized weight, as tensors of their own."""
+    return w.rows(index) if isinstance(w, QuantizedTensor) else w[index]

@@ -28,7 +28,7 @@ from gguf.quants import dequantize
 
 from sluice import settings
 from sluice.config import ModelConfig, check_architecture
-from sluice.core.quantized_tensor import QuantizedTensor
+from sluice.core.quantized_tensor import QuantizedTensor, Weight
 
 from . import gguf_blocks
 from .gguf_metadata import GGUFMetadata
@@ -160,9 +160,6 @@ def _hf_name(name: str, arch: str) -> str | None:
     if m is None or m.group(2) not in layer_names:
         return None
     return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
-
-
-Weight = torch.Tensor | QuantizedTensor
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,13 @@ from torch import nn
 
 from sluice.attention.step import attend
 from sluice.config import ModelConfig
-from sluice.core.quantized_tensor import QuantizedTensor, concat_rows, dequantize
+from sluice.core.quantized_tensor import (
+    QuantizedTensor,
+    Weight,
+    concat_rows,
+    dequantize,
+    weight_rows,
+)
 from sluice.layers import fused
 from sluice.layers.block_quant import BlockQuantized, Embedding
 from sluice.layers.linear import Linear
@@ -255,10 +261,7 @@ class LlamaForCausalLM(nn.Module):
         ids = self.output_ids
         if not self.config.tie_word_embeddings and "lm_head.weight" in ck.tensors:
             if ids is not None:
-                head = ck.tensors["lm_head.weight"]
-                ck.tensors["lm_head.weight"] = (
-                    head.rows(ids) if isinstance(head, QuantizedTensor) else head[ids]
-                )
+                ck.tensors["lm_head.weight"] = weight_rows(ck.tensors["lm_head.weight"], ids)
             ck.put_linear(self.lm_head, ["lm_head.weight"])
             return
         quantized = self.embed_tokens.quantized
@@ -269,12 +272,9 @@ class LlamaForCausalLM(nn.Module):
         tied = self.embed_tokens.weight
         assert isinstance(tied, nn.Parameter)
         if ids is not None:  # a copy of the rows kept: the embedding needs them all
-            self.lm_head.weight = nn.Parameter(tied.detach()[ids].clone(), requires_grad=False)
+            self.lm_head.weight = nn.Parameter(tied.detach()[ids], requires_grad=False)
             return
         self.lm_head.weight = tied
-
-
-Weight = torch.Tensor | QuantizedTensor
 
 
 class _Checkpoint:

@@ -28,11 +28,10 @@ from typing import Protocol
 import torch
 
 from sluice.config import ModelConfig
-from sluice.core.quantized_tensor import SUPER, QuantizedTensor, dequantize
+from sluice.core.quantized_tensor import SUPER, QuantizedTensor, Weight, dequantize, weight_rows
 
 logger = logging.getLogger("sluice")
 
-Weight = torch.Tensor | QuantizedTensor
 
 # Columns of the in-memory block layout that travel together (a pair of 32-blocks).
 PAIR = 64
@@ -67,9 +66,7 @@ def local_config(config: ModelConfig, world_size: int) -> ModelConfig:
 
 def _rows(w: Weight, start: int, stop: int) -> Weight:
     """Rows start..stop as their own tensors (a view would keep the whole one alive)."""
-    if isinstance(w, QuantizedTensor):
-        return w.rows(torch.arange(start, stop))
-    return w[start:stop].clone()
+    return weight_rows(w, torch.arange(start, stop))
 
 
 def _padded_rows(w: Weight, start: int, rows: int) -> Weight:

@@ -22,7 +22,7 @@ from sluice.core.errors import ConfigError, ModelNotFoundError
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.speculative.draft_model import DraftModelProposer
 from sluice.engine.speculative.vocabulary import check_draft_vocabulary
-from sluice.loader import LoadedModel, load_model
+from sluice.loader import LoadedModel, Tokenizer, load_model
 from sluice.runner.model_runner import ModelRunner, kv_bytes_per_block
 
 
@@ -71,7 +71,9 @@ def build_draft_proposer(
     mc = draft.loaded.config
     max_len = min(max_model_len, mc.max_position_embeddings)
     vocab_size = min(mc.vocab_size, target_config.vocab_size)
-    output_ids = draft_output_ids(draft.loaded, vocab_size, config.speculative_draft_vocab_size)
+    output_ids = draft_output_ids(
+        draft.loaded.tokenizer, vocab_size, config.speculative_draft_vocab_size
+    )
     runner = ModelRunner(
         mc,
         draft.loaded.tensors,
@@ -95,13 +97,13 @@ def build_draft_proposer(
     )
 
 
-def draft_output_ids(loaded: LoadedModel, vocab_size: int, size: int) -> torch.Tensor | None:
+def draft_output_ids(tokenizer: Tokenizer, vocab_size: int, size: int) -> torch.Tensor | None:
     """The ids a restricted draft head keeps: the first `size` ids (BPE assigns ids in
     merge order, roughly from frequent to rare) and the tokenizer's added tokens (the
     end-of-turn and end-of-text marks sit at the end of the vocabulary); None where
     that is the whole vocabulary (or size is 0)."""
     if size == 0 or size >= vocab_size:
         return None
-    added = loaded.tokenizer.backend.get_added_tokens_decoder()
+    added = tokenizer.backend.get_added_tokens_decoder()
     ids = sorted(set(range(size)) | {i for i in added if i < vocab_size})
     return torch.tensor(ids, dtype=torch.long)

@@ -40,8 +40,11 @@ void quantize_rows(const T* x, int M, int K, int8_t* xq, float* dx, float* sx, i
     const T* xr = x + static_cast<int64_t>(r) * K;
     int8_t* qr = xq + static_cast<int64_t>(r) * K;
     for (int b0 = 0; b0 < nb; b0 += per) {
-      float amax = 0.f;
-      for (int i = 0; i < span; ++i) amax = std::fmax(amax, std::fabs(to_float(xr[b0 * 32 + i])));
+      float v[256], amax = 0.f;  // the span's values, converted once
+      for (int i = 0; i < span; ++i) {
+        v[i] = to_float(xr[b0 * 32 + i]);
+        amax = std::fmax(amax, std::fabs(v[i]));
+      }
       const float scale = amax / 127.f;
       const float inv = scale > 0.f ? 1.f / scale : 0.f;
       for (int b = b0; b < b0 + per; ++b) {
@@ -49,9 +52,10 @@ void quantize_rows(const T* x, int M, int K, int8_t* xq, float* dx, float* sx, i
         // bytes [16*half, +16) of the pair, its high 16 to [32 + 16*half, +16).
         int8_t* pair = qr + (b / 2) * 64;
         const int half = b % 2;
+        const float* vb = v + (b - b0) * 32;
         int sum = 0;
         for (int i = 0; i < 32; ++i) {
-          const int q = static_cast<int>(std::nearbyint(to_float(xr[b * 32 + i]) * inv));
+          const int q = static_cast<int>(std::nearbyint(vb[i] * inv));
           sum += q;
           pair[(i < 16 ? 0 : 32) + 16 * half + (i % 16)] = static_cast<int8_t>(q);
         }

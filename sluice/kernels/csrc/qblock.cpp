@@ -24,8 +24,8 @@ void matmul(const T* x, int M, int K, int bits, int group, const QbWeight& w, in
 // Row r of x becomes rows 2r (x) and 2r + 1 (what x's int8 blocks leave out, x - dx * q,
 // itself quantized in blocks of a scale ~254 times finer; blocks of 256 values for a
 // weight with integer scales, of 32 else): the int8 kernel then sees each value to ~15
-// bits where one level keeps 8, and a weight pair unpacked once serves both rows. The output head's logits decide greedy picks among near-ties, so
-// it needs more than int8; this gets that at the int8 kernel's bandwidth instead of
+// bits where one level keeps 8, and a weight pair unpacked once serves both rows. The
+// output head's logits decide greedy picks among near-ties, so it needs more than int8; this gets that at the int8 kernel's bandwidth instead of
 // the float kernel's instruction count (its 6-bit head was compute-bound).
 template <typename T>
 std::vector<float> with_residuals(const T* x, int M, int K, bool integer) {
