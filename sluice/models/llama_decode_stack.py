@@ -218,7 +218,7 @@ class LlamaDecodeStack:
                 method = cast(_KernelMethod, linear.method)
                 max_rows_eager = min(max_rows_eager, method.dense_min_rows - 1)
         # On qblock weights, at most the rows one pass of its kernel serves
-        # (qblock.row_block: 8 at AVX-512, 4 below); else 3, the decode regime the int4
+        # (qblock.row_block: 12 at AVX-512, 4 below); else 3, the decode regime the int4
         # and int8 kernels (a weight read per row) are for. (A cap of 3 for every format
         # once answered a "stall" on 4-15-row steps that only tests/test_server.py's
         # queue-full test showed; that test's client had closed its stream, a race

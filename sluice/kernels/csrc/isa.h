@@ -27,6 +27,9 @@
 // 6-bit two-row step: +35%; which instantiations it kept depended on unrelated edits
 // to the caller), so their inlining is not left to its size heuristics.
 #define SLUICE_INLINE inline __attribute__((always_inline))
+// Fully unroll a loop over a kernel's activation rows: past about 5 rows GCC kept
+// per-row accumulator arrays on the stack instead of in registers.
+#define SLUICE_UNROLL_ROWS _Pragma("GCC unroll 16")
 
 #if defined(SLUICE_ISA_AVX2)
 namespace sluice {

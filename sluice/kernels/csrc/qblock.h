@@ -23,8 +23,8 @@
 // 4p + 2 * (j & 1) + (j >> 1) when G = 16.
 //
 // Entry points (qblock.cpp): matmul with int8 activations (a generalization of
-// q4_rows: one weight pair is unpacked once and used by up to 8 activation rows, a pass
-// over the weights per 8 rows beyond), matmul with unquantized
+// q4_rows: one weight pair is unpacked once and used by up to 12 activation rows, a
+// pass over the weights per 12 rows beyond), matmul with unquantized
 // activations (the output head), dequantization, and embedding rows.
 #pragma once
 #include <algorithm>
@@ -227,7 +227,7 @@ struct QbActRows {
   template <int G>
   QbActRows from(int k0) const {
     QbActRows a = *this;
-    for (int r = 0; r < R; ++r) {
+    SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
       a.x[r] += k0;
       a.dx[r] += k0 / 32;
       a.dx8[r] += k0 / 8;
@@ -298,7 +298,7 @@ SLUICE_INLINE void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __
     return;
   }
   const __m512 dv = qb_pair_d<G>(w, p);
-  for (int r = 0; r < R; ++r) {
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
     const __m512i x = _mm512_loadu_si512(a.x[r] + 64 * p);
     const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x));
     const __m512 dx = _mm512_broadcast_f32x8(_mm256_loadu_ps(a.dx8[r] + 8 * p));
@@ -334,7 +334,7 @@ SLUICE_INLINE void qb_super_step(const QbRow& w, const QbActRows<R>& a, int p, _
     }
     const __m512i u = qb_unpack<BITS>(w, i);
     const __m512i sc = qb_pair_scales_i16<G>(w, i);
-    for (int r = 0; r < R; ++r) {
+    SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
       const __m512i prod = _mm512_maddubs_epi16(u, _mm512_loadu_si512(a.x[r] + 64 * i));
       isum[r] = _mm512_dpwssd_epi32(isum[r], prod, sc);
     }
@@ -377,14 +377,14 @@ SLUICE_INLINE void qb_finish(const QbRow& w, const QbActRows<R>& a, int ng, cons
   const void* ms = w.m ? w.m : w.d;
   const uint16_t* mss = w.m ? w.sm : w.sd;
   __m512 macc[R];
-  for (int r = 0; r < R; ++r) macc[r] = _mm512_setzero_ps();
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) macc[r] = _mm512_setzero_ps();
   for (int g = 0; g < ng; g += 16) {
     const __mmask16 k = ng - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (ng - g)) - 1);
     const __m512 mv = qb_groups16<G, IQ>(ms, mss, g, k);
-    for (int r = 0; r < R; ++r) macc[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, a.sx[r] + g), macc[r]);
+    SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) macc[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, a.sx[r] + g), macc[r]);
   }
   const __m512 mscale = _mm512_set1_ps(w.m ? 1.f : qb_implied_m<BITS>);
-  for (int r = 0; r < R; ++r)
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r)
     out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), _mm512_mul_ps(macc[r], mscale)));
 }
 #elif defined(SLUICE_ISA_AVX2)
@@ -462,7 +462,7 @@ SLUICE_INLINE void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 dlo, dhi;
   qb_pair_d<G>(w, p, dlo, dhi);
-  for (int r = 0; r < R; ++r) {
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x[r] + 64 * p));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x[r] + 64 * p + 32));
     const __m256i plo = qb_maddubs<BITS>(lo, x0), phi = qb_maddubs<BITS>(hi, x1);
@@ -512,7 +512,7 @@ SLUICE_INLINE void qb_super_step(const QbRow& w, const QbActRows<R>& a, int p, _
     __m256i lo, hi, slo, shi;
     qb_unpack<BITS>(w, i, lo, hi);
     qb_pair_scales_i16<G>(w, i, slo, shi);
-    for (int r = 0; r < R; ++r) {
+    SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
       const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x[r] + 64 * i));
       const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x[r] + 64 * i + 32));
       const __m256i plo = _mm256_maddubs_epi16(lo, x0), phi = _mm256_maddubs_epi16(hi, x1);
@@ -561,12 +561,12 @@ SLUICE_INLINE void qb_finish(const QbRow& w, const QbActRows<R>& a, int ng, cons
   for (; g + 8 <= ng && (w.m || dfactor != 0.f); g += 8) {
     __m256 mv = w.m ? qb_groups8<G, IQ>(w.m, w.sm, g) : _mm256_setzero_ps();
     if (dfactor != 0.f) mv = _mm256_fmadd_ps(qb_groups8<G, IQ>(w.d, w.sd, g), _mm256_set1_ps(dfactor), mv);
-    for (int r = 0; r < R; ++r) acc1[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(a.sx[r] + g), acc1[r]);
+    SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) acc1[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(a.sx[r] + g), acc1[r]);
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
   for (; g < ng && (w.m || dfactor != 0.f); ++g) {
     const float mg = (w.m ? qb_group<G, IQ>(w.m, w.sm, g) : 0.f) + dfactor * qb_group<G, IQ>(w.d, w.sd, g);
-    for (int r = 0; r < R; ++r) out[r] += mg * a.sx[r][g];
+    SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) out[r] += mg * a.sx[r][g];
   }
 }
 
@@ -634,7 +634,7 @@ __attribute__((noinline)) inline float qb_super_term(int32_t isum, float sd, flo
 
 template <int BITS, int G, bool IQ, int R, bool PREFETCH = false>
 inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, float* out) {
-  for (int r = 0; r < R; ++r) out[r] = 0.f;
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) out[r] = 0.f;
   uint8_t u[64];
   if constexpr (IQ) {  // rows of one scale per super-block: its products sum in int32
     for (int p0 = 0; p0 < np; p0 += kQbSuperPairs) {
@@ -643,20 +643,20 @@ inline void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, f
         qb_unpack<BITS>(w, p, u);
         int32_t s[4];
         for (int j = 0; j < 4; ++j) s[j] = static_cast<const int8_t*>(w.d)[qb_run_group<G>(p, j)];
-        for (int r = 0; r < R; ++r) isum[r] += qb_pair_idot(u, s, a.x[r] + 64 * p);
+        SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) isum[r] += qb_pair_idot(u, s, a.x[r] + 64 * p);
       }
       const float sd = qb_half(w.sd[p0 / kQbSuperPairs]);
-      for (int r = 0; r < R; ++r) out[r] += qb_super_term(isum[r], sd, a.dx[r][2 * p0]);
+      SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) out[r] += qb_super_term(isum[r], sd, a.dx[r][2 * p0]);
     }
   } else {
     for (int p = 0; p < np; ++p) {
       qb_unpack<BITS>(w, p, u);
       float d[4];
       for (int j = 0; j < 4; ++j) d[j] = qb_group<G, false>(w.d, nullptr, qb_run_group<G>(p, j));
-      for (int r = 0; r < R; ++r) out[r] += qb_pair_dot(u, d, a.x[r] + 64 * p, a.dx[r] + 2 * p);
+      SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) out[r] += qb_pair_dot(u, d, a.x[r] + 64 * p, a.dx[r] + 2 * p);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] += qb_min_dot<BITS, G, IQ>(w, a.sx[r], ng);
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) out[r] += qb_min_dot<BITS, G, IQ>(w, a.sx[r], ng);
 }
 #endif
 
@@ -667,14 +667,14 @@ template <int BITS, int G, bool IQ, int R, bool PREFETCH = false>
 SLUICE_INLINE void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, int ng, float* out) {
   // Two accumulators a row: consecutive pairs do not wait on each other's FMA.
   QbFloats acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = qb_fzero();
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = qb_fzero();
   if constexpr (IQ) {  // one float step a super-block a row: sd * dx (dx the super-block's)
     for (int p = 0; p < np; p += kQbSuperPairs) {
       QbInts isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = qb_izero();
+      SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) isum[r] = qb_izero();
       qb_super_step<BITS, G, R, PREFETCH>(w, a, p, isum);
       const float sd = qb_half(w.sd[p / kQbSuperPairs]);
-      for (int r = 0; r < R; ++r) acc0[r] = qb_scaled_add(isum[r], sd * a.dx[r][2 * p], acc0[r]);
+      SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) acc0[r] = qb_scaled_add(isum[r], sd * a.dx[r][2 * p], acc0[r]);
     }
   } else {
     int p = 0;
@@ -691,11 +691,13 @@ SLUICE_INLINE void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, in
 
 // ---- Matmul with int8 activations.
 
-// Activation rows one pass of a weight row serves: AVX-512's 32 registers hold 8 rows'
-// accumulators (a verifying step of up to 7 drafts unpacks each weight once); AVX2's
-// 16 and the portable loop take 4.
+// Activation rows one pass of a weight row serves: AVX-512's 32 registers hold 12 rows'
+// accumulators (the output head's two levels of 6 positions: a verifying step of up to
+// 5 drafts reads the 1.5B model's head once; 16 rows' two accumulators each would take
+// all 32). AVX2's 16 registers and the portable loop take 4. Past 5 rows this relies
+// on SLUICE_UNROLL_ROWS.
 #if defined(SLUICE_ISA_AVX512)
-constexpr int kQbRowBlock = 8;
+constexpr int kQbRowBlock = 12;
 #else
 constexpr int kQbRowBlock = 4;
 #endif
@@ -713,7 +715,7 @@ template <int G, int R>
 QbActRows<R> qb_act_rows(const QBlockActivations& xa, int r0, int K) {
   QbActRows<R> a;
   const float* sx = G == 16 ? xa.sx16.data() : xa.sx.data();
-  for (int r = 0; r < R; ++r) {
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
     a.x[r] = xa.q.data() + static_cast<int64_t>(r0 + r) * K;
     a.dx[r] = xa.dx.data() + static_cast<int64_t>(r0 + r) * (K / 32);
     a.dx8[r] = xa.dx8.data() + static_cast<int64_t>(r0 + r) * (K / 8);
@@ -734,7 +736,7 @@ constexpr int kQbChunk = 2048;
 // running one (it did so in some inlined contexts and not others at the portable level).
 template <int R>
 __attribute__((noinline)) void qb_add_rows(float* out, const float* part) {
-  for (int r = 0; r < R; ++r) out[r] += part[r];
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) out[r] += part[r];
 }
 
 template <int BITS, int G, bool IQ, int R, bool PREFETCH = false>
@@ -750,13 +752,13 @@ SLUICE_INLINE void qb_dot_chunk(const QbRow& w, const QbActRows<R>& a, int k0, i
 template <int BITS, int G, bool IQ, int R, bool PREFETCH = false>
 SLUICE_INLINE void qb_dot_row(const QbRow& w, const QbActRows<R>& a, int K, float* out) {
   if (K <= kQbChunk) return qb_dot_rows<BITS, G, IQ, R, PREFETCH>(w, a, K / 64, K / G, out);
-  for (int r = 0; r < R; ++r) out[r] = 0.f;
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) out[r] = 0.f;
   for (int k0 = 0; k0 < K; k0 += kQbChunk) qb_dot_chunk<BITS, G, IQ, R, PREFETCH>(w, a, k0, K, out);
 }
 
 template <typename T, int R>
 SLUICE_INLINE void qb_store(T* y, int N, int64_t n, const float* out) {
-  for (int r = 0; r < R; ++r) {
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
     T* dst = y + static_cast<int64_t>(r) * N + n;
     *dst = round_to(dst, out[r]);
   }
@@ -795,8 +797,10 @@ void qb_rows_pass(const QBlockActivations& xa, int r0, int K, const QbWeight& wt
 // the 1.5B's head at 16 rows 22.2 against 14.6 ms, at 9 rows 13.4 against 12.3.
 template <int BITS, int G, bool IQ, typename T>
 void qblock_rows_t(const QBlockActivations& xa, int M, int K, const QbWeight& wt, int N, T* y) {
-  for (int r0 = 0; r0 < M; r0 += kQbRowBlock)
-    qb_with_rows(std::min(kQbRowBlock, M - r0),
+  const int passes = (M + kQbRowBlock - 1) / kQbRowBlock;
+  const int per_pass = (M + passes - 1) / passes;  // as even as they go: 16 rows as 8 + 8
+  for (int r0 = 0; r0 < M; r0 += per_pass)
+    qb_with_rows(std::min(per_pass, M - r0),
                  [&](auto R) { qb_rows_pass<BITS, G, IQ, R>(xa, r0, K, wt, N, y); });
 }
 
