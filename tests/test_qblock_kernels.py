@@ -9,6 +9,7 @@ fp32 and bf16."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -239,6 +240,37 @@ def test_residual_matmul_keeps_activations_to_a_fraction_of_their_step(
             one_level = qblock.qblock_matmul(lib, xr, *w.rows(0, n), bits, group)
             gain = (one_level.double() - ref).abs().sum() / (got.double() - ref).abs().sum()
             assert gain > 20
+
+
+def head_kernel(lib: kernels.Library, x: torch.Tensor, *weight: Any) -> torch.Tensor:
+    """qblock_matmul_head with the row maxima computed as the model's head does."""
+    return qblock.qblock_matmul_head(lib, x, *weight, qblock.row_max_abs(lib, *weight))
+
+
+@pytest.mark.parametrize(("bits", "group", "symmetric", "integer"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_matmul_is_the_residual_one_for_every_token_that_may_be_picked(
+    bits: int, group: int, symmetric: bool, integer: bool, dtype: torch.dtype, lib: kernels.Library
+) -> None:
+    # Every logit is bit for bit the two-level one or the one-level one; the greedy pick
+    # and every token that could round to its value are two-level; and the rows far
+    # from the top (most of a 3000-token vocabulary here) are one-level.
+    n, k = 3000, columns(integer)
+    w = random_weight(n, k, bits, group, 7 * bits + group, symmetric, integer)
+    weight = (*w.rows(0, n), bits, group)
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(5)).to(dtype)
+    got = head_kernel(lib, x, *weight)
+    two = qblock.qblock_matmul_residual(lib, x, *weight)
+    one = qblock.qblock_matmul(lib, x, *weight)
+    exact, coarse = got == two, got == one
+    assert (exact | coarse).all()
+    assert torch.equal(got.float().argmax(1), two.float().argmax(1))
+    top = two.float().amax(1, keepdim=True)
+    assert (two.float()[~exact] < top.expand_as(two)[~exact]).all()  # none left out ties
+    assert (~exact).float().mean() > 0.5  # the second level was not paid for everywhere
+    for rows in (1, 5, 12):  # a row's logits do not depend on the batch
+        assert torch.equal(head_kernel(lib, x[:rows], *weight), got[:rows])
+        assert torch.equal(head_kernel(lib, x[rows : rows + 1], *weight), got[rows : rows + 1])
 
 
 @pytest.mark.parametrize(

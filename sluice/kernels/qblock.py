@@ -37,6 +37,8 @@ _MATMUL_ARGS = (
 _MATMUL = c_function("sluice_qblock_matmul", None, *_MATMUL_ARGS)
 _MATMUL_FLOAT = c_function("sluice_qblock_matmul_float", None, *_MATMUL_ARGS)
 _MATMUL_RESIDUAL = c_function("sluice_qblock_matmul_residual", None, *_MATMUL_ARGS)
+# (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, row_max, y)
+_MATMUL_HEAD = c_function("sluice_qblock_matmul_head", None, *_MATMUL_ARGS[:-1], POINTER, POINTER)
 # (bits, group, packed, hbits, d, m, s, K, N, out, out_bf16)
 _DEQUANTIZE = c_function(
     "sluice_qblock_dequantize",
@@ -53,7 +55,7 @@ _EMBEDDING = c_function(
 
 def row_block(lib: Library) -> int:
     """Activation rows the int8-activation matmul serves with one read of each weight
-    (8 at AVX-512, 4 below): up to this many rows cost one pass over the weights."""
+    (12 at AVX-512, 4 below): up to this many rows cost one pass over the weights."""
     return int(_ROW_BLOCK(lib))
 
 
@@ -191,6 +193,62 @@ def qblock_matmul_residual(
     return _matmul(
         _MATMUL_RESIDUAL, lib, x, packed, hbits, scale, minimum, super_scale, bits, group
     )
+
+
+def qblock_matmul_head(
+    lib: Library,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    hbits: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    super_scale: torch.Tensor,
+    bits: int,
+    group: int,
+    row_max: torch.Tensor,  # [N] fp32: each weight row's largest |value| (row_max_abs)
+) -> torch.Tensor:
+    """The output head: qblock_matmul_residual's value, bit for bit, for every token
+    whose logit may be the row's largest (its one-level value plus the bound row_max[n]
+    * sum|residual| reaches the best lower bound of any token), and for the rest
+    qblock_matmul's. Greedy picks and the logits near the top are those of the two
+    levels; the second level costs a dot product per such token instead of a second
+    kernel row per position."""
+    n, k, weight = _weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
+    if row_max.shape != (n,) or row_max.dtype != torch.float32 or not row_max.is_contiguous():
+        raise ValueError(f"row_max must be contiguous float32 [{n}]")
+    x = x.contiguous()
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x must be fp32 or bf16 [M, {k}], got {x.dtype} {tuple(x.shape)}")
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        _MATMUL_HEAD(
+            lib, ptr(x), is_bf16(x), x.shape[0], k, bits, group, *weight, n, ptr(row_max), ptr(y)
+        )
+    return y
+
+
+def row_max_abs(
+    lib: Library,
+    packed: torch.Tensor,
+    hbits: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    super_scale: torch.Tensor,
+    bits: int,
+    group: int,
+    tile_rows: int = 8192,
+) -> torch.Tensor:
+    """[N] fp32: the largest |W[n, k]| of each row (what qblock_matmul_head bounds the
+    second level's term with), dequantized a tile of rows at a time."""
+    n = packed.shape[0]
+    out = torch.empty(n, dtype=torch.float32)
+    for start in range(0, n, tile_rows):
+        stop = min(n, start + tile_rows)
+        rows = (t[start:stop] if t.numel() else t for t in (packed, hbits, scale, minimum))
+        sup = super_scale[start:stop] if super_scale.numel() else super_scale
+        tile = qblock_dequantize(lib, *rows, sup, bits, group, torch.float32)
+        out[start:stop] = tile.abs().amax(1)
+    return out
 
 
 def _out_dtype(dtype: torch.dtype) -> int:

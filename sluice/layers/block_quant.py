@@ -17,8 +17,10 @@ quantizes its activations in two int8 levels (each block, then its residual: ~15
 bits), since one level flips near-tied logits; the same kernel reads the blocks, so
 the vocabulary-sized head runs at the int8 kernel's bandwidth (the float-activation
 kernel it replaced was compute-bound on 6-bit heads: 6.3 against 4.6 ms a token on
-Qwen2.5-Coder-1.5B's). Greedy output is the same token for token as with that float
-kernel (tests/test_gguf_head.py).
+Qwen2.5-Coder-1.5B's). The second level is added only to the tokens that may be the
+pick (`qblock.qblock_matmul_head`, bounded by each row's largest |W|, `qb_row_max`),
+so a verifying step's positions cost one kernel row each, not two. Greedy output is
+the same token for token as with that float kernel (tests/test_gguf_head.py).
 Without our kernels (CUDA, or SLUICE_CPU_KERNELS=0) the same layouts run on torch ops.
 """
 
@@ -126,6 +128,12 @@ class BlockQuantized(LinearMethod):
         layer.qb_scale, layer.qb_min = weight.scale, weight.minimum
         layer.qb_super = weight.super_scale
         self.lib = _cpu_kernels(layer.weight)
+        # The head's kernel bounds its second level per token by the row's largest |W|.
+        layer.qb_row_max = (
+            qblock.row_max_abs(self.lib, *_kernel_args(weight))
+            if self.output_head and self.lib is not None
+            else None
+        )
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
         # Without our kernels the dense path is the only one.
         self.dense_min_rows = DENSE_MIN_ROWS.get(kernels.variant(), 4) if self.lib else 1
@@ -141,10 +149,10 @@ class BlockQuantized(LinearMethod):
         if torch.compiler.is_compiling():  # our kernels are opaque to the compiler
             y = cast(
                 torch.Tensor,
-                _qblock_linear_op(x, *_kernel_args(w), self.output_head, self.dense_min_rows),
+                _qblock_linear_op(x, *_kernel_args(w), layer.qb_row_max, self.dense_min_rows),
             )
         else:
-            y = _linear(self.lib, w, x, self.output_head, self.dense_min_rows)
+            y = _linear(self.lib, w, x, layer.qb_row_max, self.dense_min_rows)
         return y if layer.bias is None else y + layer.bias
 
 
@@ -152,14 +160,15 @@ def _linear(
     lib: Library | None,
     w: QuantizedTensor,
     x: torch.Tensor,
-    output_head: bool,
+    row_max: torch.Tensor | None,
     dense_min_rows: int,
 ) -> torch.Tensor:
-    """x @ W.T: the block kernel for few rows, dequantized tiles + dense GEMM for many."""
+    """x @ W.T: the block kernel for few rows, dequantized tiles + dense GEMM for many.
+    row_max (the output head's, qblock.row_max_abs) picks the head's kernel."""
     if lib is not None and x.shape[0] < dense_min_rows:
         args = (x.contiguous(), *_kernel_args(w))
-        if output_head:
-            return qblock.qblock_matmul_residual(lib, *args)
+        if row_max is not None:
+            return qblock.qblock_matmul_head(lib, *args, row_max)
         return qblock.qblock_matmul(lib, *args)
     n, k = w.shape
     rows = max(64, TILE_ELEMENTS // k)
@@ -182,12 +191,12 @@ def _qblock_linear_op(
     super_scale: torch.Tensor,
     bits: int,
     group: int,
-    output_head: bool,
+    row_max: torch.Tensor | None,
     dense_min_rows: int,
 ) -> torch.Tensor:
     w = QuantizedTensor(bits, group, packed, hbits, scale, minimum, super_scale)
     lib = kernels.load() if x.device.type == "cpu" else None
-    return _linear(lib, w, x, output_head, dense_min_rows)
+    return _linear(lib, w, x, row_max if lib is not None else None, dense_min_rows)
 
 
 @_qblock_linear_op.register_fake
@@ -200,7 +209,7 @@ def _(
     super_scale: torch.Tensor,
     bits: int,
     group: int,
-    output_head: bool,
+    row_max: torch.Tensor | None,
     dense_min_rows: int,
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], scale.shape[0])

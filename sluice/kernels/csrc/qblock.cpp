@@ -2,6 +2,8 @@
 // weight as (bits, group, packed, hbits, d, m, s): hbits is null unless bits is 5 or 6,
 // m null for a symmetric weight, s (the multipliers of integer scales) null for fp16
 // scales.
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -69,6 +71,122 @@ void matmul_residual(const T* x, int M, int K, int bits, int group, const QbWeig
   }
 }
 
+// Tokens a step of the head's scan and refinement takes (the coarse logits of a tile
+// stay in L1 between the two loops).
+constexpr int kHeadTile = 2048;
+
+// Ask for weight row n's bytes at once: the candidates' rows are scattered over the
+// head and cold, and reading one after another waited on memory for each (~1 us a row).
+template <int BITS, int G, bool IQ>
+void prefetch_row(const QbWeight& w, int K, int n) {
+  const sluice::QbRow row = w.row<BITS, G, IQ>(K, n);
+  const auto lines = [](const void* p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
+  };
+  lines(row.w, sluice::qb_row_bytes(BITS, K));
+  if (row.h) lines(row.h, sluice::qb_hbits_row_bytes(BITS, K));
+  lines(row.d, (K / G) * (IQ ? 1 : 2));
+  if (row.m) lines(row.m, (K / G) * (IQ ? 1 : 2));
+}
+
+// y = the first level's logits (coarse), and for the tokens that may be row r's greedy
+// pick the second level's term added, one dot product each. Token n's second-level
+// term is at most rmax[n] * s[r] (s: the sum of the residual's magnitudes, rmax: the
+// row's largest |W|), so a token whose coarse logit plus that bound stays under
+// floor[r] (the best lower bound of any token, less two bf16 steps of the largest
+// magnitude) can neither be the pick nor round to the pick's value.
+template <int BITS, int G, bool IQ, typename T>
+void head_refine_t(const float* coarse, const sluice::QBlockActivations& rest, int M, int K,
+                   const QbWeight& w, int N, const float* rmax, const float* s,
+                   const float* floor, T* y) {
+  std::vector<int64_t> picked;  // this thread's candidates, as r * N + n
+#pragma omp for schedule(static)
+  for (int n0 = 0; n0 < N; n0 += kHeadTile) {
+    const int n1 = std::min(N, n0 + kHeadTile);
+    picked.clear();
+    for (int r = 0; r < M; ++r) {
+      const float* c = coarse + static_cast<int64_t>(r) * N;
+      T* yr = y + static_cast<int64_t>(r) * N;
+      for (int n = n0; n < n1; ++n) yr[n] = sluice::round_to(yr + n, c[n]);
+      for (int n = n0; n < n1; ++n)
+        if (c[n] + rmax[n] * s[r] >= floor[r]) picked.push_back(static_cast<int64_t>(r) * N + n);
+    }
+    for (const int64_t i : picked) prefetch_row<BITS, G, IQ>(w, K, static_cast<int>(i % N));
+    for (const int64_t i : picked) {
+      const int r = static_cast<int>(i / N), n = static_cast<int>(i % N);
+      float out;
+      sluice::qb_dot_row<BITS, G, IQ, 1>(w.row<BITS, G, IQ>(K, n),
+                                         sluice::qb_act_rows<G, 1>(rest, r, K), K, &out);
+      y[i] = sluice::round_to(y + i, coarse[i] + out);
+    }
+  }
+}
+
+// Sum of |residual| of each row, as the kernels see it (dx times its int8 values).
+std::vector<float> residual_mass(const sluice::QBlockActivations& rest, int M, int K) {
+  std::vector<float> s(M, 0.f);
+  for (int r = 0; r < M; ++r) {
+    const int8_t* q = rest.q.data() + static_cast<int64_t>(r) * K;
+    const float* dx = rest.dx.data() + static_cast<int64_t>(r) * (K / 32);
+    double sum = 0;  // (positions are pair-ordered, but dx holds one scale per 32 of them)
+    for (int k = 0; k < K; ++k) sum += std::abs(static_cast<double>(dx[k / 32]) * q[k]);
+    s[r] = static_cast<float>(sum * (1 + 1e-5));  // the fp32 sums' rounding too
+  }
+  return s;
+}
+
+// The output head: matmul_residual's logits for every token that may be the greedy
+// pick (bit for bit), the first level's for the rest. The second level then costs a
+// dot product per candidate (~500 of Qwen's 151,936 tokens, a few thousand at most)
+// instead of a kernel row per position: the head reads its weights once for up to 12
+// positions, not 6.
+template <typename T>
+void matmul_head(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N,
+                 const float* rmax, T* y) {
+  const bool integer = w.s != nullptr;
+  const std::vector<float> x2 = with_residuals(x, M, K, integer);
+  std::vector<float> whole(static_cast<size_t>(M) * K), rest(static_cast<size_t>(M) * K);
+  for (int r = 0; r < M; ++r) {
+    std::copy_n(x2.data() + static_cast<int64_t>(2 * r) * K, K, whole.data() + static_cast<int64_t>(r) * K);
+    std::copy_n(x2.data() + static_cast<int64_t>(2 * r + 1) * K, K, rest.data() + static_cast<int64_t>(r) * K);
+  }
+  sluice::QBlockActivations xw, xr;
+  xw.quantize(whole.data(), M, K, group, integer);
+  xr.quantize(rest.data(), M, K, group, integer);
+  const std::vector<float> s = residual_mass(xr, M, K);
+  std::vector<float> coarse(static_cast<size_t>(M) * N);
+  std::vector<float> lo(M, -INFINITY), hi(M, -INFINITY), floor(M);
+#pragma omp parallel
+  {
+    sluice::qblock_rows(xw, M, K, bits, group, w, N, coarse.data());
+    std::vector<float> lo_t(M, -INFINITY), hi_t(M, -INFINITY);  // this thread's
+#pragma omp for schedule(static) nowait
+    for (int n0 = 0; n0 < N; n0 += kHeadTile)
+      for (int r = 0; r < M; ++r) {
+        const float* c = coarse.data() + static_cast<int64_t>(r) * N;
+        float l = lo_t[r], h = hi_t[r];
+        for (int n = n0; n < std::min(N, n0 + kHeadTile); ++n) {
+          l = std::max(l, c[n] - rmax[n] * s[r]);
+          h = std::max(h, c[n] + rmax[n] * s[r]);
+        }
+        lo_t[r] = l;
+        hi_t[r] = h;
+      }
+#pragma omp critical
+    for (int r = 0; r < M; ++r) {
+      lo[r] = std::max(lo[r], lo_t[r]);
+      hi[r] = std::max(hi[r], hi_t[r]);
+    }
+#pragma omp barrier
+#pragma omp single
+    for (int r = 0; r < M; ++r)  // less two bf16 steps: 2 * 2**-7 of the magnitude
+      floor[r] = lo[r] - std::ldexp(std::max(std::abs(lo[r]), std::abs(hi[r])), -6) - 1e-3f;
+    SLUICE_QB_DISPATCH(bits, group, integer,
+                       (head_refine_t<B, G, IQ>(coarse.data(), xr, M, K, w, N, rmax, s.data(),
+                                                floor.data(), y)))
+  }
+}
+
 template <typename T>
 void matmul_float(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N, T* y) {
   const std::vector<float> xf = sluice::pair_ordered(x, M, K);
@@ -119,6 +237,21 @@ void sluice_qblock_matmul_residual(const void* x, int bf16, int M, int K, int bi
   else
     matmul_residual(static_cast<const float*>(x), M, K, bits, group, w, N,
                     static_cast<float*>(y));
+}
+
+// The output head: as sluice_qblock_matmul_residual for every logit that may be the
+// greedy pick, one int8 level for the rest; row_max [N]: each weight row's largest |W|.
+void sluice_qblock_matmul_head(const void* x, int bf16, int M, int K, int bits, int group,
+                               const uint8_t* packed, const uint8_t* hbits, const void* d,
+                               const void* m, const uint16_t* s, int N, const float* row_max,
+                               void* y) {
+  const QbWeight w{packed, hbits, d, m, s};
+  if (bf16)
+    matmul_head(static_cast<const uint16_t*>(x), M, K, bits, group, w, N, row_max,
+                static_cast<uint16_t*>(y));
+  else
+    matmul_head(static_cast<const float*>(x), M, K, bits, group, w, N, row_max,
+                static_cast<float*>(y));
 }
 
 // As sluice_qblock_matmul with unquantized activations (fp32 accumulation).
