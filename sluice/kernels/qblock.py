@@ -244,9 +244,10 @@ def row_max_abs(
     out = torch.empty(n, dtype=torch.float32)
     for start in range(0, n, tile_rows):
         stop = min(n, start + tile_rows)
-        rows = (t[start:stop] if t.numel() else t for t in (packed, hbits, scale, minimum))
-        sup = super_scale[start:stop] if super_scale.numel() else super_scale
-        tile = qblock_dequantize(lib, *rows, sup, bits, group, torch.float32)
+        p, h, d, m, s = (
+            t[start:stop] if t.numel() else t for t in (packed, hbits, scale, minimum, super_scale)
+        )
+        tile = qblock_dequantize(lib, p, h, d, m, s, bits, group, torch.float32)
         out[start:stop] = tile.abs().amax(1)
     return out
 

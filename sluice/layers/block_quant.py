@@ -18,7 +18,7 @@ bits), since one level flips near-tied logits; the same kernel reads the blocks,
 the vocabulary-sized head runs at the int8 kernel's bandwidth (the float-activation
 kernel it replaced was compute-bound on 6-bit heads: 6.3 against 4.6 ms a token on
 Qwen2.5-Coder-1.5B's). The second level is added only to the tokens that may be the
-pick (`qblock.qblock_matmul_head`, bounded by each row's largest |W|, `qb_row_max`),
+pick (`qblock.qblock_matmul_head`, bounded by each row's largest |W|, `row_max`),
 so a verifying step's positions cost one kernel row each, not two. Greedy output is
 the same token for token as with that float kernel (tests/test_gguf_head.py).
 Without our kernels (CUDA, or SLUICE_CPU_KERNELS=0) the same layouts run on torch ops.
@@ -104,6 +104,7 @@ class BlockQuantized(LinearMethod):
         self.output_head = output_head
         self.weight: QuantizedTensor | None = None
         self.lib: Library | None = None
+        self.row_max: torch.Tensor | None = None  # the output head's (qblock.row_max_abs)
         self.dense_min_rows = 1
 
     @property
@@ -129,7 +130,7 @@ class BlockQuantized(LinearMethod):
         layer.qb_super = weight.super_scale
         self.lib = _cpu_kernels(layer.weight)
         # The head's kernel bounds its second level per token by the row's largest |W|.
-        layer.qb_row_max = (
+        self.row_max = (
             qblock.row_max_abs(self.lib, *_kernel_args(weight))
             if self.output_head and self.lib is not None
             else None
@@ -149,10 +150,10 @@ class BlockQuantized(LinearMethod):
         if torch.compiler.is_compiling():  # our kernels are opaque to the compiler
             y = cast(
                 torch.Tensor,
-                _qblock_linear_op(x, *_kernel_args(w), layer.qb_row_max, self.dense_min_rows),
+                _qblock_linear_op(x, *_kernel_args(w), self.row_max, self.dense_min_rows),
             )
         else:
-            y = _linear(self.lib, w, x, layer.qb_row_max, self.dense_min_rows)
+            y = _linear(self.lib, w, x, self.row_max, self.dense_min_rows)
         return y if layer.bias is None else y + layer.bias
 
 
