@@ -131,7 +131,9 @@ def _matmul(
     super_scale: torch.Tensor,
     bits: int,
     group: int,
+    extra: tuple[int, ...] = (),
 ) -> torch.Tensor:
+    """y = fn(x, the weight): extra, pointers fn takes between N and y."""
     n, k, weight = _weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
     x = x.contiguous()
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16):
@@ -139,7 +141,7 @@ def _matmul(
     m = x.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        fn(lib, ptr(x), is_bf16(x), m, k, bits, group, *weight, n, ptr(y))
+        fn(lib, ptr(x), is_bf16(x), m, k, bits, group, *weight, n, *extra, ptr(y))
     return y
 
 
@@ -213,18 +215,11 @@ def qblock_matmul_head(
     qblock_matmul's. Greedy picks and the logits near the top are those of the two
     levels; the second level costs a dot product per such token instead of a second
     kernel row per position."""
-    n, k, weight = _weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
+    n = packed.shape[0]
     if row_max.shape != (n,) or row_max.dtype != torch.float32 or not row_max.is_contiguous():
         raise ValueError(f"row_max must be contiguous float32 [{n}]")
-    x = x.contiguous()
-    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"x must be fp32 or bf16 [M, {k}], got {x.dtype} {tuple(x.shape)}")
-    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    if x.shape[0]:
-        _MATMUL_HEAD(
-            lib, ptr(x), is_bf16(x), x.shape[0], k, bits, group, *weight, n, ptr(row_max), ptr(y)
-        )
-    return y
+    weight = (packed, hbits, scale, minimum, super_scale, bits, group)
+    return _matmul(_MATMUL_HEAD, lib, x, *weight, extra=(ptr(row_max),))
 
 
 def row_max_abs(
