@@ -93,12 +93,12 @@ void prefetch_row(const QbWeight& w, int K, int n) {
 // pick the second level's term added, one dot product each. Token n's second-level
 // term is at most rmax[n] * s[r] (s: the sum of the residual's magnitudes, rmax: the
 // row's largest |W|), so a token whose coarse logit plus that bound stays under
-// floor[r] (the best lower bound of any token, less two bf16 steps of the largest
+// cutoff[r] (the best lower bound of any token, less two bf16 steps of the largest
 // magnitude) can neither be the pick nor round to the pick's value.
 template <int BITS, int G, bool IQ, typename T>
 void head_refine_t(const float* coarse, const sluice::QBlockActivations& rest, int M, int K,
                    const QbWeight& w, int N, const float* rmax, const float* s,
-                   const float* floor, T* y) {
+                   const float* cutoff, T* y) {
   std::vector<int64_t> picked;  // this thread's candidates, as r * N + n
 #pragma omp for schedule(static)
   for (int n0 = 0; n0 < N; n0 += kHeadTile) {
@@ -109,7 +109,7 @@ void head_refine_t(const float* coarse, const sluice::QBlockActivations& rest, i
       T* yr = y + static_cast<int64_t>(r) * N;
       for (int n = n0; n < n1; ++n) yr[n] = sluice::round_to(yr + n, c[n]);
       for (int n = n0; n < n1; ++n)
-        if (c[n] + rmax[n] * s[r] >= floor[r]) picked.push_back(static_cast<int64_t>(r) * N + n);
+        if (c[n] + rmax[n] * s[r] >= cutoff[r]) picked.push_back(static_cast<int64_t>(r) * N + n);
     }
     for (const int64_t i : picked) prefetch_row<BITS, G, IQ>(w, K, static_cast<int>(i % N));
     for (const int64_t i : picked) {
@@ -146,16 +146,17 @@ void matmul_head(const T* x, int M, int K, int bits, int group, const QbWeight& 
   const bool integer = w.s != nullptr;
   const std::vector<float> x2 = with_residuals(x, M, K, integer);
   std::vector<float> whole(static_cast<size_t>(M) * K), rest(static_cast<size_t>(M) * K);
-  for (int r = 0; r < M; ++r) {
-    std::copy_n(x2.data() + static_cast<int64_t>(2 * r) * K, K, whole.data() + static_cast<int64_t>(r) * K);
-    std::copy_n(x2.data() + static_cast<int64_t>(2 * r + 1) * K, K, rest.data() + static_cast<int64_t>(r) * K);
+  for (int r = 0; r < M; ++r) {  // with_residuals interleaves them: x, residual, x, ...
+    const float* pair = x2.data() + static_cast<int64_t>(2 * r) * K;
+    std::copy_n(pair, K, whole.data() + static_cast<int64_t>(r) * K);
+    std::copy_n(pair + K, K, rest.data() + static_cast<int64_t>(r) * K);
   }
   sluice::QBlockActivations xw, xr;
   xw.quantize(whole.data(), M, K, group, integer);
   xr.quantize(rest.data(), M, K, group, integer);
   const std::vector<float> s = residual_mass(xr, M, K);
   std::vector<float> coarse(static_cast<size_t>(M) * N);
-  std::vector<float> lo(M, -INFINITY), hi(M, -INFINITY), floor(M);
+  std::vector<float> lo(M, -INFINITY), hi(M, -INFINITY), cutoff(M);
 #pragma omp parallel
   {
     sluice::qblock_rows(xw, M, K, bits, group, w, N, coarse.data());
@@ -180,10 +181,10 @@ void matmul_head(const T* x, int M, int K, int bits, int group, const QbWeight& 
 #pragma omp barrier
 #pragma omp single
     for (int r = 0; r < M; ++r)  // less two bf16 steps: 2 * 2**-7 of the magnitude
-      floor[r] = lo[r] - std::ldexp(std::max(std::abs(lo[r]), std::abs(hi[r])), -6) - 1e-3f;
+      cutoff[r] = lo[r] - std::ldexp(std::max(std::abs(lo[r]), std::abs(hi[r])), -6) - 1e-3f;
     SLUICE_QB_DISPATCH(bits, group, integer,
                        (head_refine_t<B, G, IQ>(coarse.data(), xr, M, K, w, N, rmax, s.data(),
-                                                floor.data(), y)))
+                                                cutoff.data(), y)))
   }
 }
 
