@@ -207,7 +207,7 @@ def qblock_matmul_head(
     super_scale: torch.Tensor,
     bits: int,
     group: int,
-    row_max: torch.Tensor,  # [N] fp32: each weight row's largest |value| (row_max_abs)
+    row_max: torch.Tensor,  # [N] fp32: each weight row's largest |value|
 ) -> torch.Tensor:
     """The output head: qblock_matmul_residual's value, bit for bit, for every token
     whose logit may be the row's largest (its one-level value plus the bound row_max[n]
@@ -220,31 +220,6 @@ def qblock_matmul_head(
         raise ValueError(f"row_max must be contiguous float32 [{n}]")
     weight = (packed, hbits, scale, minimum, super_scale, bits, group)
     return _matmul(_MATMUL_HEAD, lib, x, *weight, extra=(ptr(row_max),))
-
-
-def row_max_abs(
-    lib: Library,
-    packed: torch.Tensor,
-    hbits: torch.Tensor,
-    scale: torch.Tensor,
-    minimum: torch.Tensor,
-    super_scale: torch.Tensor,
-    bits: int,
-    group: int,
-    tile_rows: int = 8192,
-) -> torch.Tensor:
-    """[N] fp32: the largest |W[n, k]| of each row (what qblock_matmul_head bounds the
-    second level's term with), dequantized a tile of rows at a time."""
-    n = packed.shape[0]
-    out = torch.empty(n, dtype=torch.float32)
-    for start in range(0, n, tile_rows):
-        stop = min(n, start + tile_rows)
-        p, h, d, m, s = (
-            t[start:stop] if t.numel() else t for t in (packed, hbits, scale, minimum, super_scale)
-        )
-        tile = qblock_dequantize(lib, p, h, d, m, s, bits, group, torch.float32)
-        out[start:stop] = tile.abs().amax(1)
-    return out
 
 
 def _out_dtype(dtype: torch.dtype) -> int:

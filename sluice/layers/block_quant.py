@@ -80,6 +80,22 @@ def _dequantized_rows(
     return qblock.qblock_dequantize(lib, *_kernel_args(part), dtype, out=out)
 
 
+def _tile_rows(k: int) -> int:
+    """Weight rows of K values a dequantized tile holds (TILE_ELEMENTS, at least 64)."""
+    return max(64, TILE_ELEMENTS // k)
+
+
+def _row_max_abs(lib: Library, qt: QuantizedTensor) -> torch.Tensor:
+    """[N] fp32: each row's largest |W[n, k]|, a dequantized tile of rows at a time."""
+    n, k = qt.shape
+    rows = _tile_rows(k)
+    out = torch.empty(n, dtype=torch.float32)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        out[start:stop] = _dequantized_rows(lib, qt, start, stop, torch.float32).abs().amax(1)
+    return out
+
+
 def _kernel_args(
     qt: QuantizedTensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
@@ -105,7 +121,7 @@ class BlockQuantized(LinearMethod):
         self.output_head = output_head
         self.weight: QuantizedTensor | None = None
         self.lib: Library | None = None
-        self.row_max: torch.Tensor | None = None  # the output head's (qblock.row_max_abs)
+        self.row_max: torch.Tensor | None = None  # the output head's (_row_max_abs)
         self.dense_min_rows = 1
 
     @property
@@ -132,9 +148,7 @@ class BlockQuantized(LinearMethod):
         self.lib = _cpu_kernels(layer.weight)
         # The head's kernel bounds its second level per token by the row's largest |W|.
         self.row_max = (
-            qblock.row_max_abs(self.lib, *_kernel_args(weight))
-            if self.output_head and self.lib is not None
-            else None
+            _row_max_abs(self.lib, weight) if self.output_head and self.lib is not None else None
         )
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
         # Without our kernels the dense path is the only one.
@@ -166,14 +180,14 @@ def _linear(
     dense_min_rows: int,
 ) -> torch.Tensor:
     """x @ W.T: the block kernel for few rows, dequantized tiles + dense GEMM for many.
-    row_max (the output head's, qblock.row_max_abs) picks the head's kernel."""
+    row_max (the output head's, _row_max_abs) picks the head's kernel."""
     if lib is not None and x.shape[0] < dense_min_rows:
         args = (x.contiguous(), *_kernel_args(w))
         if row_max is not None:
             return qblock.qblock_matmul_head(lib, *args, row_max)
         return qblock.qblock_matmul(lib, *args)
     n, k = w.shape
-    rows = max(64, TILE_ELEMENTS // k)
+    rows = _tile_rows(k)
     if rows >= n:  # the common case: one tile
         return F.linear(x, _dequantized_rows(lib, w, 0, n, x.dtype))
     y = x.new_empty(x.shape[0], n)
@@ -198,7 +212,7 @@ def _qblock_linear_op(
 ) -> torch.Tensor:
     w = QuantizedTensor(bits, group, packed, hbits, scale, minimum, super_scale)
     lib = kernels.load() if x.device.type == "cpu" else None
-    return _linear(lib, w, x, row_max if lib is not None else None, dense_min_rows)
+    return _linear(lib, w, x, row_max, dense_min_rows)
 
 
 @_qblock_linear_op.register_fake

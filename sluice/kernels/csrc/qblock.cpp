@@ -23,31 +23,42 @@ void matmul(const T* x, int M, int K, int bits, int group, const QbWeight& w, in
   sluice::qblock_rows(xa, M, K, bits, group, w, N, y);
 }
 
-// Row r of x becomes rows 2r (x) and 2r + 1 (what x's int8 blocks leave out, x - dx * q,
-// itself quantized in blocks of a scale ~254 times finer; blocks of 256 values for a
-// weight with integer scales, of 32 else): the int8 kernel then sees each value to ~15
-// bits where one level keeps 8, and a weight pair unpacked once serves both rows. The
-// output head's logits decide greedy picks among near-ties, so it needs more than int8; this gets that at the int8 kernel's bandwidth instead of
-// the float kernel's instruction count (its 6-bit head was compute-bound).
+// What x's int8 blocks (`coarse`, its first level) leave out, x - dx * q, in natural
+// order: row r at out + r * stride.
 template <typename T>
-std::vector<float> with_residuals(const T* x, int M, int K, bool integer) {
-  sluice::QBlockActivations coarse;
-  coarse.quantize(x, M, K, 0, integer);
-  std::vector<float> out(static_cast<size_t>(2) * M * K);
+void residual_rows(const T* x, const sluice::QBlockActivations& coarse, int M, int K,
+                   float* out, int64_t stride) {
   for (int r = 0; r < M; ++r) {
     const T* xr = x + static_cast<int64_t>(r) * K;
-    float* whole = out.data() + static_cast<int64_t>(2 * r) * K;
-    float* rest = whole + K;
+    float* rest = out + r * stride;
     const int8_t* q = coarse.q.data() + static_cast<int64_t>(r) * K;  // pair positions
     const float* dx = coarse.dx.data() + static_cast<int64_t>(r) * (K / 32);
     for (int p = 0; p < K / 64; ++p)
       for (int j = 0; j < 4; ++j)
         for (int i = 0; i < 16; ++i) {
           const int k = sluice::qb_run_k(p, j) + i;
-          whole[k] = sluice::to_float(xr[k]);
-          rest[k] = whole[k] - dx[k / 32] * static_cast<float>(q[64 * p + 16 * j + i]);
+          const float step = dx[k / 32] * static_cast<float>(q[64 * p + 16 * j + i]);
+          rest[k] = sluice::to_float(xr[k]) - step;
         }
   }
+}
+
+// Row r of x becomes rows 2r (x) and 2r + 1 (its residual, itself quantized in blocks of
+// a scale ~254 times finer; blocks of 256 values for a weight with integer scales, of 32
+// else): the int8 kernel then sees each value to ~15 bits where one level keeps 8, and a
+// weight pair unpacked once serves both rows. The output head's logits decide greedy
+// picks among near-ties, so it needs more than int8; this gets that at the int8
+// kernel's bandwidth instead of the float kernel's instruction count (its 6-bit head
+// was compute-bound).
+template <typename T>
+std::vector<float> with_residuals(const T* x, int M, int K, bool integer) {
+  sluice::QBlockActivations coarse;
+  coarse.quantize(x, M, K, 0, integer);
+  std::vector<float> out(static_cast<size_t>(2) * M * K);
+  for (int r = 0; r < M; ++r)
+    for (int k = 0; k < K; ++k)
+      out[static_cast<int64_t>(2 * r) * K + k] = sluice::to_float(x[static_cast<int64_t>(r) * K + k]);
+  residual_rows(x, coarse, M, K, out.data() + K, 2 * static_cast<int64_t>(K));
   return out;
 }
 
@@ -144,15 +155,10 @@ template <typename T>
 void matmul_head(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N,
                  const float* rmax, T* y) {
   const bool integer = w.s != nullptr;
-  const std::vector<float> x2 = with_residuals(x, M, K, integer);
-  std::vector<float> whole(static_cast<size_t>(M) * K), rest(static_cast<size_t>(M) * K);
-  for (int r = 0; r < M; ++r) {  // with_residuals interleaves them: x, residual, x, ...
-    const float* pair = x2.data() + static_cast<int64_t>(2 * r) * K;
-    std::copy_n(pair, K, whole.data() + static_cast<int64_t>(r) * K);
-    std::copy_n(pair + K, K, rest.data() + static_cast<int64_t>(r) * K);
-  }
-  sluice::QBlockActivations xw, xr;
-  xw.quantize(whole.data(), M, K, group, integer);
+  sluice::QBlockActivations xw, xr;  // the first level (as qblock_matmul's), the second
+  xw.quantize(x, M, K, group, integer);
+  std::vector<float> rest(static_cast<size_t>(M) * K);
+  residual_rows(x, xw, M, K, rest.data(), K);
   xr.quantize(rest.data(), M, K, group, integer);
   const std::vector<float> s = residual_mass(xr, M, K);
   std::vector<float> coarse(static_cast<size_t>(M) * N);
@@ -162,17 +168,19 @@ void matmul_head(const T* x, int M, int K, int bits, int group, const QbWeight& 
     sluice::qblock_rows(xw, M, K, bits, group, w, N, coarse.data());
     std::vector<float> lo_t(M, -INFINITY), hi_t(M, -INFINITY);  // this thread's
 #pragma omp for schedule(static) nowait
-    for (int n0 = 0; n0 < N; n0 += kHeadTile)
+    for (int n0 = 0; n0 < N; n0 += kHeadTile) {
+      const int n1 = std::min(N, n0 + kHeadTile);
       for (int r = 0; r < M; ++r) {
         const float* c = coarse.data() + static_cast<int64_t>(r) * N;
         float l = lo_t[r], h = hi_t[r];
-        for (int n = n0; n < std::min(N, n0 + kHeadTile); ++n) {
+        for (int n = n0; n < n1; ++n) {
           l = std::max(l, c[n] - rmax[n] * s[r]);
           h = std::max(h, c[n] + rmax[n] * s[r]);
         }
         lo_t[r] = l;
         hi_t[r] = h;
       }
+    }
 #pragma omp critical
     for (int r = 0; r < M; ++r) {
       lo[r] = std::max(lo[r], lo_t[r]);
