@@ -49,9 +49,12 @@ _OPTION_HELP = {
     "speculative_method": "speculative decoding: where draft tokens come from (ngram: "
     "prompt lookup over the prompt and the output so far; suffix: the longest earlier "
     "match in the request and in earlier requests' prompts and outputs; draft: a smaller "
-    "model, --speculative-model; default: off)",
+    "model, --speculative-model; eagle: a one-layer head on the target's own hidden "
+    "states, bundled for SmolLM2 (training/train_eagle.py makes others); default: off)",
     "speculative_model": "the draft model of --speculative-method draft (implies it): an "
-    "alias, .gguf file or Hugging Face directory with the target's tokenizer",
+    "alias, .gguf file or Hugging Face directory with the target's tokenizer; with "
+    "--speculative-method eagle, the head's .safetensors file (default: the bundled one "
+    "for the target)",
     "speculative_draft_vocab_size": "the draft model's output head over its first N token "
     "ids and its added tokens only, a cheaper draft step (default: 65536; 0: the whole "
     "vocabulary)",

@@ -220,7 +220,8 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     # The draft model of speculative_method="draft" (an alias, .gguf or HF directory
     # like `model`); it must share the target's tokenizer. Giving it alone implies
-    # speculative_method="draft".
+    # speculative_method="draft". With "eagle": the head's .safetensors file
+    # (training/train_eagle.py); None picks the bundled head trained for the target.
     speculative_model: str | None = None
     # The draft model's output head covers its first this-many token ids and the
     # tokenizer's added tokens only (0: its whole vocabulary). BPE ids run roughly from
@@ -368,7 +369,7 @@ class EngineConfig:
             "compile": self.compile,
             "kv_offload_dir": self.kv_offload_dir is not None,
             "kv_role": self.kv_role is not None,
-            "speculative_method": self.speculative_method == "draft",
+            "speculative_method": self.speculative_method in ("draft", "eagle"),
         }
         for name, clash in clashes.items():
             if clash:
@@ -439,10 +440,10 @@ class EngineConfig:
                 "speculative_method='draft' needs speculative_model (the draft model: an "
                 "alias, a .gguf file or a Hugging Face directory)",
             )
-        if self.speculative_method != "draft" and model is not None:
+        if self.speculative_method not in ("draft", "eagle") and model is not None:
             raise ConfigError(
                 "speculative_model",
-                f"speculative_model is for speculative_method='draft', not "
+                f"speculative_model is for speculative_method='draft' or 'eagle', not "
                 f"{self.speculative_method!r}",
             )
 

@@ -522,7 +522,7 @@ def test_options_and_flags(command: list[str], method: str) -> None:
     cfg = engine_config(args)
     assert (cfg.speculative_method, cfg.num_speculative_tokens) == (method, 6)
     with pytest.raises(ConfigError) as err:
-        EngineConfig(speculative_method="eagle")  # type: ignore[arg-type]
+        EngineConfig(speculative_method="medusa")  # type: ignore[arg-type]
     assert err.value.param == "speculative_method"
     with pytest.raises(ConfigError, match=r"num_speculative_tokens must be an integer in 1\.\.15"):
         EngineConfig(num_speculative_tokens=0)

@@ -56,7 +56,7 @@ CPU_ISAS: tuple[CpuIsa, ...] = get_args(CpuIsa)
 # Where draft tokens for speculative decoding come from ("ngram": prompt lookup;
 # "suffix": longest matches in the request and in earlier requests; "draft": a smaller
 # model with the same tokenizer, EngineConfig.speculative_model).
-SpeculativeMethod = Literal["ngram", "suffix", "draft"]
+SpeculativeMethod = Literal["ngram", "suffix", "draft", "eagle"]
 SPECULATIVE_METHODS: tuple[SpeculativeMethod, ...] = get_args(SpeculativeMethod)
 
 # How data-parallel replicas run: "mp", processes on this machine; "ray", Ray actors

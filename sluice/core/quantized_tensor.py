@@ -255,6 +255,17 @@ def pack(
     )
 
 
+def quantize_8bit(w: torch.Tensor, group: int = 32) -> QuantizedTensor:
+    """A float weight [N, K] as 8-bit values with one float16 scale per `group` along K
+    (llama.cpp's Q8_0): for weights that come as floats but run on the block kernels."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    d = (g.abs().amax(-1) / 127).to(torch.float16)
+    df = d.float()[..., None]
+    q = torch.where(df > 0, torch.round(g / df.clamp_min(1e-30)), 0.0).clamp(-127, 127)
+    return pack((q + 128).to(torch.uint8).reshape(n, k), d, None, 8, group, source="Q8_0")
+
+
 def unpack_values(qt: QuantizedTensor) -> torch.Tensor:
     """The unsigned values u [N, K] (uint8) in natural order."""
     n, k = qt.shape

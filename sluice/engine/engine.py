@@ -40,6 +40,12 @@ from sluice.engine.speculative.draft_load import (
     load_draft_model,
 )
 from sluice.engine.speculative.draft_model import DraftModelProposer
+from sluice.engine.speculative.eagle import EagleProposer
+from sluice.engine.speculative.eagle_load import (
+    EagleModel,
+    build_eagle_proposer,
+    load_eagle_head,
+)
 from sluice.engine.speculative.step_costs import StepCostMeasurement, load_or_measure
 from sluice.engine.tensor_parallel import TensorParallelWorkers, WorkerBuild
 from sluice.kernels import large_allocations_mapped
@@ -59,6 +65,12 @@ from sluice.sampling_params import SamplingParams
 from sluice.structured import ConstraintMasks, GrammarCompiler, advance, forced_tokens
 
 logger = logging.getLogger("sluice")
+
+
+def _file_identity(path: str) -> str:
+    """A file's path, size and modification time (a retrained head is another key)."""
+    st = Path(path).stat()
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}"
 
 
 def _file_bytes(path: Path) -> int:
@@ -200,7 +212,11 @@ class LLMEngine:
         key = {
             "model": str(path.resolve()),
             "size": path.stat().st_size if path.is_file() else 0,
-            "draft_model": config.speculative_model,
+            "draft_model": (
+                _file_identity(self.draft.head_path)
+                if isinstance(self.draft, EagleProposer)
+                else config.speculative_model
+            ),
             "draft_vocab": config.speculative_draft_vocab_size,
             "dtype": str(self.dtype),
             "quantization": self.quantization,
@@ -254,9 +270,13 @@ class LLMEngine:
         # built; its KV pool gets as many blocks as the target's, from the same memory.
         draft: DraftModel | None = None
         draft_bytes = 0
+        eagle: EagleModel | None = None
         if config.speculative_method == "draft":
             draft = load_draft_model(config, loaded, self.dtype, device)
             draft_bytes = draft.kv_bytes_per_block(config.block_size, self.dtype)
+        elif config.speculative_method == "eagle":
+            eagle = load_eagle_head(config, loaded, self.quantization)
+            draft_bytes = eagle.kv_bytes_per_block(config.block_size, self.dtype)
         local_layers = self._split_kv_local_layers(config, mc)
         local_num_blocks: int | None = None
         # The windowed layers' largest window: what the local pool keeps of a sequence.
@@ -298,10 +318,20 @@ class LLMEngine:
             self.max_model_len,
             self.kv_connector.scheduler if self.kv_connector else None,
         )
-        self.draft: DraftModelProposer | None = None
+        self.draft: DraftModelProposer | EagleProposer | None = None
         if draft is not None:
             self.draft = build_draft_proposer(
                 draft, config, mc, self.dtype, device, num_blocks, self.max_model_len
+            )
+        elif eagle is not None:
+            self.draft = build_eagle_proposer(
+                eagle,
+                config,
+                self.dtype,
+                device,
+                self.quantization,
+                num_blocks,
+                self.max_model_len,
             )
         gc.collect()
         return mc, num_blocks
@@ -351,6 +381,8 @@ class LLMEngine:
                 config.kv_cache_skip_layers,
                 tp=self.tp_group,
                 local_num_blocks=local_num_blocks,
+                # An EAGLE head drafts from the target's hidden states.
+                return_features=config.speculative_method == "eagle",
             )
             if self.tp_workers is not None:
                 self.tp_workers.expect("ready")
@@ -628,6 +660,9 @@ class LLMEngine:
         self.runner.copy_blocks(sched.blocks_to_copy)
         self.runner.copy_blocks(sched.local_blocks_to_copy, LOCAL_KV_GROUP)
         result = self.runner.execute(sched.scheduled)
+        if self.speculator is not None and isinstance(self.draft, EagleProposer):
+            assert result.features is not None
+            self.draft.take_features(sched.scheduled, result.features)
         for req, n in sched.scheduled:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now

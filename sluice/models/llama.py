@@ -201,10 +201,11 @@ class LlamaForCausalLM(nn.Module):
         h.masked_fill_(outside[:, None], 0)
         return self.tp.all_reduce(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [rows, vocab]. Under tensor parallelism every rank computes its
-        vocabulary slice and rank 0 gets them all; the other ranks get their slice."""
-        logits: torch.Tensor = self.lm_head(self.norm(hidden))
+    def compute_logits(self, hidden: torch.Tensor, normed: bool = False) -> torch.Tensor:
+        """fp32 logits [rows, vocab] (normed: `hidden` has been through the final norm
+        already). Under tensor parallelism every rank computes its vocabulary slice and
+        rank 0 gets them all; the other ranks get their slice."""
+        logits: torch.Tensor = self.lm_head(hidden if normed else self.norm(hidden))
         if self.tp is not None:
             gathered = self.tp.gather_last_dim(logits)
             if gathered is not None:

@@ -42,6 +42,9 @@ class ModelOutput:
     num_rows: list[int]  # rows of `logits` per sampling request, in order
     # Logits of every computed prompt position, for requests that asked for prompt logprobs.
     prompt_logits: dict[str, tuple[int, torch.Tensor]]  # request_id -> (first position, logits)
+    # A runner built with return_features: each scheduled request's final-normed hidden
+    # states, one row per token it computed (what an EAGLE head drafts from).
+    features: dict[Request, torch.Tensor] | None = None
 
 
 @dataclass
@@ -57,6 +60,8 @@ class StepInputs:
     # The windowed layers' metadata of a split cache (their own block tables); None
     # with one pool.
     local_meta: AttentionMetadata | None = None
+    # Per token, a feature the model takes beside the token (an EAGLE head's), or None.
+    features: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> StepInputs:
         """The same step with its device tensors on `device` (a CUDA rank's own GPU)."""
@@ -255,9 +260,14 @@ class ModelRunner:
         tp: Collectives | None = None,
         local_num_blocks: int | None = None,
         output_ids: torch.Tensor | None = None,
+        model_type: type[LlamaForCausalLM] | None = None,
+        return_features: bool = False,
     ) -> None:
         """output_ids: logits for these vocabulary ids only (a draft model's restricted
-        head; LlamaForCausalLM.restrict_output)."""
+        head; LlamaForCausalLM.restrict_output); model_type: the module to build
+        instead of the config's architecture's (an EAGLE head); return_features: every
+        step's ModelOutput carries the final-normed hidden states of every token."""
+        self.return_features = return_features
         full_vocab = config.vocab_size
         if tp is not None:
             # This rank's heads, intermediate units and vocabulary slice only.
@@ -278,7 +288,7 @@ class ModelRunner:
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                model = model_class(config)(config)
+                model = (model_type or model_class(config))(config)
                 if output_ids is not None:
                     model.restrict_output(output_ids)
         finally:
@@ -377,23 +387,39 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]]) -> ModelOutput:
-        """Run one step over (request, num_new_tokens) pairs, in any order."""
+    def execute(
+        self,
+        scheduled: list[tuple[Request, int]],
+        features: dict[Request, torch.Tensor] | None = None,
+    ) -> ModelOutput:
+        """Run one step over (request, num_new_tokens) pairs, in any order; features:
+        each request's per-token features ([num_new_tokens, hidden]), for a model that
+        takes them (an EAGLE head)."""
         scheduled = sorted(scheduled, key=lambda rn: rn[1] > SMALL_CHUNK_TOKENS)
         inputs, sampling, rows_per_req, prompt_starts = self._prepare(scheduled)
+        if features is not None:
+            inputs.features = torch.cat([features[r] for r, _ in scheduled]).to(self.device)
         if self.followers is not None:
             self.followers.run_step(inputs)  # the other ranks run the same step
-        logits, prompt_logits = self.run_step(inputs)
+        logits, prompt_logits, normed = self.run_step(inputs)
         prompt = {
             rid: (start, chunk)
             for (rid, start), chunk in zip(prompt_starts, prompt_logits, strict=True)
         }
-        return ModelOutput(logits, sampling, rows_per_req, prompt)
+        out = ModelOutput(logits, sampling, rows_per_req, prompt)
+        if normed is not None:
+            starts = list(itertools.accumulate((n for _, n in scheduled), initial=0))
+            spans = zip(scheduled, starts[:-1], starts[1:], strict=True)
+            out.features = {r: normed[a:b] for (r, _), a, b in spans}
+        return out
 
     @torch.inference_mode()
-    def run_step(self, inputs: StepInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def run_step(
+        self, inputs: StepInputs
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
         """The forward pass of a prepared step: (the sampling rows' logits, each prompt
-        chunk's logits). Every rank of a tensor-parallel group runs it on the same inputs;
+        chunk's logits, with return_features every token's final-normed hidden state,
+        else None). Every rank of a tensor-parallel group runs it on the same inputs;
         rank 0's logits are the whole vocabulary's."""
         meta = inputs.meta
         if self.decode_stack is not None and self.decode_stack.accepts(
@@ -402,11 +428,15 @@ class ModelRunner:
             hidden = self.decode_stack(inputs.input_ids, inputs.positions, meta)
         else:
             ctx = StepContext(self.backend, meta, self.kv_caches, self._layer_metadata(inputs))
+            extra = () if inputs.features is None else (inputs.features,)
             with step_context(ctx):
-                hidden = self.forward(inputs.input_ids, inputs.positions.to(self.device))
+                hidden = self.forward(inputs.input_ids, inputs.positions.to(self.device), *extra)
         prompt = [self.model.compute_logits(hidden[a:b]) for a, b in inputs.prompt_rows]
-        logits = self.model.compute_logits(hidden[inputs.logit_rows.to(self.device)])
-        return logits, prompt
+        rows = inputs.logit_rows.to(self.device)
+        if not self.return_features:
+            return self.model.compute_logits(hidden[rows]), prompt, None
+        normed = self.model.norm(hidden)  # the features, and the head's input: one norm
+        return self.model.compute_logits(normed[rows], normed=True), prompt, normed
 
     def _layer_metadata(self, inputs: StepInputs) -> list[AttentionMetadata] | None:
         """Each layer's metadata where a split cache gives its groups their own; None
