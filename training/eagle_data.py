@@ -127,14 +127,15 @@ def code_prompts(n: int, seed: int, skip: int = 0) -> list[str]:
 
 
 def chat_prompts(
-    tokenizer: Any, sharegpt: int, code: int, seed: int, skip: int = 0
+    tokenizer: Any, sharegpt: int, code: int, seed: int, skip: int = 0, code_skip: int = 0
 ) -> list[list[int]]:
-    """Chat-formatted prompts: `sharegpt` ShareGPT first turns and `code` coding
-    requests, after the first `skip` of each (a second file of other prompts)."""
+    """Chat-formatted prompts: `sharegpt` ShareGPT first turns after the first `skip`,
+    and `code` coding requests after the first `code_skip` (a second file of other
+    prompts)."""
     bench = set(sharegpt_prompts(_BENCH_SHAREGPT, seed=0))
     pool = sharegpt_prompts(skip + sharegpt + _BENCH_SHAREGPT, seed=seed)
     shared = [t for t in pool if t not in bench]
-    texts = shared[skip : skip + sharegpt] + code_prompts(code, seed, skip)
+    texts = shared[skip : skip + sharegpt] + code_prompts(code, seed, code_skip)
     ids = [chat_ids(tokenizer, t) for t in texts]
     return [p for p in ids if len(p) <= 512]
 
@@ -169,10 +170,13 @@ def main() -> None:
     ap.add_argument("--code", type=int, default=400)
     ap.add_argument("--max-tokens", type=int, default=320)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--skip", type=int, default=0, help="prompts of each kind to pass over")
+    ap.add_argument("--skip", type=int, default=0, help="ShareGPT prompts to pass over")
+    ap.add_argument("--code-skip", type=int, default=0, help="coding prompts to pass over")
     args = ap.parse_args()
     llm = LLM(args.model, enable_prefix_caching=False)
-    prompts = chat_prompts(llm.tokenizer, args.sharegpt, args.code, args.seed, args.skip)
+    prompts = chat_prompts(
+        llm.tokenizer, args.sharegpt, args.code, args.seed, args.skip, args.code_skip
+    )
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens", flush=True)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     outs = llm.generate(prompts, params)
