@@ -26,8 +26,8 @@ from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.speculative.draft_load import draft_output_ids
 from sluice.engine.speculative.eagle import EagleProposer
 from sluice.loader import LoadedModel, load_model
-from sluice.models.eagle import EAGLE_TENSORS, EagleHead, eagle_config
-from sluice.runner.model_runner import ModelRunner, kv_bytes_per_block
+from sluice.runner.eagle_head import EAGLE_TENSORS, eagle_config, eagle_runner
+from sluice.runner.model_runner import kv_bytes_per_block
 
 BUNDLED_DIR = Path(__file__).resolve().parents[2] / "assets" / "eagle"
 FORMAT = "sluice-eagle-1"
@@ -136,7 +136,7 @@ def build_eagle_proposer(
     max_model_len: int,
 ) -> EagleProposer:
     """The head's runner (consuming its tensors) and KV pool, as a proposer."""
-    runner = ModelRunner(
+    runner = eagle_runner(
         head.config,
         head.tensors,
         dtype,
@@ -146,9 +146,7 @@ def build_eagle_proposer(
         max_model_len,
         quantization,
         config.compile,
-        output_ids=head.output_ids,
-        model_type=EagleHead,
-        return_features=True,
+        head.output_ids,
     )
     head.tensors = {}
     return EagleProposer(
