@@ -38,6 +38,7 @@ import torch
 from sluice.core.request import Request
 from sluice.core.sampling_params import SamplingParams
 from sluice.engine.kv_cache import KVCacheManager
+from sluice.engine.speculative.shadow import ShadowProposer
 from sluice.runner.model_runner import ModelOutput, ModelRunner
 
 # The shadow sequences' params: greedy, no logprobs (the runner reads prompt_logprobs).
@@ -61,7 +62,7 @@ class _Row:
     num_drafts: int
 
 
-class DraftModelProposer:
+class DraftModelProposer(ShadowProposer[_Shadow, _Row]):
     def __init__(
         self,
         runner: ModelRunner,
@@ -87,40 +88,11 @@ class DraftModelProposer:
         self._shadows: dict[Request, _Shadow] = {}
         self.num_forwards = 0  # draft forward passes (catch-up and decode)
 
-    @property
-    def num_tracked(self) -> int:
-        """Requests whose draft KV is held."""
-        return len(self._shadows)
-
     # ---- the Proposer protocol ---------------------------------------------------
-
-    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in requests]
-        rows = self._catch_up(requests, num_tokens, drafts)
-        for j in range(1, max((r.num_drafts for r in rows), default=0)):
-            rows = [r for r in rows if r.num_drafts > j]
-            if not rows:
-                break
-            rows = self._decode_step(rows, drafts)
-        return drafts
 
     def verified(self, req: Request) -> None:
         shadow = self._shadows.get(req)
         if shadow is not None and not req.is_finished and not self._sync(req, shadow):
-            self.release(req)
-
-    def release(self, req: Request) -> None:
-        """The draft's KV of the request goes back to the draft pool (preempted: it is
-        prefilled again when the request next drafts)."""
-        shadow = self._shadows.pop(req, None)
-        if shadow is not None:
-            self.kv.free(shadow.seq)
-
-    def finish(self, req: Request) -> None:
-        self.release(req)
-
-    def reset(self) -> None:
-        for req in list(self._shadows):
             self.release(req)
 
     # ---- the draft's forward passes ------------------------------------------------

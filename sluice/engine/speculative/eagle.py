@@ -40,6 +40,7 @@ import torch
 from sluice.core.request import Request
 from sluice.core.sampling_params import SamplingParams
 from sluice.engine.kv_cache import KVCacheManager
+from sluice.engine.speculative.shadow import ShadowProposer
 from sluice.runner.model_runner import ModelRunner
 
 _SHADOW_PARAMS = SamplingParams(temperature=0)
@@ -89,7 +90,7 @@ class _Row:
     guess: torch.Tensor | None = None  # the head's last guessed feature [1, hidden]
 
 
-class EagleProposer:
+class EagleProposer(ShadowProposer[_Shadow, _Row]):
     def __init__(
         self,
         runner: ModelRunner,
@@ -111,11 +112,6 @@ class EagleProposer:
         self._shadows: dict[Request, _Shadow] = {}
         self.num_forwards = 0
         self.head_path = head_path  # the head's file (keys the step-cost table)
-
-    @property
-    def num_tracked(self) -> int:
-        """Requests whose head state (KV or features) is held."""
-        return len(self._shadows)
 
     # ---- the target's features ---------------------------------------------------
 
@@ -142,30 +138,8 @@ class EagleProposer:
 
     # ---- the Proposer protocol ---------------------------------------------------
 
-    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in requests]
-        rows = self._catch_up(requests, num_tokens, drafts)
-        for j in range(1, max((r.num_drafts for r in rows), default=0)):
-            rows = [r for r in rows if r.num_drafts > j]
-            if not rows:
-                break
-            rows = self._decode_step(rows, drafts)
-        return drafts
-
     def verified(self, req: Request) -> None:
         """Nothing to do now: the next features or proposal syncs the shadow."""
-
-    def release(self, req: Request) -> None:
-        shadow = self._shadows.pop(req, None)
-        if shadow is not None:
-            self.kv.free(shadow.seq)
-
-    def finish(self, req: Request) -> None:
-        self.release(req)
-
-    def reset(self) -> None:
-        for req in list(self._shadows):
-            self.release(req)
 
     # ---- the head's forward passes -------------------------------------------------
 
