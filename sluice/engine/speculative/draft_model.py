@@ -39,7 +39,7 @@ from sluice.core.request import Request
 from sluice.core.sampling_params import SamplingParams
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.speculative.shadow import ShadowProposer
-from sluice.runner.model_runner import ModelOutput, ModelRunner
+from sluice.runner.model_runner import ModelRunner
 
 # The shadow sequences' params: greedy, no logprobs (the runner reads prompt_logprobs).
 _SHADOW_PARAMS = SamplingParams(temperature=0)
@@ -121,42 +121,15 @@ class DraftModelProposer(ShadowProposer[_Shadow, _Row]):
                 rows.append(_Row(i, shadow, k))
         if not batch:
             return []
-        tokens = self._forward(batch)
+        _, tokens = self._forward(batch)
         for row in rows:
             drafts[row.index].append(tokens[row.shadow.seq])
         return rows
 
-    def _decode_step(self, rows: list[_Row], drafts: list[list[int]]) -> list[_Row]:
-        """Feed each row its latest draft and draft the next token, one forward for all."""
-        batch: list[tuple[Request, int]] = []
-        kept: list[_Row] = []
+    def _draft(self, rows: list[_Row], drafts: list[list[int]]) -> None:
+        _, tokens = self._forward([(row.shadow.seq, 1) for row in rows])
         for row in rows:
-            seq = row.shadow.seq
-            seq.append_token(drafts[row.index][-1])
-            if not self.kv.allocate_slots(seq, 1):
-                seq.all_token_ids.pop()
-                continue
-            batch.append((seq, 1))
-            kept.append(row)
-        if not batch:
-            return []
-        tokens = self._forward(batch)
-        for row in kept:
             drafts[row.index].append(tokens[row.shadow.seq])
-        return kept
-
-    def _forward(self, batch: list[tuple[Request, int]]) -> dict[Request, int]:
-        """Run the draft model over the batch; the greedy next token of each shadow that
-        caught up with its tokens."""
-        result: ModelOutput = self.runner.execute(batch)
-        self.num_forwards += 1
-        for seq, n in batch:
-            seq.num_computed_tokens += n
-        if self.output_ids is None:
-            ids = result.logits[:, : self.vocab_size].argmax(dim=-1).tolist()
-        else:
-            ids = self.output_ids[result.logits.argmax(dim=-1).cpu()].tolist()
-        return dict(zip(result.sampling_requests, ids, strict=True))
 
     # ---- shadows -----------------------------------------------------------------
 

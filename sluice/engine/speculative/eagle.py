@@ -41,7 +41,7 @@ from sluice.core.request import Request
 from sluice.core.sampling_params import SamplingParams
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.speculative.shadow import ShadowProposer
-from sluice.runner.model_runner import ModelRunner
+from sluice.runner.model_runner import ModelOutput, ModelRunner
 
 _SHADOW_PARAMS = SamplingParams(temperature=0)
 # Features held for a request whose head has not caught up (a request in a batch too
@@ -168,46 +168,25 @@ class EagleProposer(ShadowProposer[_Shadow, _Row]):
                 rows.append(_Row(i, shadow, k))
         if not batch:
             return []
-        self._forward(batch, feats, rows, drafts)
+        self._take(self._forward(batch, feats), rows, drafts)
         return rows
 
-    def _decode_step(self, rows: list[_Row], drafts: list[list[int]]) -> list[_Row]:
-        """Feed each row its latest draft and guessed feature; one forward for all."""
-        batch: list[tuple[Request, int]] = []
+    def _draft(self, rows: list[_Row], drafts: list[list[int]]) -> None:
+        """Each row fed its last draft and guessed feature."""
         feats: dict[Request, torch.Tensor] = {}
-        kept: list[_Row] = []
         for row in rows:
-            seq = row.shadow.seq
-            seq.append_token(drafts[row.index][-1])
-            if not self.kv.allocate_slots(seq, 1):
-                seq.all_token_ids.pop()
-                continue
-            assert row.guess is not None
-            batch.append((seq, 1))
-            feats[seq] = row.guess
-            kept.append(row)
-        if not batch:
-            return []
-        self._forward(batch, feats, kept, drafts)
-        return kept
+            assert row.guess is not None, "a drafting row has its first guess"
+            feats[row.shadow.seq] = row.guess
+        self._take(self._forward([(row.shadow.seq, 1) for row in rows], feats), rows, drafts)
 
-    def _forward(
+    def _take(
         self,
-        batch: list[tuple[Request, int]],
-        feats: dict[Request, torch.Tensor],
+        result: tuple[ModelOutput, dict[Request, int]],
         rows: list[_Row],
         drafts: list[list[int]],
     ) -> None:
-        """Run the head; each row's greedy draft and guessed feature."""
-        out = self.runner.execute(batch, feats)
-        self.num_forwards += 1
-        for seq, n in batch:
-            seq.num_computed_tokens += n
-        if self.output_ids is None:
-            ids = out.logits[:, : self.vocab_size].argmax(dim=-1).tolist()
-        else:
-            ids = self.output_ids[out.logits.argmax(dim=-1).cpu()].tolist()
-        picked = dict(zip(out.sampling_requests, ids, strict=True))
+        """Each row's greedy draft and guessed feature from the head's pass."""
+        out, picked = result
         assert out.features is not None, "the head's runner returns its features"
         for row in rows:
             seq = row.shadow.seq

@@ -5,8 +5,8 @@ EAGLE_TENSORS) whose metadata says what it was trained for: the target's name, h
 size and vocabulary, and the draft vocabulary (its first N ids) it learnt to pick
 from. training/train_eagle.py writes them. sluice ships the heads it trained under
 sluice/assets/eagle/ and picks the one made for the target when speculative_model is
-not given. The head's embedding and output head are the target's own weights, read
-again from the target's file (a quantized GGUF's blocks stay quantized), so the head
+not given. The head's embedding and output head are the target's own weights, the
+same tensors the target loads (a quantized GGUF's blocks stay quantized), so the head
 costs its file's size in memory plus the output rows it keeps.
 """
 
@@ -25,7 +25,7 @@ from sluice.core.quantized_tensor import Weight, quantize_8bit
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.speculative.draft_load import draft_output_ids
 from sluice.engine.speculative.eagle import EagleProposer
-from sluice.loader import LoadedModel, load_model
+from sluice.loader import LoadedModel
 from sluice.runner.eagle_head import EAGLE_TENSORS, eagle_config, eagle_runner
 from sluice.runner.model_runner import kv_bytes_per_block
 
@@ -97,7 +97,8 @@ def check_head(path: Path, meta: dict[str, str], target: ModelConfig) -> None:
 def load_eagle_head(
     config: EngineConfig, target: LoadedModel, quantization: WeightQuantization = "none"
 ) -> EagleModel:
-    """The head for `target` (checked), with the target's embedding and output head.
+    """The head for `target` (checked), with the target's embedding and output head
+    (call it before the target's runner consumes `target.tensors`).
     Where the target's weights stay block-quantized ("gguf"), the head's projections
     are quantized to 8 bits a value too: one decode row through a bfloat16 GEMM costs
     several times what the block kernel takes, and a draft is only a guess."""
@@ -114,10 +115,11 @@ def load_eagle_head(
             tensor = f.get_tensor(name)
             blocks = quantization == "gguf" and tensor.dim() == 2 and tensor.shape[1] % 64 == 0
             tensors[name] = quantize_8bit(tensor) if blocks else tensor
-    again = load_model(str(target.path))  # the target's own embedding and head
+    # The target's own embedding and head, shared with its loader (called before the
+    # target's runner consumes them: the quantized blocks are one object for both).
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        if name in again.tensors:
-            tensors[name] = again.tensors[name]
+        if name in target.tensors:
+            tensors[name] = target.tensors[name]
     # The ids it learnt to pick from, fewer where speculative_draft_vocab_size says so.
     size = int(meta.get("draft_vocab_size", "0"))
     if config.speculative_draft_vocab_size and size:
