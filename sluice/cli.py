@@ -284,7 +284,7 @@ def _generate(args: argparse.Namespace) -> int:
     from sluice.engine.engine import LLMEngine
 
     params = _params(args)
-    engine = LLMEngine(engine_config(args))
+    engine = LLMEngine.from_config(engine_config(args))
     tok = engine.tokenizer
     if args.chat:
         rendered = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -304,7 +304,7 @@ def _chat(args: argparse.Namespace) -> int:
     from sluice.engine.engine import LLMEngine
 
     params = _params(args)
-    engine = LLMEngine(engine_config(args))
+    engine = LLMEngine.from_config(engine_config(args))
     tok = engine.tokenizer
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": args.system}] if args.system else []

@@ -23,7 +23,7 @@ class LLM:
     max_num_batched_tokens, kv_cache_memory, seed, enable_prefix_caching, ...)."""
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+        self.engine = LLMEngine.from_config(EngineConfig.from_kwargs(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
         if self.engine.tp_workers is not None:

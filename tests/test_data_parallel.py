@@ -355,7 +355,7 @@ def test_bad_options_name_their_field() -> None:
         assert err.value.param == field
     # An engine in this process is one replica: the option is the server's.
     with pytest.raises(ConfigError, match="sluice serve") as err:
-        LLMEngine(EngineConfig(data_parallel_size=2))
+        LLMEngine.from_config(EngineConfig(data_parallel_size=2))
     assert err.value.param == "data_parallel_size"
 
 

@@ -27,15 +27,13 @@ from sluice.core.quantized_tensor import dequantize, quantize_8bit
 from sluice.core.request import Request
 from sluice.engine.speculative import StepCosts
 from sluice.engine.speculative.eagle import EagleProposer
-from sluice.engine.speculative.eagle_load import (
-    BUNDLED_DIR,
-    build_eagle_proposer,
-    head_metadata,
-    load_eagle_head,
-)
+from sluice.engine.speculative.eagle_load import BUNDLED_DIR, head_metadata, load_eagle_head
+from sluice.engine.speculative.source import DraftBuild, DraftLoad
 from sluice.layers.block_quant import BlockQuantized
 from sluice.loader import load_model
 from sluice.models.eagle import EAGLE_TENSORS, init_params, train_forward
+from sluice.runner.factory import RunnerOptions
+from sluice.runner.kv_layout import KVLayout
 
 HEAD = BUNDLED_DIR / "smollm2-135m.safetensors"
 ALWAYS = StepCosts.uniform(0.0, max_rows=16)  # draft at every decode step, any batch
@@ -168,11 +166,11 @@ def test_serving_path_computes_what_training_computes() -> None:
     target = load_model(None)
     params = init_params_scaled(target)
     path_cfg = EngineConfig.from_kwargs(dtype="float32", speculative_method="eagle")
-    head = load_eagle_head(path_cfg, target)
+    options = RunnerOptions(torch.float32, torch.device("cpu"), "none")
+    head = load_eagle_head(DraftLoad(path_cfg, target, options))
     head.tensors.update({n: params[n].clone() for n in EAGLE_TENSORS})
-    proposer = build_eagle_proposer(
-        head, path_cfg, torch.float32, torch.device("cpu"), "none", 64, 512
-    )
+    layout = KVLayout(block_size=path_cfg.block_size, num_blocks=64, max_model_len=512)
+    proposer = head.build(DraftBuild(path_cfg, target.config, options, layout))
     embed = proposer.runner.model.embed_tokens
     gen = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 49152, (n,), generator=gen) for n in (21, 9)]

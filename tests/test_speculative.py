@@ -439,7 +439,7 @@ def test_cost_model_and_when_speculation_is_off() -> None:
     assert plan_drafts([0.6, 0.6], [4, 4], ZEN4) == [0, 0]
     assert plan_drafts([1.0, 0.1], [4, 4], ZEN4)[1] == 0
     assert plan_drafts([0.9, 0.9, 0.9], [4, 4, 4], ZEN4) == [0, 0, 0]  # not measured
-    spec = Speculator("ngram", 4, max_model_len=100, costs=cheap)
+    spec = Speculator(NgramProposer(), 4, max_model_len=100, costs=cheap)
 
     def decoding(rid: str, **kw: Any) -> Request:
         r = Request(rid, [1, 2, 3, 1, 2], SamplingParams(**kw))
@@ -461,7 +461,7 @@ def test_cost_model_and_when_speculation_is_off() -> None:
 
     # At the measured costs, drafts that keep failing stop; as the counts decay the
     # request tries again, rarely.
-    spec = Speculator("ngram", 4, max_model_len=100, costs=ZEN4)
+    spec = Speculator(NgramProposer(), 4, max_model_len=100, costs=ZEN4)
     history = []
     for _ in range(60):
         spec.propose([a])

@@ -17,7 +17,7 @@ from test_speculative import OTHER, REPEATS, assert_all_free, greedy, token_ids
 
 from sluice import LLM, SamplingParams
 from sluice.core.request import Request
-from sluice.engine.speculative import SuffixProposer, make_proposer
+from sluice.engine.speculative import SuffixProposer
 from sluice.engine.speculative.anchor_index import AnchorIndex, pack, unpack
 from sluice.engine.speculative.suffix import (
     MAX_MATCH,
@@ -209,8 +209,7 @@ def test_own_text_drafts_like_prompt_lookup_and_continues_periodically() -> None
 
 
 def test_finished_requests_feed_the_store() -> None:
-    proposer = make_proposer("suffix")
-    assert isinstance(proposer, SuffixProposer)
+    proposer = SuffixProposer()
     first = Request("a", [11, 12, 13, 14, 15], SamplingParams())
     for tok in (21, 22, 23, 24):
         first.append_token(tok)

@@ -69,7 +69,7 @@ def portable(exc: BaseException) -> BaseException:
 def run_replica(
     config: EngineConfig,
     channel: ReplicaChannel,
-    make_engine: Callable[[EngineConfig], ReplicaEngine] = LLMEngine,
+    make_engine: Callable[[EngineConfig], ReplicaEngine] = LLMEngine.from_config,
 ) -> None:
     """Build the engine on this thread, then serve commands until Stop."""
     try:

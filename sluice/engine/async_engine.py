@@ -233,7 +233,7 @@ class AsyncLLM:
         *,
         max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
     ) -> AsyncLLM:
-        return cls(lambda: LLMEngine(config), max_waiting_requests=max_waiting_requests)
+        return cls(lambda: LLMEngine.from_config(config), max_waiting_requests=max_waiting_requests)
 
     # ---- caller side (any thread with a running event loop) ------------------------
 

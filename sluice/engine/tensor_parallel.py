@@ -18,6 +18,7 @@ asks `alive()`), which raises TensorParallelError instead of waiting forever.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import pickle
@@ -31,11 +32,13 @@ from typing import Any
 
 import torch
 
+from sluice import settings
 from sluice.config import EngineConfig
-from sluice.core.choices import WeightQuantization
 from sluice.core.errors import TensorParallelError
 from sluice.loader import load_model
-from sluice.parallel import GroupSpec, join_group
+from sluice.parallel import GroupSpec, TPGroup, join_group, make_spec, remove_spec_files
+from sluice.runner.factory import RunnerOptions, build_runner
+from sluice.runner.kv_layout import KVLayout
 from sluice.runner.model_runner import ModelRunner, StepInputs
 
 logger = logging.getLogger("sluice")
@@ -45,12 +48,11 @@ START_TIMEOUT_S = 600.0  # a worker loads the whole checkpoint before it takes i
 
 @dataclass(frozen=True)
 class WorkerBuild:
-    """What rank 0 decides after loading, and every worker builds its runner with."""
+    """What rank 0 decides after loading, and every worker builds its runner with:
+    the same options (on the rank's own device) and KV layout as rank 0's runner."""
 
-    dtype: torch.dtype
-    quantization: WeightQuantization
-    num_blocks: int
-    max_model_len: int
+    options: RunnerOptions
+    layout: KVLayout
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -83,18 +85,11 @@ def _worker_main(
         if not isinstance(build, WorkerBuild):
             return  # rank 0 gave up starting
         group = join_group(spec, rank)
-        runner = ModelRunner(
-            loaded.config,
-            loaded.tensors,
-            build.dtype,
-            rank_device(config, rank),
-            config.block_size,
-            build.num_blocks,
-            build.max_model_len,
-            build.quantization,
-            False,
-            config.kv_cache_dtype,
-            config.kv_cache_skip_layers,
+        runner = build_runner(
+            config=loaded.config,
+            tensors=loaded.tensors,
+            options=dataclasses.replace(build.options, device=rank_device(config, rank)),
+            layout=build.layout,
             tp=group,
         )
         del loaded
@@ -201,3 +196,44 @@ class TensorParallelWorkers:
             conn.close()
         self.conns = []
         self.processes = []
+
+
+@dataclass(frozen=True)
+class TensorParallelRanks:
+    """Rank 0's side of a running group: the worker processes and the collectives."""
+
+    workers: TensorParallelWorkers
+    group: TPGroup
+
+    def close(self) -> None:
+        self.workers.close()
+        self.group.close()
+
+
+def start_tensor_parallel(config: EngineConfig, build: WorkerBuild) -> TensorParallelRanks:
+    """Start ranks 1..N-1 (each loads the checkpoint and keeps its slice, then builds
+    its runner from `build`) and join their group as rank 0. KV blocks: every rank has
+    `build.layout.num_blocks`, of its own heads, so kv_cache_memory is the group's
+    total. The caller builds rank 0's runner, then waits for the workers' "ready"."""
+    if torch.distributed.is_initialized():
+        raise TensorParallelError(
+            "this process already runs a tensor-parallel group (one per process): "
+            "shut the other engine down first (LLM.shutdown())"
+        )
+    spec = make_spec(config.tensor_parallel_size, build.options.device, settings.tp_allreduce())
+    workers = TensorParallelWorkers(config, spec)
+    try:
+        workers.expect("loaded")
+        workers.build(build)
+        group = join_group(spec, 0, workers.alive)
+    except BaseException:
+        workers.close(timeout_s=2.0)
+        remove_spec_files(spec)
+        raise
+    logger.info(
+        "tensor parallel: %d ranks, all-reduce over %s, %d torch threads each",
+        spec.world_size,
+        spec.allreduce,
+        config.rank_threads(),
+    )
+    return TensorParallelRanks(workers, group)

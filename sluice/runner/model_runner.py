@@ -2,34 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
-import logging
-import mmap
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
-from sluice.attention import AttentionMetadata, PrefillSpan, kv_int8, select_backend
+from sluice.attention import AttentionBackend, AttentionMetadata, PrefillSpan
 from sluice.attention.step import StepContext, step_context
-from sluice.config import GLOBAL_KV_GROUP, LOCAL_KV_GROUP, ModelConfig
-from sluice.core.choices import KVCacheDType, WeightQuantization
+from sluice.config import GLOBAL_KV_GROUP, ModelConfig
 from sluice.core.errors import ConfigError
-from sluice.core.quantized_tensor import QuantizedTensor
 from sluice.core.request import Request
 from sluice.layers.block_quant import weight_bytes
-from sluice.layers.linear import Linear
-from sluice.layers.quantization import make_linear_method
-from sluice.models import model_class
 from sluice.models.llama import LlamaForCausalLM
 from sluice.models.llama_decode_stack import LlamaDecodeStack
-from sluice.models.tp_shard import Collectives, local_config, shard_checkpoint
-
-logger = logging.getLogger("sluice")
+from sluice.models.tp_shard import Collectives
+from sluice.runner.kv_layout import KVLayout, KVPools
 
 
 @dataclass
@@ -105,55 +95,6 @@ class StepFollowers(Protocol):
 SMALL_CHUNK_TOKENS = 16
 
 
-def kv_bytes_per_block(
-    config: ModelConfig,
-    block_size: int,
-    dtype: torch.dtype,
-    kv_cache_dtype: KVCacheDType = "auto",
-    skip_layers: tuple[int, ...] = (),
-    layers: Sequence[int] | None = None,
-) -> int:
-    """Bytes one block takes over the K and V pools of `layers` (None: all layers; a
-    split cache's group sizes its own blocks)."""
-    rows = 2 * block_size * config.num_kv_heads  # K and V rows of one layer's block
-    full = config.head_dim * torch.empty((), dtype=dtype).element_size()
-    chosen = set(range(config.num_layers) if layers is None else layers)
-    if kv_cache_dtype == "auto":
-        return len(chosen) * rows * full
-    num_full = len(chosen.intersection(_full_precision_layers(config, kv_cache_dtype, skip_layers)))
-    int8_row = kv_int8.row_bytes(config.head_dim)
-    return rows * (num_full * full + (len(chosen) - num_full) * int8_row)
-
-
-def check_kv_cache_dtype(
-    kv_cache_dtype: KVCacheDType, skip_layers: tuple[int, ...], config: ModelConfig
-) -> None:
-    """Refuse an int8 KV cache the model's shapes cannot hold, naming the setting."""
-    if kv_cache_dtype != "int8":
-        return
-    if config.head_dim % kv_int8.GROUP:
-        raise ConfigError(
-            "kv_cache_dtype",
-            f"kv_cache_dtype='int8' needs a head size divisible by {kv_int8.GROUP}; this "
-            f"model's is {config.head_dim}",
-        )
-    bad = [i for i in skip_layers if i >= config.num_layers]
-    if bad:
-        raise ConfigError(
-            "kv_cache_skip_layers",
-            f"kv_cache_skip_layers names layer {bad[0]}, but the model has "
-            f"{config.num_layers} layers (0..{config.num_layers - 1})",
-        )
-
-
-def _full_precision_layers(
-    config: ModelConfig, kv_cache_dtype: KVCacheDType, skip_layers: tuple[int, ...]
-) -> list[int]:
-    if kv_cache_dtype == "auto":
-        return list(range(config.num_layers))
-    return [i for i in skip_layers if i < config.num_layers]
-
-
 def check_tensor_parallel(config: ModelConfig, world_size: int) -> None:
     """Refuse, naming tensor_parallel_size, a model this many ranks cannot split."""
     if config.architecture == "gemma3":
@@ -174,170 +115,52 @@ def check_tensor_parallel(config: ModelConfig, world_size: int) -> None:
             )
 
 
-@dataclass
-class KVPools:
-    """The KV tensors: the pools (one per cache group and storage format, each
-    [layers, 2, blocks, kv_heads, block_size, row]), the group of each pool, and each
-    layer's (K, V) view into its pool."""
-
-    pools: list[torch.Tensor]
-    pool_groups: list[int]
-    caches: list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def allocate_kv_pools(
-    config: ModelConfig,
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    kv_cache_dtype: KVCacheDType = "auto",
-    skip_layers: tuple[int, ...] = (),
-    local_num_blocks: int | None = None,
-) -> KVPools:
-    """Within a block each head's tokens are contiguous (what the decode kernel
-    streams); a row is head_dim values of `dtype`, or an int8 row's bytes
-    (attention/kv_int8.py) for quantized layers. With `local_num_blocks`, the windowed
-    layers of a model that has full-attention ones too get pools of that many blocks
-    (the local group of a split cache)."""
-    local = set(config.split_kv_local_layers()) if local_num_blocks is not None else set()
-    full = set(_full_precision_layers(config, kv_cache_dtype, skip_layers))
-    out = KVPools([], [], [])
-    caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    kv_heads, d = config.num_kv_heads, config.head_dim
-    for group, blocks in ((GLOBAL_KV_GROUP, num_blocks), (LOCAL_KV_GROUP, local_num_blocks)):
-        members = [i for i in range(config.num_layers) if (i in local) == (group == LOCAL_KV_GROUP)]
-        for layers, elem, row in (
-            ([i for i in members if i in full], dtype, d),
-            ([i for i in members if i not in full], torch.uint8, kv_int8.row_bytes(d)),
-        ):
-            if not layers or blocks is None:
-                continue
-            shape = (len(layers), 2, blocks, kv_heads, block_size, row)
-            pool = allocate_zeroed(shape, elem, device)
-            out.pools.append(pool)
-            out.pool_groups.append(group)
-            caches.update({layer: (pool[j, 0], pool[j, 1]) for j, layer in enumerate(layers)})
-    out.caches = [caches[i] for i in range(config.num_layers)]
-    return out
-
-
-def allocate_zeroed(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """A zero-filled tensor. On CPU it is an anonymous mapping: the OS supplies zero pages
-    lazily, so no seconds go to writing a large KV pool at start-up and blocks never used
-    never take memory. It asks for transparent huge pages: decode reads and writes K/V
-    in blocks scattered over the pool, and with 4 KiB pages nearly every block access
-    missed the TLB. (Zeros, not garbage: a padded SDPA fallback multiplies unused slots
-    by a zero weight, and 0 * NaN would poison it.)"""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):  # THP off or unsupported: 4 KiB pages then
-            buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
-
-
 class ModelRunner:
+    """One model's forward passes over its KV pools. Built whole by
+    runner/factory.py's build_runner; this class only runs steps."""
+
     def __init__(
         self,
+        *,
         config: ModelConfig,
-        tensors: dict[str, torch.Tensor | QuantizedTensor],
+        model: LlamaForCausalLM,
+        forward: Callable[..., torch.Tensor],
+        backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
-        block_size: int,
-        num_blocks: int,
-        max_model_len: int,
-        quantization: WeightQuantization = "none",
-        compile: bool = False,
-        kv_cache_dtype: KVCacheDType = "auto",
-        kv_cache_skip_layers: tuple[int, ...] = (),
+        layout: KVLayout,
+        kv: KVPools,
+        decode_stack: LlamaDecodeStack | None = None,
         tp: Collectives | None = None,
-        local_num_blocks: int | None = None,
-        output_ids: torch.Tensor | None = None,
-        model_type: type[LlamaForCausalLM] | None = None,
+        followers: StepFollowers | None = None,
         return_features: bool = False,
     ) -> None:
-        """output_ids: logits for these vocabulary ids only (a draft model's restricted
-        head; LlamaForCausalLM.restrict_output); model_type: the module to build
-        instead of the config's architecture's (an EAGLE head); return_features: every
-        step's ModelOutput carries the final-normed hidden states of every token."""
-        self.return_features = return_features
-        full_vocab = config.vocab_size
-        if tp is not None:
-            # This rank's heads, intermediate units and vocabulary slice only.
-            check_tensor_parallel(config, tp.world_size)
-            shard_checkpoint(tensors, config, tp.rank, tp.world_size, dtype)
-            config = local_config(config, tp.world_size)
+        """config: this rank's (a tensor-parallel rank's slice); forward: the model or
+        its compiled form; decode_stack: the fused C++ decode path where all of the
+        model runs on our kernels; followers: rank 0's handle on the other ranks of a
+        tensor-parallel group; return_features: every step's ModelOutput carries the
+        final-normed hidden states of every token (what an EAGLE head drafts from)."""
         self.config = config
-        self.tp = tp
-        # Rank 0 of a tensor-parallel group: the workers that run each step with it.
-        self.followers: StepFollowers | None = None
+        self.model = model
+        self.forward = forward
+        self.backend = backend
         self.dtype = dtype
         self.device = device
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.backend = select_backend(device, dtype, config.head_dim)
-        # Built directly in the target dtype and device: no fp32 copy to convert.
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                model = (model_type or model_class(config))(config)
-                if output_ids is not None:
-                    model.restrict_output(output_ids)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if quantization != "none":
-            if device.type != "cpu":
-                raise ValueError(f"quantization={quantization!r} runs on CPU kernels only")
-            head = getattr(model, "lm_head", None)
-            for layer in model.modules():
-                if isinstance(layer, Linear):
-                    layer.method = make_linear_method(quantization, output_head=layer is head)
-        if tp is not None:
-            assert isinstance(model, LlamaForCausalLM)
-            model.set_tensor_parallel(tp, full_vocab)
-        model.load_weights(tensors)
-        model.init_rotary(max_model_len)
-        self.model = model.eval()
-        # Dynamic in the number of tokens from the start, so one graph serves every
-        # batch size (the quantized layers' row-count switch makes a second one).
-        self.forward = (
-            torch.compile(self.model, dynamic=True, fullgraph=True) if compile else self.model
-        )
-        if kv_cache_dtype == "int8":
-            kv_int8.check_head_dim(config.head_dim)
-        self.kv_cache_dtype = kv_cache_dtype
-        # Per layer, K and V pools of [blocks, kv_heads, block_size, row]; with
-        # local_num_blocks, the windowed layers' are a pool of their own (a split cache:
-        # each request has a second block table for them, engine/kv_cache.py).
-        kv = allocate_kv_pools(
-            config,
-            num_blocks,
-            block_size,
-            dtype,
-            device,
-            kv_cache_dtype,
-            kv_cache_skip_layers,
-            local_num_blocks,
-        )
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.num_blocks = layout.num_blocks
+        self.local_num_blocks = layout.local_num_blocks
+        self.kv_cache_dtype = layout.kv_cache_dtype
         self.kv_pools, self.kv_pool_groups, self.kv_caches = kv.pools, kv.pool_groups, kv.caches
-        self.local_num_blocks = local_num_blocks
-        local = set(config.split_kv_local_layers()) if local_num_blocks is not None else set()
+        local = (
+            set(config.split_kv_local_layers()) if layout.local_num_blocks is not None else set()
+        )
         # Per layer, whether it reads the local group's metadata (empty: one pool).
         self.local_layers = [i in local for i in range(config.num_layers)] if local else []
-        # Small decode steps skip the Python model where all of it runs on our kernels.
-        self.decode_stack: LlamaDecodeStack | None = None
-        if tp is None:
-            self.decode_stack = LlamaDecodeStack.build(self.model, self.backend, self.kv_caches)
-        else:  # its C++ layer loop has no all-reduce between the layers
-            logger.info("tensor parallel: the fused decode stack is off (decode layer by layer)")
+        self.decode_stack = decode_stack
+        self.tp = tp
+        self.followers = followers
+        self.return_features = return_features
 
     def weight_bytes(self) -> int:
         """Bytes of the model's weights as held in memory (see block_quant.weight_bytes)."""

@@ -7,7 +7,6 @@ from sluice.engine.speculative.proposer import Proposer
 from sluice.engine.speculative.speculator import (
     Speculator,
     best_num_drafts,
-    make_proposer,
     plan_drafts,
 )
 from sluice.engine.speculative.step_costs import StepCosts
@@ -20,6 +19,5 @@ __all__ = [
     "StepCosts",
     "SuffixProposer",
     "best_num_drafts",
-    "make_proposer",
     "plan_drafts",
 ]

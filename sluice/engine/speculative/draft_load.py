@@ -12,18 +12,21 @@ block costs the draft's bytes per block, usually far fewer than the target's).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from sluice.config import EngineConfig, ModelConfig, resolve_quantization
+from sluice.config import ModelConfig, resolve_quantization
 from sluice.core.choices import WeightQuantization
 from sluice.core.errors import ConfigError, ModelNotFoundError
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.speculative.draft_model import DraftModelProposer
+from sluice.engine.speculative.source import DraftBuild, DraftLoad
 from sluice.engine.speculative.vocabulary import check_draft_vocabulary
 from sluice.loader import LoadedModel, Tokenizer, load_model
-from sluice.runner.model_runner import ModelRunner, kv_bytes_per_block
+from sluice.runner.factory import ModelVariant, build_runner
+from sluice.runner.kv_layout import kv_bytes_per_block
 
 
 @dataclass
@@ -32,6 +35,7 @@ class DraftModel:
 
     loaded: LoadedModel
     quantization: WeightQuantization
+    name: str  # as speculative_model gave it (keys the step-cost table)
 
     @property
     def config(self) -> ModelConfig:
@@ -40,11 +44,41 @@ class DraftModel:
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return kv_bytes_per_block(self.loaded.config, block_size, dtype)
 
+    def cost_key(self) -> str | None:
+        return self.name
 
-def load_draft_model(
-    config: EngineConfig, target: LoadedModel, dtype: torch.dtype, device: torch.device
-) -> DraftModel:
-    """Load config.speculative_model and check that it can draft for `target`."""
+    def build(self, ctx: DraftBuild) -> DraftModelProposer:
+        """The draft's runner (consuming its loaded weights) and KV pool, as a proposer."""
+        mc = self.loaded.config
+        max_len = min(ctx.layout.max_model_len, mc.max_position_embeddings)
+        vocab_size = min(mc.vocab_size, ctx.target_config.vocab_size)
+        output_ids = draft_output_ids(
+            self.loaded.tokenizer, vocab_size, ctx.config.speculative_draft_vocab_size
+        )
+        runner = build_runner(
+            config=mc,
+            tensors=self.loaded.tensors,
+            # Its own file's weight format (a Q8_0 draft beside a Q4_K_M target).
+            options=dataclasses.replace(ctx.options, quantization=self.quantization),
+            layout=ctx.layout.for_draft(max_len),
+            variant=ModelVariant(output_ids=output_ids),
+        )
+        self.loaded.tensors = {}
+        return DraftModelProposer(
+            runner,
+            KVCacheManager(
+                ctx.layout.num_blocks, ctx.layout.block_size, enable_prefix_caching=False
+            ),
+            vocab_size=vocab_size,
+            max_model_len=max_len,
+            max_chunk_tokens=ctx.config.max_num_batched_tokens,
+            output_ids=output_ids,
+        )
+
+
+def load_draft_model(ctx: DraftLoad) -> DraftModel:
+    """Load config.speculative_model and check that it can draft for the target."""
+    config, target = ctx.config, ctx.target
     name = config.speculative_model
     assert name is not None, "EngineConfig checks that method 'draft' has a model"
     try:
@@ -53,48 +87,9 @@ def load_draft_model(
         raise ConfigError("speculative_model", f"speculative_model {name!r}: {e}") from e
     check_draft_vocabulary(target.tokenizer, target.config, loaded.tokenizer, loaded.config, name)
     quantization = resolve_quantization(
-        config.quantization, device, dtype, loaded.quantized, config.dtype
+        config.quantization, ctx.options.device, ctx.options.dtype, loaded.quantized, config.dtype
     )
-    return DraftModel(loaded, quantization)
-
-
-def build_draft_proposer(
-    draft: DraftModel,
-    config: EngineConfig,
-    target_config: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    num_blocks: int,
-    max_model_len: int,
-) -> DraftModelProposer:
-    """The draft's runner (consuming its loaded weights) and KV pool, as a proposer."""
-    mc = draft.loaded.config
-    max_len = min(max_model_len, mc.max_position_embeddings)
-    vocab_size = min(mc.vocab_size, target_config.vocab_size)
-    output_ids = draft_output_ids(
-        draft.loaded.tokenizer, vocab_size, config.speculative_draft_vocab_size
-    )
-    runner = ModelRunner(
-        mc,
-        draft.loaded.tensors,
-        dtype,
-        device,
-        config.block_size,
-        num_blocks,
-        max_len,
-        draft.quantization,
-        config.compile,
-        output_ids=output_ids,
-    )
-    draft.loaded.tensors = {}
-    return DraftModelProposer(
-        runner,
-        KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=False),
-        vocab_size=vocab_size,
-        max_model_len=max_len,
-        max_chunk_tokens=config.max_num_batched_tokens,
-        output_ids=output_ids,
-    )
+    return DraftModel(loaded, quantization, name)
 
 
 def draft_output_ids(tokenizer: Tokenizer, vocab_size: int, size: int) -> torch.Tensor | None:

@@ -99,7 +99,6 @@ class EagleProposer(ShadowProposer[_Shadow, _Row]):
         vocab_size: int,
         max_chunk_tokens: int,
         output_ids: torch.Tensor | None = None,
-        head_path: str = "",
     ) -> None:
         """runner: the head's (built with return_features); vocab_size: the target's
         vocabulary (drafts are ids below it); max_chunk_tokens: the rows a call may
@@ -111,7 +110,6 @@ class EagleProposer(ShadowProposer[_Shadow, _Row]):
         self.max_chunk_tokens = max_chunk_tokens
         self._shadows: dict[Request, _Shadow] = {}
         self.num_forwards = 0
-        self.head_path = head_path  # the head's file (keys the step-cost table)
 
     # ---- the target's features ---------------------------------------------------
 

@@ -19,15 +19,15 @@ import torch
 from safetensors import safe_open
 
 from sluice.config import EngineConfig, ModelConfig
-from sluice.core.choices import WeightQuantization
 from sluice.core.errors import ConfigError
 from sluice.core.quantized_tensor import Weight, quantize_8bit
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.speculative.draft_load import draft_output_ids
 from sluice.engine.speculative.eagle import EagleProposer
-from sluice.loader import LoadedModel
-from sluice.runner.eagle_head import EAGLE_TENSORS, eagle_config, eagle_runner
-from sluice.runner.model_runner import kv_bytes_per_block
+from sluice.engine.speculative.source import DraftBuild, DraftLoad
+from sluice.runner.eagle_head import EAGLE_TENSORS, eagle_config, eagle_variant
+from sluice.runner.factory import build_runner
+from sluice.runner.kv_layout import kv_bytes_per_block
 
 BUNDLED_DIR = Path(__file__).resolve().parents[2] / "assets" / "eagle"
 FORMAT = "sluice-eagle-1"
@@ -44,6 +44,32 @@ class EagleModel:
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return kv_bytes_per_block(self.config, block_size, dtype)
+
+    def cost_key(self) -> str | None:
+        """The file's path, size and modification time (a retrained head is another key)."""
+        st = self.path.stat()
+        return f"{self.path}:{st.st_size}:{st.st_mtime_ns}"
+
+    def build(self, ctx: DraftBuild) -> EagleProposer:
+        """The head's runner (consuming its tensors) and KV pool, as a proposer. Its
+        weights take the target's path (the quantization load chose them for)."""
+        runner = build_runner(
+            config=self.config,
+            tensors=self.tensors,
+            options=ctx.options,
+            layout=ctx.layout.for_draft(ctx.layout.max_model_len),
+            variant=eagle_variant(self.output_ids),
+        )
+        self.tensors = {}
+        return EagleProposer(
+            runner,
+            KVCacheManager(
+                ctx.layout.num_blocks, ctx.layout.block_size, enable_prefix_caching=False
+            ),
+            vocab_size=self.config.vocab_size,
+            max_chunk_tokens=ctx.config.max_num_batched_tokens,
+            output_ids=self.output_ids,
+        )
 
 
 def head_metadata(path: Path) -> dict[str, str]:
@@ -94,14 +120,13 @@ def check_head(path: Path, meta: dict[str, str], target: ModelConfig) -> None:
             )
 
 
-def load_eagle_head(
-    config: EngineConfig, target: LoadedModel, quantization: WeightQuantization = "none"
-) -> EagleModel:
-    """The head for `target` (checked), with the target's embedding and output head
-    (call it before the target's runner consumes `target.tensors`).
+def load_eagle_head(ctx: DraftLoad) -> EagleModel:
+    """The head for the target (checked), with the target's embedding and output head
+    (called before the target's runner consumes the target's tensors).
     Where the target's weights stay block-quantized ("gguf"), the head's projections
     are quantized to 8 bits a value too: one decode row through a bfloat16 GEMM costs
     several times what the block kernel takes, and a draft is only a guess."""
+    config, target, quantization = ctx.config, ctx.target, ctx.options.quantization
     path = find_head(config, target.config)
     meta = head_metadata(path)
     check_head(path, meta, target.config)
@@ -126,36 +151,3 @@ def load_eagle_head(
         size = min(size, config.speculative_draft_vocab_size)
     output_ids = draft_output_ids(target.tokenizer, target.config.vocab_size, size)
     return EagleModel(eagle_config(target.config), tensors, output_ids, path)
-
-
-def build_eagle_proposer(
-    head: EagleModel,
-    config: EngineConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    quantization: WeightQuantization,
-    num_blocks: int,
-    max_model_len: int,
-) -> EagleProposer:
-    """The head's runner (consuming its tensors) and KV pool, as a proposer."""
-    runner = eagle_runner(
-        head.config,
-        head.tensors,
-        dtype,
-        device,
-        config.block_size,
-        num_blocks,
-        max_model_len,
-        quantization,
-        config.compile,
-        head.output_ids,
-    )
-    head.tensors = {}
-    return EagleProposer(
-        runner,
-        KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=False),
-        vocab_size=head.config.vocab_size,
-        max_chunk_tokens=config.max_num_batched_tokens,
-        output_ids=head.output_ids,
-        head_path=str(head.path),
-    )

@@ -13,7 +13,9 @@ kept for it, or learn from it (the suffix proposer stores finished requests' tex
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
+
+import torch
 
 from sluice.core.request import Request
 
@@ -40,4 +42,17 @@ class Proposer(Protocol):
 
     def finish(self, req: Request) -> None:
         """The request finished (stopped, hit a limit or was aborted); called once."""
+        ...
+
+
+@runtime_checkable
+class FeatureProposer(Proposer, Protocol):
+    """A proposer that drafts from the target's hidden states (a method registered with
+    needs_features: the target's runner returns them every step)."""
+
+    def take_features(
+        self, scheduled: Sequence[tuple[Request, int]], features: dict[Request, torch.Tensor]
+    ) -> None:
+        """The target computed `n` tokens of each scheduled request (from its
+        num_computed_tokens on, not yet advanced); these are their features."""
         ...

@@ -32,12 +32,11 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sluice.core.choices import SpeculativeMethod
+import torch
+
 from sluice.core.request import Request
-from sluice.engine.speculative.ngram import NgramProposer
-from sluice.engine.speculative.proposer import Proposer
+from sluice.engine.speculative.proposer import FeatureProposer, Proposer
 from sluice.engine.speculative.step_costs import StepCosts
-from sluice.engine.speculative.suffix import SuffixProposer
 from sluice.structured import valid_drafts
 
 # Acceptance counts decay by this factor at each step a request could draft; the prior
@@ -45,16 +44,6 @@ from sluice.structured import valid_drafts
 _DECAY = 0.98
 _PRIOR_RATE = 0.8
 _PRIOR_TRIALS = 1.0
-
-
-def make_proposer(method: SpeculativeMethod) -> Proposer:
-    """The proposers that need nothing but their method (a draft model is loaded and
-    passed in by the engine)."""
-    if method == "ngram":
-        return NgramProposer()
-    if method == "suffix":
-        return SuffixProposer()
-    raise ValueError(f"speculative method {method!r} needs its proposer passed in")
 
 
 def extra_tokens(acceptance: float, k: int) -> float:
@@ -112,16 +101,10 @@ class _Acceptance:
 
 class Speculator:
     def __init__(
-        self,
-        method: SpeculativeMethod,
-        num_speculative_tokens: int,
-        max_model_len: int,
-        costs: StepCosts,
-        proposer: Proposer | None = None,
+        self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int, costs: StepCosts
     ) -> None:
-        """proposer: the draft source (made from `method` when not given: the engine
-        loads a draft model and passes it in)."""
-        self.proposer = proposer if proposer is not None else make_proposer(method)
+        """proposer: the draft source (methods.py builds it from the method's name)."""
+        self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.costs = costs
@@ -156,6 +139,13 @@ class Speculator:
             ks = [k for k in plan if k > 0]
             for req, drafts in zip(rows, self.proposer.propose(rows, ks), strict=True):
                 req.spec_token_ids = valid_drafts(req, drafts)
+
+    def take_features(
+        self, scheduled: Sequence[tuple[Request, int]], features: dict[Request, torch.Tensor]
+    ) -> None:
+        """This step's hidden states of the target, for a proposer that drafts from them."""
+        assert isinstance(self.proposer, FeatureProposer), "features go to a FeatureProposer"
+        self.proposer.take_features(scheduled, features)
 
     def observe(self, req: Request, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
         """A request verified `num_drafts` drafts, accepted the first `num_accepted` and

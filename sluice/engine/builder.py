@@ -1,0 +1,278 @@
+"""EngineConfig -> EngineParts: every part of an engine, built whole, in order.
+
+The order is the dependencies': the target is loaded (and a speculative method's
+drafter with it, which may share its tensors); the KV layout is sized from
+kv_cache_memory with room for the drafter's pool; tensor-parallel ranks start and the
+runners are built on that layout; then the KV connector (it moves the runner's
+blocks), the scheduler (it asks the connector), the proposer, the sampler and, last,
+the speculator (it times the finished runner and sampler). A failure on the way
+releases what was built (worker processes, sockets, a disk tier's threads) before it
+propagates, so no half-built engine exists to be shut down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sluice import kernels
+from sluice.config import EngineConfig, ModelConfig, resolve_dtype, resolve_quantization
+from sluice.core.errors import ConfigError
+from sluice.engine.kv_cache import KVCacheManager
+from sluice.engine.kv_connector import (
+    BlockFormat,
+    KVConnector,
+    disk_tier,
+    model_fingerprint,
+    pd_decode_connector,
+    pd_prefill_connector,
+)
+from sluice.engine.kv_sizing import plan_kv_layout
+from sluice.engine.prefix_cache import root_hash
+from sluice.engine.scheduler import Scheduler
+from sluice.engine.speculative import Speculator
+from sluice.engine.speculative.methods import METHODS, build_speculator, step_cost_key
+from sluice.engine.speculative.proposer import Proposer
+from sluice.engine.speculative.source import DraftBuild, DraftLoad, DraftSource
+from sluice.engine.tensor_parallel import TensorParallelRanks, WorkerBuild, start_tensor_parallel
+from sluice.kernels import large_allocations_mapped
+from sluice.loader import LoadedModel, Tokenizer, load_model, resolve_chat_template
+from sluice.runner.factory import ModelVariant, RunnerOptions, build_runner
+from sluice.runner.kv_layout import KVLayout, check_kv_cache_dtype
+from sluice.runner.model_runner import ModelRunner, check_tensor_parallel
+from sluice.runner.sampler import Sampler
+from sluice.structured import GrammarCompiler
+
+logger = logging.getLogger("sluice")
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """A finished engine's parts, as LLMEngine receives them."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    model_path: Path
+    tokenizer: Tokenizer
+    options: RunnerOptions
+    """The runners' dtype, device, weight quantization and compile flag."""
+    layout: KVLayout
+    """The target's KV pools (its max_model_len is the engine's context)."""
+    kv: KVCacheManager
+    runner: ModelRunner
+    scheduler: Scheduler
+    sampler: Sampler
+    grammars: GrammarCompiler
+    speculator: Speculator | None
+    kv_connector: KVConnector | None
+    tensor_parallel: TensorParallelRanks | None
+    startup_seconds: float
+
+
+@dataclass(frozen=True)
+class _Target:
+    """The loaded target and what was decided from it before any memory is committed."""
+
+    loaded: LoadedModel
+    options: RunnerOptions
+    needs_features: bool
+    drafter: DraftSource | None
+
+
+@dataclass(frozen=True)
+class _Serving:
+    """The parts built while large allocations are mapped (the weights, the pools)."""
+
+    layout: KVLayout
+    kv: KVCacheManager
+    runner: ModelRunner
+    tp: TensorParallelRanks | None
+    connector: KVConnector | None
+    scheduler: Scheduler
+    proposer: Proposer | None
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    t0 = time.perf_counter()
+    if config.data_parallel_size != 1:
+        raise ConfigError(
+            "data_parallel_size",
+            "data_parallel_size > 1 is for `sluice serve` (replicas behind one server); "
+            "an engine in this process is one replica",
+        )
+    device = config.torch_device()
+    if device.type == "cpu":
+        torch.set_num_threads(config.rank_threads())  # the TP ranks share the CPUs
+    with contextlib.ExitStack() as undo:  # closes what was built if a later part fails
+        with large_allocations_mapped():  # a load's peak memory stays near its end state
+            target = _load_target(config, device)
+            serving = _build_serving(config, target, undo)
+        # The step-cost table is timed under the serving allocator settings.
+        parts = _finish(config, target, serving, t0)
+        undo.pop_all()
+    # The objects of start-up (model, tokenizer, tables) live as long as the engine:
+    # freezing them keeps the cyclic GC, which runs often under the allocations of a
+    # step, from re-scanning them every time (it showed in decode profiles).
+    gc.collect()
+    gc.freeze()
+    return parts
+
+
+def _load_target(config: EngineConfig, device: torch.device) -> _Target:
+    """Load the model (and the speculative method's drafter) and check the options
+    against it, before anything is allocated."""
+    # Before the model: a chat template that does not resolve fails at once.
+    template = resolve_chat_template(config.chat_template) if config.chat_template else None
+    loaded = load_model(config.model)
+    if template is not None:
+        loaded.tokenizer.set_chat_template(template)
+    mc = loaded.config
+    dtype = resolve_dtype(config.dtype, device)
+    quantization = resolve_quantization(
+        config.quantization, device, dtype, loaded.quantized, config.dtype
+    )
+    check_kv_cache_dtype(config.kv_cache_dtype, config.kv_cache_skip_layers, mc)
+    if config.tensor_parallel_size > 1:
+        check_tensor_parallel(mc, config.tensor_parallel_size)
+    options = RunnerOptions(dtype, device, quantization, config.compile)
+    method = METHODS[config.speculative_method] if config.speculative_method else None
+    drafter = method.load(DraftLoad(config, loaded, options)) if method else None
+    return _Target(loaded, options, method is not None and method.needs_features, drafter)
+
+
+def _build_serving(config: EngineConfig, target: _Target, undo: contextlib.ExitStack) -> _Serving:
+    """The KV layout and manager, the runners (tensor-parallel ranks too), the KV
+    connector, the scheduler and the proposer."""
+    loaded, options, drafter = target.loaded, target.options, target.drafter
+    mc = loaded.config
+    draft_bytes = drafter.kv_bytes_per_block(config.block_size, options.dtype) if drafter else 0
+    layout = plan_kv_layout(config, mc, options.dtype, draft_bytes)
+    kv = KVCacheManager(
+        layout.num_blocks,
+        config.block_size,
+        config.enable_prefix_caching,
+        mc.kv_window(),
+        root_hash(config.kv_cache_dtype),
+        layout.local_num_blocks,
+        layout.local_window,
+    )
+    tp = _start_tensor_parallel(config, options, layout, undo)
+    runner = build_runner(
+        config=mc,
+        tensors=loaded.tensors,  # consumed: each weight is freed once its layer holds it
+        options=options,
+        layout=layout,
+        variant=ModelVariant(return_features=target.needs_features),
+        tp=tp.group if tp else None,
+        followers=tp.workers if tp else None,
+    )
+    if tp is not None:
+        tp.workers.expect("ready")
+    loaded.tensors = {}
+    connector = _kv_connector(config, loaded.path, options, runner)
+    if connector is not None:
+        undo.callback(connector.close)
+    scheduler = Scheduler(
+        config, kv, layout.max_model_len, connector.scheduler if connector else None
+    )
+    proposer = drafter.build(DraftBuild(config, mc, options, layout)) if drafter else None
+    gc.collect()
+    return _Serving(layout, kv, runner, tp, connector, scheduler, proposer)
+
+
+def _finish(config: EngineConfig, target: _Target, serving: _Serving, t0: float) -> EngineParts:
+    """The sampler, the grammar compiler and the speculator (which times the finished
+    runner and sampler), and the parts together."""
+    mc, tokenizer, options = target.loaded.config, target.loaded.tokenizer, target.options
+    sampler = Sampler(mc.vocab_size, config.seed, options.device)
+    speculator = None
+    if serving.proposer is not None and target.drafter is not None:
+        key = step_cost_key(config, target.drafter, target.loaded.path, options)
+        on = (serving.runner, serving.kv, sampler)
+        max_len = serving.layout.max_model_len
+        speculator = build_speculator(config, serving.proposer, key, on, max_len)
+    return EngineParts(
+        config=config,
+        model_config=mc,
+        model_path=target.loaded.path,
+        tokenizer=tokenizer,
+        options=options,
+        layout=serving.layout,
+        kv=serving.kv,
+        runner=serving.runner,
+        scheduler=serving.scheduler,
+        sampler=sampler,
+        grammars=GrammarCompiler(tokenizer.backend, mc.vocab_size, tokenizer.eos_token_ids),
+        speculator=speculator,
+        kv_connector=serving.connector,
+        tensor_parallel=serving.tp,
+        startup_seconds=time.perf_counter() - t0,
+    )
+
+
+def _start_tensor_parallel(
+    config: EngineConfig, options: RunnerOptions, layout: KVLayout, undo: contextlib.ExitStack
+) -> TensorParallelRanks | None:
+    """Ranks 1..N-1 (each loads the checkpoint and keeps its slice), stopped again if a
+    later part fails; None without tensor parallelism."""
+    if config.tensor_parallel_size == 1:
+        return None
+    tp = start_tensor_parallel(config, WorkerBuild(options, layout))
+    undo.callback(tp.close)
+    return tp
+
+
+def _kv_connector(
+    config: EngineConfig, model_path: Path, options: RunnerOptions, runner: ModelRunner
+) -> KVConnector | None:
+    """The disk tier under the prefix cache, where kv_offload_dir asks for one, or a
+    prefill or decode instance's side of a prefill/decode split (kv_role)."""
+    if config.kv_role is None and config.kv_offload_dir is None:
+        return None
+    fmt = kv_block_format(config, model_path, options, runner)
+    if config.kv_role == "decode":
+        return pd_decode_connector(fmt, config.kv_transfer_timeout, runner)
+    if config.kv_role == "prefill":
+        host, port = config.kv_transfer_host, config.kv_transfer_port
+        try:
+            return pd_prefill_connector(fmt, runner, host, port, config.kv_transfer_timeout)
+        except OSError as exc:
+            raise ConfigError(
+                "kv_transfer_port", f"cannot listen for KV transfers on {host}:{port}: {exc}"
+            ) from exc
+    assert config.kv_offload_dir is not None
+    try:
+        size = int(config.kv_offload_size * 2**30)
+        return disk_tier(Path(config.kv_offload_dir), size, fmt, runner)
+    except OSError as exc:
+        raise ConfigError(
+            "kv_offload_dir", f"kv_offload_dir {config.kv_offload_dir!r} is unusable: {exc}"
+        ) from exc
+
+
+def kv_block_format(
+    config: EngineConfig, model_path: Path, options: RunnerOptions, runner: ModelRunner
+) -> BlockFormat:
+    """What one KV block's bytes mean here: a stored block is reused only where all of
+    it matches."""
+    dtype = str(options.dtype).removeprefix("torch.")
+    return BlockFormat(
+        model=model_fingerprint(model_path),
+        quantization=options.quantization,
+        dtype=dtype,
+        kv_dtype=dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
+        block_size=config.block_size,
+        layout=runner.kv_block_layout(),
+        nbytes=runner.read_block(0).numel(),
+    )
+
+
+def kernel_level(device: torch.device) -> str:
+    """The instruction-set level of our CPU kernels ("off" on CUDA or without them)."""
+    return kernels.variant() if device.type == "cpu" else "off"

@@ -1,0 +1,131 @@
+"""Every ModelRunner is built here: the target, a tensor-parallel rank, a draft model, an
+EAGLE head. They differ only in a ModelVariant and in the tensor-parallel group; what
+the engine's options decide (dtype, device, weight quantization, compile, the KV
+layout) reaches all of them the same way, so an option cannot reach some of them and
+silently miss the others."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from sluice.attention import kv_int8, select_backend
+from sluice.config import ModelConfig
+from sluice.core.choices import WeightQuantization
+from sluice.core.quantized_tensor import Weight
+from sluice.layers.linear import Linear
+from sluice.layers.quantization import make_linear_method
+from sluice.models import model_class
+from sluice.models.llama import LlamaForCausalLM
+from sluice.models.llama_decode_stack import LlamaDecodeStack
+from sluice.models.tp_shard import Collectives, local_config, shard_checkpoint
+from sluice.runner.kv_layout import KVLayout, allocate_kv_pools
+from sluice.runner.model_runner import ModelRunner, StepFollowers, check_tensor_parallel
+
+logger = logging.getLogger("sluice")
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """What the engine's options decide for every runner it builds."""
+
+    dtype: torch.dtype
+    """Compute dtype of weights and activations (and of a full-precision KV cache)."""
+    device: torch.device
+    """Where the weights, the KV pools and the step tensors live."""
+    quantization: WeightQuantization = "none"
+    """The method every Linear gets ("gguf": a GGUF's blocks as stored; CPU only)."""
+    compile: bool = False
+    """torch.compile the model (dynamic in the number of tokens)."""
+
+
+@dataclass(frozen=True)
+class ModelVariant:
+    """Which module a runner runs and what it returns beside the sampling logits."""
+
+    model_type: type[LlamaForCausalLM] | None = None
+    """The module class; None: the one registered for the config's architecture."""
+    output_ids: torch.Tensor | None = None
+    """Logits for these vocabulary ids only (a draft's restricted output head)."""
+    return_features: bool = False
+    """Each step also returns every token's final-normed hidden state."""
+
+
+TARGET = ModelVariant()
+
+
+def build_runner(
+    *,
+    config: ModelConfig,
+    tensors: dict[str, Weight],
+    options: RunnerOptions,
+    layout: KVLayout,
+    variant: ModelVariant = TARGET,
+    tp: Collectives | None = None,
+    followers: StepFollowers | None = None,
+) -> ModelRunner:
+    """A finished runner; consumes `tensors` (each weight is freed once its layer holds
+    it). tp: this rank's group (it keeps its slice of heads, units and vocabulary);
+    followers: rank 0's handle on the other ranks."""
+    full_vocab = config.vocab_size
+    if tp is not None:
+        check_tensor_parallel(config, tp.world_size)
+        shard_checkpoint(tensors, config, tp.rank, tp.world_size, options.dtype)
+        config = local_config(config, tp.world_size)
+    model = _build_model(config, options, variant)
+    if tp is not None:
+        model.set_tensor_parallel(tp, full_vocab)
+    model.load_weights(tensors)
+    model.init_rotary(layout.max_model_len)
+    model.eval()
+    if layout.kv_cache_dtype == "int8":
+        kv_int8.check_head_dim(config.head_dim)
+    backend = select_backend(options.device, options.dtype, config.head_dim)
+    kv = allocate_kv_pools(config, layout, options.dtype, options.device)
+    decode_stack = None
+    if tp is None:  # small decode steps skip the Python model where our kernels run all of it
+        decode_stack = LlamaDecodeStack.build(model, backend, kv.caches)
+    else:  # its C++ layer loop has no all-reduce between the layers
+        logger.info("tensor parallel: the fused decode stack is off (decode layer by layer)")
+    return ModelRunner(
+        config=config,
+        model=model,
+        # Dynamic in the number of tokens from the start, so one graph serves every
+        # batch size (the quantized layers' row-count switch makes a second one).
+        forward=torch.compile(model, dynamic=True, fullgraph=True) if options.compile else model,
+        backend=backend,
+        dtype=options.dtype,
+        device=options.device,
+        layout=layout,
+        kv=kv,
+        decode_stack=decode_stack,
+        tp=tp,
+        followers=followers,
+        return_features=variant.return_features,
+    )
+
+
+def _build_model(
+    config: ModelConfig, options: RunnerOptions, variant: ModelVariant
+) -> LlamaForCausalLM:
+    """The module, built directly in the target dtype and device (no fp32 copy to
+    convert), each Linear given the quantization method."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(options.dtype)
+    try:
+        with torch.device(options.device):
+            model = (variant.model_type or model_class(config))(config)
+            if variant.output_ids is not None:
+                model.restrict_output(variant.output_ids)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if options.quantization != "none":
+        if options.device.type != "cpu":
+            raise ValueError(f"quantization={options.quantization!r} runs on CPU kernels only")
+        head = getattr(model, "lm_head", None)
+        for layer in model.modules():
+            if isinstance(layer, Linear):
+                layer.method = make_linear_method(options.quantization, output_head=layer is head)
+    return model
