@@ -105,8 +105,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default=None, choices=LOG_LEVELS)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API"))
+    _add_generate(sub.add_parser("generate", help="generate from one prompt, streaming to stdout"))
+    _add_chat(sub.add_parser("chat", help="interactive chat (reads stdin; /exit or EOF quits)"))
+    _add_bench(
+        sub.add_parser(
+            "bench",
+            help="run the repo's benchmarks; print a table, write summary.json and PNG plots",
+            description="Run benchmarks/*.py from a source checkout, then summarize and plot. "
+            "Arguments after `--` go to the benchmark script, e.g. "
+            "`sluice bench serve -- --url http://127.0.0.1:8000`.",
+        )
+    )
+    return parser
 
-    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+
+def _add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -137,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted",
     )
+    _add_disaggregation(serve)
+    add_engine_options(serve)
+
+
+def _add_disaggregation(serve: argparse.ArgumentParser) -> None:
+    """`serve --role`: an instance's part in prefill/decode disaggregation."""
     serve.add_argument(
         "--role",
         choices=(*KV_ROLES, "proxy"),
@@ -149,26 +169,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-url", default=None, help="with --role proxy: the prefill instance"
     )
     serve.add_argument("--decode-url", default=None, help="with --role proxy: the decode instance")
-    add_engine_options(serve)
 
-    gen = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
+
+def _add_generate(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     _sampling_options(gen, 256)
     add_engine_options(gen, skip=_ONE_ENGINE | {"seed"})
 
-    chat = sub.add_parser("chat", help="interactive chat (reads stdin; /exit or EOF quits)")
+
+def _add_chat(chat: argparse.ArgumentParser) -> None:
     chat.add_argument("--system", default=None, help="a system prompt")
     _sampling_options(chat, 512)
     add_engine_options(chat, skip=_ONE_ENGINE | {"seed"})
 
-    bench = sub.add_parser(
-        "bench",
-        help="run the repo's benchmarks; print a table, write summary.json and PNG plots",
-        description="Run benchmarks/*.py from a source checkout, then summarize and plot. "
-        "Arguments after `--` go to the benchmark script, e.g. "
-        "`sluice bench serve -- --url http://127.0.0.1:8000`.",
-    )
+
+def _add_bench(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "which",
         nargs="?",
@@ -185,7 +201,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not run anything: summarize and plot the results already saved",
     )
-    return parser
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
