@@ -193,7 +193,7 @@ class EngineConfig:
 
     Each field's help text is in its metadata (`doc`), written once: the CLI's
     --help reads it from there; tests/test_config_help.py checks that every field has
-    one."""
+    one and that README.md names every option."""
 
     model: str | None = field(
         default=None,

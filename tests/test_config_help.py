@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +14,13 @@ from sluice.cli import build_parser
 from sluice.config import EngineConfig
 from sluice.loader.resolve import DEFAULT_MODEL
 
+ROOT = Path(__file__).resolve().parents[1]
 FIELDS = dataclasses.fields(EngineConfig)
+
+# Every field is an option a user sets: an LLM(...) keyword and a `sluice serve` flag
+# (tests/test_cli.py checks the flags). None is internal, so the README must name them
+# all; a field that ever is internal belongs elsewhere than EngineConfig.
+INTERNAL: frozenset[str] = frozenset()
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -63,3 +71,32 @@ def test_generate_and_chat_show_the_same_help() -> None:
             # Their --seed is the request's (and the engine's): _sampling_options.
             if action.dest in EngineConfig.option_names() and action.dest != "seed":
                 assert action.help == serve[action.dest]
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text()
+
+
+def test_readme_option_list_names_every_option() -> None:
+    # The list: the paragraph that begins "Engine options are".
+    readme = _readme()
+    start = readme.index("Engine options are")
+    paragraph = readme[start : readme.index("\n\n", start)]
+    named = set(re.findall(r"`([a-z_]+)`", paragraph))
+    missing = [f.name for f in FIELDS if f.name not in named and f.name not in INTERNAL]
+    assert not missing, f"README.md's option list does not name {missing}"
+
+
+# Not sluice's flags: the naming rule, and flags of pip and of `ray start`.
+NOT_SLUICE_FLAGS = {"--kebab-case", "--no-deps", "--head", "--address"}
+
+
+def test_readme_flags_are_sluice_flags() -> None:
+    """A renamed or removed flag cannot linger in the README."""
+    flags = {"--help"}
+    parser = build_parser()
+    for sub in [parser, *_subparsers(parser).values()]:
+        for action in sub._actions:
+            flags.update(action.option_strings)
+    used = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", _readme()))
+    assert used - NOT_SLUICE_FLAGS <= flags, used - NOT_SLUICE_FLAGS - flags
