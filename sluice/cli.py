@@ -14,76 +14,10 @@ from typing import Any, TextIO
 
 from sluice.bench import BENCHMARKS
 from sluice.config import EngineConfig
-from sluice.core.choices import DEVICE_KINDS, KV_ROLES, LOG_LEVELS, one_of
+from sluice.core.choices import KV_ROLES, LOG_LEVELS
 from sluice.core.errors import SamplingParamsError
 from sluice.core.sampling_params import SamplingParams
 from sluice.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
-
-# Flags whose field is a Literal list their choices themselves (from sluice.core.choices).
-_OPTION_HELP = {
-    "model": "model alias, .gguf file or Hugging Face directory (default: the bundled "
-    "smollm2-135m)",
-    "dtype": "compute precision; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or "
-    "AMX, else float32",
-    "device": f"{one_of(DEVICE_KINDS)} or cuda:N",
-    "kv_cache_memory": "GiB for the K and V pools together",
-    "kv_offload_dir": "a directory for the disk tier under the prefix cache: finished "
-    "requests' KV blocks are written there and loaded instead of recomputed, also after "
-    "a restart (default: off)",
-    "kv_offload_size": "GiB of block files the disk tier keeps, least recently used "
-    "deleted first (default: 8.0)",
-    "kv_cache_dtype": "how the KV cache stores K and V: auto (the compute dtype) or int8 "
-    "(int8 values with an fp16 scale per 32 channels: 1.88x the tokens of bf16 in the same "
-    "memory; default: auto)",
-    "kv_cache_skip_layers": "with --kv-cache-dtype int8, these layers (comma-separated "
-    "0-based indices) keep a full-precision KV cache (default: none)",
-    "split_kv_pool": "for models with windowed and full-attention layers (Gemma 3): keep "
-    "the windowed layers' K/V in a pool of their own that holds only each sequence's "
-    "window (default: on; --no-split-kv-pool: one pool, every layer's K/V of the whole "
-    "sequence)",
-    "scheduling_policy": "the order requests are admitted in and preempted in",
-    "num_threads": "CPU threads for torch (default: all cores)",
-    "quantization": "weight-only quantization on CPU (default: auto, a 4/8-bit GGUF "
-    "stays int4/int8 in bf16)",
-    "compile": "torch.compile the model (first steps compile; cached on disk)",
-    "speculative_method": "speculative decoding: where draft tokens come from (ngram: "
-    "prompt lookup over the prompt and the output so far; suffix: the longest earlier "
-    "match in the request and in earlier requests' prompts and outputs; draft: a smaller "
-    "model, --speculative-model; eagle: a one-layer head on the target's own hidden "
-    "states, bundled for SmolLM2 (training/train_eagle.py makes others); default: off)",
-    "speculative_model": "the draft model of --speculative-method draft (implies it): an "
-    "alias, .gguf file or Hugging Face directory with the target's tokenizer; with "
-    "--speculative-method eagle, the head's .safetensors file (default: the bundled one "
-    "for the target)",
-    "speculative_draft_vocab_size": "the draft model's output head over its first N token "
-    "ids and its added tokens only, a cheaper draft step (default: 65536; 0: the whole "
-    "vocabulary)",
-    "num_speculative_tokens": "at most this many draft tokens verified per request and "
-    "step (default: 4); fewer, or none, where the cost model says they would not pay",
-    "data_parallel_size": "engine replicas behind one server, each its own process (or Ray "
-    "actor) with its own KV pool; requests go to the replica holding their prefix, else the "
-    "least loaded; --num-threads is shared out among them (default: 1, the engine in the "
-    "server's process)",
-    "distributed_executor_backend": "how replicas run: mp, processes on this machine; ray, "
-    "Ray actors on a Ray cluster (joins the one `ray start` made, else starts a local one; "
-    "pip install 'sluice[dist]') (default: mp)",
-    "kv_role": "prefill/decode disaggregation: prefill holds finished prompts' KV blocks "
-    "for a decode instance to pull; decode pulls them (`sluice serve --role` sets it; "
-    "default: off)",
-    "kv_transfer_host": "where a prefill instance listens for KV transfers (default: "
-    "127.0.0.1; another host's decode instance needs a reachable address)",
-    "kv_transfer_port": "the port of a prefill instance's KV transfers (default: 0, any "
-    "free port; responses name it)",
-    "kv_transfer_timeout": "seconds a prefill instance holds a prompt's blocks for a decode "
-    "instance that does not come, and a pull waits for a silent peer (default: 60.0)",
-    "tensor_parallel_size": "split every layer, the KV heads and the vocabulary over this "
-    "many ranks (this process and N - 1 workers on this machine) that run each step "
-    "together; heads and KV heads must divide by it; --num-threads is shared out "
-    "(default: 1)",
-    "chat_template": "a Jinja chat template to use instead of the model's: a file, the "
-    "template text, or a bundled one (hermes_tools: Hermes-style tool calling for ChatML "
-    "models; default: the model's own)",
-}
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -112,6 +46,16 @@ def _flag_type(annotation: Any) -> tuple[Any, tuple[str, ...] | None]:
     return (annotation if isinstance(annotation, type) else str), None
 
 
+def _help(f: dataclasses.Field[Any]) -> str:
+    """A field's help text, from its metadata (config.doc: written there once), and its
+    default. A Literal field's choices are not repeated: argparse lists them."""
+    shown = f.metadata.get("default_text", f.default)
+    if isinstance(shown, bool):
+        shown = "on" if shown else "off"
+    # argparse %-formats help strings: a literal % must be doubled.
+    return f"{f.metadata.get('help', '')} (default: {shown})".replace("%", "%%")
+
+
 def add_engine_options(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
     """One flag per EngineConfig field (except `skip`, which the subcommand defines
     itself). Defaults are suppressed so that only the flags a user gives reach
@@ -119,20 +63,16 @@ def add_engine_options(parser: argparse.ArgumentParser, skip: frozenset[str] = f
     group = parser.add_argument_group("engine options")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
-        if f.name not in EngineConfig.option_names() or f.name in skip:
+        if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         kind, choices = _flag_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = _OPTION_HELP.get(f.name, f.name.replace("_", " "))
-        if "default" not in help_text:
-            help_text += f" (default: {default})"
         if kind is bool:
             group.add_argument(
                 flag,
                 action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS,
-                help=help_text,
+                help=_help(f),
             )
         else:
             group.add_argument(
@@ -141,7 +81,7 @@ def add_engine_options(parser: argparse.ArgumentParser, skip: frozenset[str] = f
                 choices=choices,
                 default=argparse.SUPPRESS,
                 metavar=None if choices else f.name.upper(),
-                help=help_text,
+                help=_help(f),
             )
 
 
@@ -165,8 +105,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default=None, choices=LOG_LEVELS)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API"))
+    _add_generate(sub.add_parser("generate", help="generate from one prompt, streaming to stdout"))
+    _add_chat(sub.add_parser("chat", help="interactive chat (reads stdin; /exit or EOF quits)"))
+    _add_bench(
+        sub.add_parser(
+            "bench",
+            help="run the repo's benchmarks; print a table, write summary.json and PNG plots",
+            description="Run benchmarks/*.py from a source checkout, then summarize and plot. "
+            "Arguments after `--` go to the benchmark script, e.g. "
+            "`sluice bench serve -- --url http://127.0.0.1:8000`.",
+        )
+    )
+    return parser
 
-    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+
+def _add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -197,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds in-flight requests get to finish on SIGINT/SIGTERM before being aborted",
     )
+    _add_disaggregation(serve)
+    add_engine_options(serve)
+
+
+def _add_disaggregation(serve: argparse.ArgumentParser) -> None:
+    """`serve --role`: an instance's part in prefill/decode disaggregation."""
     serve.add_argument(
         "--role",
         choices=(*KV_ROLES, "proxy"),
@@ -209,26 +169,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-url", default=None, help="with --role proxy: the prefill instance"
     )
     serve.add_argument("--decode-url", default=None, help="with --role proxy: the decode instance")
-    add_engine_options(serve)
 
-    gen = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
+
+def _add_generate(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     _sampling_options(gen, 256)
     add_engine_options(gen, skip=_ONE_ENGINE | {"seed"})
 
-    chat = sub.add_parser("chat", help="interactive chat (reads stdin; /exit or EOF quits)")
+
+def _add_chat(chat: argparse.ArgumentParser) -> None:
     chat.add_argument("--system", default=None, help="a system prompt")
     _sampling_options(chat, 512)
     add_engine_options(chat, skip=_ONE_ENGINE | {"seed"})
 
-    bench = sub.add_parser(
-        "bench",
-        help="run the repo's benchmarks; print a table, write summary.json and PNG plots",
-        description="Run benchmarks/*.py from a source checkout, then summarize and plot. "
-        "Arguments after `--` go to the benchmark script, e.g. "
-        "`sluice bench serve -- --url http://127.0.0.1:8000`.",
-    )
+
+def _add_bench(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "which",
         nargs="?",
@@ -245,7 +201,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not run anything: summarize and plot the results already saved",
     )
-    return parser
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -177,83 +177,258 @@ def resolve_quantization(
 MAX_SPECULATIVE_TOKENS = 15
 
 
+def doc(help: str, default_text: str | None = None) -> dict[str, str]:
+    """The metadata of an EngineConfig field, `field(default=..., metadata=doc(...))`:
+    its help text, the one copy of it. `sluice serve --help` shows `help`, then the
+    default: `default_text` where the value alone would not say what it means (None
+    for "off")."""
+    if default_text is None:
+        return {"help": help}
+    return {"help": help, "default_text": default_text}
+
+
 @dataclass
 class EngineConfig:
-    """Every option of LLM(...), of the CLI (--kebab-case) and of `sluice serve`."""
+    """Every option of LLM(...), of the CLI (--kebab-case) and of `sluice serve`.
 
-    model: str | None = None
-    dtype: DType = "auto"
-    device: str = "auto"  # auto, cpu, cuda or cuda:N
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory: float = 2.0  # GiB for the K and V pools together
-    # How K/V are stored: "auto" (the compute dtype) or "int8" (int8 rows with fp16
-    # scales: 1.88x the tokens of bf16 in the same memory). kv_cache_skip_layers keeps
-    # the listed layers (0-based) at full precision in a pool of their own.
-    kv_cache_dtype: KVCacheDType = "auto"
-    kv_cache_skip_layers: tuple[int, ...] = ()
-    # Where a model has both windowed and full-attention layers (Gemma 3), keep the
-    # windowed layers' K/V in a pool of their own that holds only each sequence's
-    # window (engine/kv_cache.py); False: one pool for every layer, the whole sequence.
-    split_kv_pool: bool = True
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    scheduling_policy: SchedulingPolicy = "fcfs"
-    # Weight-only, on CPU kernels: "none", "int8", "int4", "gguf" (a GGUF's quantized
-    # weights as stored), or "auto": "gguf" for a quantized GGUF on CPU unless fp32
-    # was asked for.
-    quantization: Quantization = "auto"
-    # torch.compile the model (inductor): fuses the per-layer elementwise work; costs a
-    # compile at the first steps of each shape class (cached on disk across runs).
-    compile: bool = False
-    num_threads: int | None = None
-    # A Jinja chat template instead of the model's own (vLLM's --chat-template): a
-    # file, the template text, or a bundled name ("hermes_tools": tool calling for
-    # ChatML models). The loader resolves and compiles it at start-up.
-    chat_template: str | None = None
-    # Speculative decoding: where draft tokens come from (None: off) and at most how
-    # many a request verifies per step (the speculator picks fewer, or none, where
-    # they would not pay; see sluice/engine/speculative/speculator.py).
-    speculative_method: SpeculativeMethod | None = None
-    num_speculative_tokens: int = 4
-    # The draft model of speculative_method="draft" (an alias, .gguf or HF directory
-    # like `model`); it must share the target's tokenizer. Giving it alone implies
-    # speculative_method="draft". With "eagle": the head's .safetensors file
-    # (training/train_eagle.py); None picks the bundled head trained for the target.
-    speculative_model: str | None = None
-    # The draft model's output head covers its first this-many token ids and the
-    # tokenizer's added tokens only (0: its whole vocabulary). BPE ids run roughly from
-    # frequent to rare, and a 151,936-token head is 37% of the bytes a 0.5B model reads
-    # per step: cut to 64K ids it reads 43% of them, and the draft is rejected where
-    # the target's token lies outside (output is unchanged).
-    speculative_draft_vocab_size: int = 65536
-    # The disk tier under the prefix cache: full blocks of finished requests are written
-    # to this directory (one file each, checksummed) and loaded by later requests whose
-    # prefix misses in RAM but is on disk; it survives restarts. At most kv_offload_size
-    # GiB of files, least recently used deleted first. None: off.
-    kv_offload_dir: str | None = None
-    kv_offload_size: float = 8.0
-    # Prefill/decode disaggregation (None: off). "prefill": requests that ask for it
-    # (kv_transfer_params) leave their prompt's KV blocks on a TCP block server at
-    # kv_transfer_host:kv_transfer_port (0: any free port) for kv_transfer_timeout
-    # seconds or until a decode instance confirms it pulled them; "decode": requests
-    # that name such a transfer pull the blocks instead of computing them.
-    kv_role: KVRole | None = None
-    kv_transfer_host: str = "127.0.0.1"
-    kv_transfer_port: int = 0
-    kv_transfer_timeout: float = 60.0
-    # Data parallelism: this many whole engines (each its own process, threads and KV
-    # pool) behind one front end; 1 runs the engine in the serving process itself.
-    data_parallel_size: int = 1
-    # How the replicas run: "mp" (processes on this machine) or "ray" (Ray actors,
-    # on any machine of a Ray cluster).
-    distributed_executor_backend: DistributedExecutorBackend = "mp"
-    # Tensor parallelism: this many ranks (this process and N - 1 workers on this
-    # machine) each hold 1/N of every layer's heads and units and of the vocabulary, and
-    # run every step together; torch threads are shared out between them.
-    tensor_parallel_size: int = 1
+    Each field's help text is in its metadata (`doc`), written once: the CLI's
+    --help reads it from there; tests/test_config_help.py checks that every field has
+    one and that README.md names every option."""
+
+    model: str | None = field(
+        default=None,
+        metadata=doc(
+            "the model: an alias (README.md lists them), a .gguf file or a Hugging Face "
+            "directory (config.json, safetensors, tokenizer.json)",
+            default_text="smollm2-135m, the bundled model",
+        ),
+    )
+    dtype: DType = field(
+        default="auto",
+        metadata=doc(
+            "compute precision of weights and activations; auto: bfloat16 on CUDA and on CPUs "
+            "with AVX512-BF16 or AMX, else float32. In float32 a seeded request samples the "
+            "same tokens whatever the batch; in bfloat16 it may not"
+        ),
+    )
+    device: str = field(
+        default="auto",
+        metadata=doc(f"{one_of(DEVICE_KINDS)} or cuda:N; auto: CUDA where torch sees it, else CPU"),
+    )
+    block_size: int = field(
+        default=16,
+        metadata=doc(
+            "tokens per KV cache block, the unit the cache allocates, shares between requests "
+            "with the same prefix and writes to the disk tier"
+        ),
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=doc(
+            "the longest sequence, prompt and output together, in tokens; never more than the "
+            "KV cache holds",
+            default_text="the model's own context length",
+        ),
+    )
+    max_num_seqs: int = field(
+        default=256,
+        metadata=doc("at most this many requests run at once; later ones wait in the queue"),
+    )
+    max_num_batched_tokens: int = field(
+        default=2048,
+        metadata=doc(
+            "the token budget of one step: each decoding request takes one, prompts are "
+            "prefilled in chunks out of the rest"
+        ),
+    )
+    kv_cache_memory: float = field(
+        default=2.0,
+        metadata=doc(
+            "GiB for the K and V pools together (a draft model's pool included); it bounds "
+            "how many tokens the running requests hold"
+        ),
+    )
+    kv_cache_dtype: KVCacheDType = field(
+        default="auto",
+        metadata=doc(
+            "how the KV cache stores K and V: auto, in the compute dtype; int8, int8 values "
+            "with an fp16 scale per 32 channels (1.88x the tokens of bf16 in the same memory)"
+        ),
+    )
+    kv_cache_skip_layers: tuple[int, ...] = field(
+        default=(),
+        metadata=doc(
+            "with --kv-cache-dtype int8: layers (0-based; comma-separated on the command line, "
+            "e.g. 0,29) whose K/V stay at full precision, in a pool of their own",
+            default_text="none",
+        ),
+    )
+    split_kv_pool: bool = field(
+        default=True,
+        metadata=doc(
+            "for models with both windowed and full-attention layers (Gemma 3): keep the "
+            "windowed layers' K/V in a pool of their own that holds only each sequence's "
+            "window (engine/kv_cache.py); off: one pool, every layer's K/V for the whole "
+            "sequence"
+        ),
+    )
+    seed: int = field(
+        default=0, metadata=doc("the seed of the engine's sampler, for requests that give none")
+    )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata=doc(
+            "reuse the KV blocks of a prompt prefix that an earlier request computed (whole "
+            "blocks, matched by content); --kv-offload-dir and --kv-role decode need it"
+        ),
+    )
+    scheduling_policy: SchedulingPolicy = field(
+        default="fcfs",
+        metadata=doc(
+            "the order requests are admitted and preempted in: fcfs, by arrival; priority, by "
+            "each request's priority (lower first), then arrival"
+        ),
+    )
+    quantization: Quantization = field(
+        default="auto",
+        metadata=doc(
+            "weight-only quantization, on CPU kernels: gguf keeps a GGUF's quantized weights "
+            "as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks, no float copy); "
+            "int8 and int4 quantize at load; none is dense; auto: gguf for a quantized GGUF on "
+            "CPU unless --dtype float32 or float16 is asked for, else none"
+        ),
+    )
+    compile: bool = field(
+        default=False,
+        metadata=doc(
+            "torch.compile the model (inductor), fusing each layer's elementwise work; the "
+            "first steps of each shape class compile (a minute or more), cached on disk across "
+            "runs"
+        ),
+    )
+    num_threads: int | None = field(
+        default=None,
+        metadata=doc(
+            "torch threads on CPU, shared out among data-parallel replicas and tensor-parallel "
+            "ranks; on machines with SMT, set it to the physical cores (sibling threads add "
+            "contention)",
+            default_text="one per CPU the OS reports",
+        ),
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata=doc(
+            "a Jinja chat template instead of the model's own: a file, the template text, or "
+            "a bundled name (hermes_tools: Hermes-style tool calling for ChatML models); "
+            "compiled at start-up",
+            default_text="the model's own",
+        ),
+    )
+    speculative_method: SpeculativeMethod | None = field(
+        default=None,
+        metadata=doc(
+            "speculative decoding, lossless: where draft tokens come from. ngram: prompt "
+            "lookup over the prompt and the output so far; suffix: the longest earlier match "
+            "in the request and in earlier requests' prompts and outputs; draft: a smaller "
+            "model, --speculative-model; eagle: a one-layer head on the target's own hidden "
+            "states, bundled for SmolLM2 (training/train_eagle.py trains others)",
+            default_text="off",
+        ),
+    )
+    num_speculative_tokens: int = field(
+        default=4,
+        metadata=doc(
+            f"at most this many draft tokens a request verifies per step "
+            f"(1..{MAX_SPECULATIVE_TOKENS}); the speculator drafts fewer, or none, where their "
+            "measured cost says they would not pay (engine/speculative/speculator.py)"
+        ),
+    )
+    speculative_model: str | None = field(
+        default=None,
+        metadata=doc(
+            "the draft model of --speculative-method draft (giving it alone implies that "
+            "method): an alias, .gguf file or Hugging Face directory, with the target's "
+            "tokenizer; with --speculative-method eagle, the head's .safetensors file "
+            "(training/train_eagle.py)",
+            default_text="none; for eagle, the bundled head for the target",
+        ),
+    )
+    speculative_draft_vocab_size: int = field(
+        default=65536,
+        metadata=doc(
+            "the draft model's output head covers only its first N token ids and the "
+            "tokenizer's added tokens (0: the whole vocabulary). BPE ids run roughly from "
+            "frequent to rare, and a 151,936-token head is 37% of the bytes a 0.5B model reads "
+            "per step: cut to 64K ids it reads 43% of them. Where the target's token lies "
+            "outside, the draft is rejected: the output is unchanged"
+        ),
+    )
+    kv_offload_dir: str | None = field(
+        default=None,
+        metadata=doc(
+            "a directory for the disk tier under the prefix cache: finished requests' full KV "
+            "blocks are written there (one checksummed file each) and loaded by later "
+            "requests whose prefix is no longer in RAM, also after a restart",
+            default_text="off",
+        ),
+    )
+    kv_offload_size: float = field(
+        default=8.0,
+        metadata=doc("GiB of block files the disk tier keeps, least recently used deleted first"),
+    )
+    kv_role: KVRole | None = field(
+        default=None,
+        metadata=doc(
+            "prefill/decode disaggregation: prefill holds the KV blocks of the prompts of "
+            "requests that ask for it (kv_transfer_params) for a decode instance to pull over "
+            "TCP; decode pulls them instead of computing them (`sluice serve --role` sets it)",
+            default_text="off",
+        ),
+    )
+    kv_transfer_host: str = field(
+        default="127.0.0.1",
+        metadata=doc(
+            "where a prefill instance's KV block server listens; a decode instance on another "
+            "host needs an address it reaches"
+        ),
+    )
+    kv_transfer_port: int = field(
+        default=0,
+        metadata=doc(
+            "the port of a prefill instance's KV block server; 0: any free port (responses name it)"
+        ),
+    )
+    kv_transfer_timeout: float = field(
+        default=60.0,
+        metadata=doc(
+            "seconds a prefill instance holds a prompt's blocks for a decode instance that "
+            "does not confirm it pulled them, and a pull waits for a silent peer"
+        ),
+    )
+    data_parallel_size: int = field(
+        default=1,
+        metadata=doc(
+            "engine replicas behind one server, each its own process (or Ray actor) with its "
+            "own threads and KV pool; a request goes to the replica holding its prefix, else "
+            "the least loaded; 1: the engine runs in the server's process"
+        ),
+    )
+    distributed_executor_backend: DistributedExecutorBackend = field(
+        default="mp",
+        metadata=doc(
+            "how data-parallel replicas run: mp, processes on this machine; ray, Ray actors on "
+            "a Ray cluster (joins the one `ray start` made, else starts a local one; pip "
+            "install 'sluice[dist]')"
+        ),
+    )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=doc(
+            "split every layer's heads and units, the KV heads and the vocabulary over this "
+            "many ranks (this process and N - 1 workers on this machine) that run each step "
+            "together; the heads and KV heads must divide by it"
+        ),
+    )
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
