@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import add_output_arg, add_rounds_arg, interleave, write_result
 from sluice import LLM, SamplingParams
 from sluice.config import GLOBAL_KV_GROUP, LOCAL_KV_GROUP
-from sluice.runner.model_runner import kv_bytes_per_block
+from sluice.runner.kv_layout import kv_bytes_per_block
 
 SIDES = ("split", "single")
 

@@ -17,7 +17,8 @@ from sluice.cli import build_parser, engine_config
 from sluice.config import EngineConfig
 from sluice.core.errors import ConfigError
 from sluice.kernels import attention as paged
-from sluice.runner.model_runner import ModelOutput, kv_bytes_per_block
+from sluice.runner.kv_layout import kv_bytes_per_block
+from sluice.runner.model_runner import ModelOutput
 
 # The first 256 tokens' worth of text: Wikipedia-like prose, long enough that later
 # positions attend over many stored rows.

@@ -148,6 +148,25 @@ def test_runner_does_not_import_the_engine() -> None:
             assert not [t for t in imports_of(module) if t.startswith("sluice.engine")]
 
 
+# What builds parts: the engine loop reaches them only through engine/builder.py (the
+# builder hands it finished parts), so it never loads, sizes or constructs anything.
+CONSTRUCTION = (
+    "sluice.loader",
+    "sluice.runner.factory",
+    "sluice.engine.kv_sizing",
+    "sluice.engine.speculative.methods",
+    "sluice.engine.speculative.draft_load",
+    "sluice.engine.speculative.eagle_load",
+)
+
+
+def test_the_engine_loop_receives_its_parts() -> None:
+    assert "sluice.engine.builder" in set(imports_of("sluice.engine.engine"))
+    for module in ("sluice.engine.engine", "sluice.engine.async_engine"):
+        built = [t for t in imports_of(module) if t.startswith(CONSTRUCTION)]
+        assert not built, f"{module} builds parts itself: imports {built}"
+
+
 def _find_cycle(nodes: list[str]) -> list[str] | None:
     graph = {m: {t for t in imports_of(m) if t in nodes and t != m} for m in nodes}
     state: dict[str, int] = {}  # 1: on the current path, 2: done

@@ -19,13 +19,13 @@ from sluice.core.errors import RequestError
 from sluice.core.request import DraftRow, Request, RequestStatus, SamplingRow
 from sluice.engine.builder import EngineParts, build_engine, kernel_level, kv_block_format
 from sluice.engine.kv_connector import BlockFormat, KVConnector
-from sluice.engine.output import SequenceOutputState
 from sluice.engine.request_output import (
     RequestGroup,
     SampledLogprob,
     add_logprobs,
     add_prompt_logprobs,
     make_output,
+    new_group,
 )
 from sluice.engine.scheduler import SchedulerOutput
 from sluice.engine.speculative.shadow import ShadowProposer
@@ -176,33 +176,12 @@ class LLMEngine:
         # Compiled (or found in the cache) before anything is queued: a bad grammar is
         # this request's error, never the engine's.
         grammar = self.grammars.compile(constraint) if constraint is not None else None
-        seqs = []
-        for i in range(params.n):
-            seq = Request(
-                request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
-                prompt_token_ids=ids,
-                sampling_params=params,
-                group_id=request_id,
-                index=i,
-                priority=priority,
-                arrival_time=arrival,
-                # n > 1 with a seed: sample i uses seed + i, so it equals a separate
-                # request seeded that way.
-                seed=None if params.seed is None else params.seed + i,
-            )
-            seq.output = SequenceOutputState(self.tokenizer, ids, params)
-            if grammar is not None:
-                seq.grammar = grammar.deep_copy()
-            if params.logprobs is not None:
-                seq.logprobs = []
-            seqs.append(seq)
-            self._seqs[seq.request_id] = seq
-        # The first sequence computes the prompt; the others fork from it (sharing its
-        # blocks, copy-on-write) when its first token is sampled.
-        seqs[0].pending_forks = seqs[1:]
-        text = prompt if isinstance(prompt, str) else None
-        self.groups[request_id] = RequestGroup(request_id, text, ids, seqs, [0] * params.n)
-        self.scheduler.add(seqs[0])
+        group = new_group(
+            request_id, prompt, ids, params, self.tokenizer, grammar, priority, arrival
+        )
+        self.groups[request_id] = group
+        self._seqs.update((seq.request_id, seq) for seq in group.seqs)
+        self.scheduler.add(group.seqs[0])
 
     def _check_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams

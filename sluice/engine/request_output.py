@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 
 from sluice.core.request import Request
+from sluice.engine.output import SequenceOutputState
 from sluice.loader import Tokenizer
 from sluice.outputs import CompletionOutput, Logprob, RequestMetricsOut, RequestOutput
+from sluice.sampling_params import SamplingParams
 
 # A sampled token's logprob, its rank, and the top alternatives' ids and logprobs.
 SampledLogprob = tuple[float, int, list[int], list[float]]
@@ -29,6 +32,44 @@ class RequestGroup:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+def new_group(
+    request_id: str,
+    prompt: str | list[int],
+    ids: list[int],
+    params: SamplingParams,
+    tokenizer: Tokenizer,
+    grammar: llguidance.LLMatcher | None,
+    priority: int,
+    arrival: float,
+) -> RequestGroup:
+    """A checked request's n sequences, each with its output state, its own copy of the
+    grammar and its logprob list where asked. The first computes the prompt; the others
+    fork from it (sharing its blocks, copy-on-write) when its first token is sampled."""
+    seqs = []
+    for i in range(params.n):
+        seq = Request(
+            request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            group_id=request_id,
+            index=i,
+            priority=priority,
+            arrival_time=arrival,
+            # n > 1 with a seed: sample i uses seed + i, so it equals a separate
+            # request seeded that way.
+            seed=None if params.seed is None else params.seed + i,
+        )
+        seq.output = SequenceOutputState(tokenizer, ids, params)
+        if grammar is not None:
+            seq.grammar = grammar.deep_copy()
+        if params.logprobs is not None:
+            seq.logprobs = []
+        seqs.append(seq)
+    seqs[0].pending_forks = seqs[1:]
+    text = prompt if isinstance(prompt, str) else None
+    return RequestGroup(request_id, text, ids, seqs, [0] * params.n)
 
 
 def make_output(group: RequestGroup) -> RequestOutput:
