@@ -17,7 +17,7 @@ from test_speculative import OTHER, REPEATS, assert_all_free, greedy, token_ids
 
 from sluice import LLM, SamplingParams
 from sluice.core.request import Request
-from sluice.engine.speculative import SuffixProposer
+from sluice.engine.speculative import StepCosts, SuffixProposer
 from sluice.engine.speculative.anchor_index import AnchorIndex, pack, unpack
 from sluice.engine.speculative.suffix import (
     MAX_MATCH,
@@ -43,7 +43,9 @@ def suffix() -> LLM:
         max_num_batched_tokens=64,
     )
     assert llm.engine.speculator is not None
-    llm.engine.speculator.max_decode_rows = 8
+    # The measured table decides nothing here (timed on a busy machine it can forbid
+    # every draft); `max_decode_rows`, which this set before, no longer existed.
+    llm.engine.speculator.costs = StepCosts.uniform(0.05, max_rows=8)
     return llm
 
 
