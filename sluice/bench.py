@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,80 +139,102 @@ _SERVE_METRICS = (
 )
 
 
+def _throughput_summary(t: dict[str, Any]) -> dict[str, Any]:
+    cmp = t["comparison"]
+    return {
+        "rounds": cmp["rounds"],
+        "sluice_tok_s": _median(cmp, "sluice", "tokens_per_s"),
+        "sluice_tok_s_range": _range(cmp, "sluice", "tokens_per_s"),
+        "transformers_tok_s": _median(cmp, "transformers", "tokens_per_s"),
+        "transformers_tok_s_range": _range(cmp, "transformers", "tokens_per_s"),
+        "ratio_vs_transformers": _ratio(cmp, "sluice", "tokens_per_s"),
+        "cold_start_s": t.get("time_to_ready", {}).get("cold_total_s"),
+    }
+
+
+def _serve_summary(serve: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per concurrency level."""
+    rows = []
+    for lvl in serve["levels"]:
+        cmp = lvl["comparison"]
+        ours, peer = cmp["sides"][0], cmp["baseline"]
+        row: dict[str, Any] = {
+            "concurrency": lvl["concurrency"],
+            "num_prompts": lvl["num_prompts"],
+            "rounds": cmp["rounds"],
+            "output_tok_per_s_range": _range(cmp, ours, "output_tok_per_s"),
+        }
+        for metric in _SERVE_METRICS:
+            row[metric] = _median(cmp, ours, metric)
+        if peer is not None:  # llama-server ran side by side: its rate and our ratio
+            row["llama_server_tok_per_s"] = _median(cmp, peer, "output_tok_per_s")
+            row["llama_server_ttft_p50_ms"] = _median(cmp, peer, "ttft_p50_ms")
+            row["llama_server_tpot_p50_ms"] = _median(cmp, peer, "tpot_p50_ms")
+            row["vs_llama_server"] = _ratio(cmp, ours, "output_tok_per_s")
+        rows.append(row)
+    return rows
+
+
+def _prefix_summary(prefix: dict[str, Any]) -> dict[str, Any]:
+    """Per workload: the prefix cache off against on."""
+    summary: dict[str, Any] = {}
+    for name, w in prefix["workloads"].items():
+        cmp = w["comparison"]
+        summary[name] = {
+            "rounds": cmp["rounds"],
+            "ttft_p50_off_s": _median(cmp, "off", "ttft_p50_s"),
+            "ttft_p50_on_s": _median(cmp, "on", "ttft_p50_s"),
+            "ttft_p99_off_s": _median(cmp, "off", "ttft_p99_s"),
+            "ttft_p99_on_s": _median(cmp, "on", "ttft_p99_s"),
+            "hit_rate": _median(cmp, "on", "hit_rate"),
+            "ttft_p50_speedup": _ratio(cmp, "off", "ttft_p50_s"),
+            "total_speedup": _ratio(cmp, "off", "total_s"),
+        }
+    return summary
+
+
+def _single_summary(single: dict[str, Any]) -> dict[str, Any]:
+    """Per side (a quantization method, or llama.cpp as the baseline)."""
+    cmp = single["comparison"]
+    return {
+        side: {
+            "rounds": cmp["rounds"],
+            "decode_tok_s": _median(cmp, side, "decode_tokens_per_s"),
+            "decode_tok_s_range": _range(cmp, side, "decode_tokens_per_s"),
+            "ttft_s": _median(cmp, side, "ttft_s"),
+            "vs_llamacpp": 1.0
+            if side == cmp["baseline"]
+            else _ratio(cmp, side, "decode_tokens_per_s"),
+        }
+        for side in cmp["sides"]
+    }
+
+
+def _quantization_summary(quantization: dict[str, Any]) -> dict[str, Any]:
+    return {
+        mode: {
+            "perplexity": row.get("perplexity"),
+            "top1_agreement_vs_fp32": row.get("top1_agreement_vs_fp32"),
+            "greedy_identical_vs_none": row.get("greedy_identical_vs_none"),
+        }
+        for mode, row in quantization["results"].items()
+    }
+
+
+# Each benchmark's summarizer, in the order the summary lists them.
+_SUMMARIZERS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "throughput": _throughput_summary,
+    "serve": _serve_summary,
+    "prefix": _prefix_summary,
+    "single": _single_summary,
+    "quantization": _quantization_summary,
+}
+
+
 def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The headline numbers (medians over rounds, with min-max ranges) of each result present,
     keyed like BENCHMARKS."""
-    summary: dict[str, Any] = {}
-    if "throughput" in results:
-        t = results["throughput"]
-        cmp = t["comparison"]
-        summary["throughput"] = {
-            "rounds": cmp["rounds"],
-            "sluice_tok_s": _median(cmp, "sluice", "tokens_per_s"),
-            "sluice_tok_s_range": _range(cmp, "sluice", "tokens_per_s"),
-            "transformers_tok_s": _median(cmp, "transformers", "tokens_per_s"),
-            "transformers_tok_s_range": _range(cmp, "transformers", "tokens_per_s"),
-            "ratio_vs_transformers": _ratio(cmp, "sluice", "tokens_per_s"),
-            "cold_start_s": t.get("time_to_ready", {}).get("cold_total_s"),
-        }
-    if "serve" in results:
-        rows = []
-        for lvl in results["serve"]["levels"]:
-            cmp = lvl["comparison"]
-            ours, peer = cmp["sides"][0], cmp["baseline"]
-            row: dict[str, Any] = {
-                "concurrency": lvl["concurrency"],
-                "num_prompts": lvl["num_prompts"],
-                "rounds": cmp["rounds"],
-                "output_tok_per_s_range": _range(cmp, ours, "output_tok_per_s"),
-            }
-            for metric in _SERVE_METRICS:
-                row[metric] = _median(cmp, ours, metric)
-            if peer is not None:  # llama-server ran side by side: its rate and our ratio
-                row["llama_server_tok_per_s"] = _median(cmp, peer, "output_tok_per_s")
-                row["llama_server_ttft_p50_ms"] = _median(cmp, peer, "ttft_p50_ms")
-                row["llama_server_tpot_p50_ms"] = _median(cmp, peer, "tpot_p50_ms")
-                row["vs_llama_server"] = _ratio(cmp, ours, "output_tok_per_s")
-            rows.append(row)
-        summary["serve"] = rows
-    if "prefix" in results:
-        summary["prefix"] = {}
-        for name, w in results["prefix"]["workloads"].items():
-            cmp = w["comparison"]
-            summary["prefix"][name] = {
-                "rounds": cmp["rounds"],
-                "ttft_p50_off_s": _median(cmp, "off", "ttft_p50_s"),
-                "ttft_p50_on_s": _median(cmp, "on", "ttft_p50_s"),
-                "ttft_p99_off_s": _median(cmp, "off", "ttft_p99_s"),
-                "ttft_p99_on_s": _median(cmp, "on", "ttft_p99_s"),
-                "hit_rate": _median(cmp, "on", "hit_rate"),
-                "ttft_p50_speedup": _ratio(cmp, "off", "ttft_p50_s"),
-                "total_speedup": _ratio(cmp, "off", "total_s"),
-            }
-    if "single" in results:
-        cmp = results["single"]["comparison"]
-        summary["single"] = {
-            side: {
-                "rounds": cmp["rounds"],
-                "decode_tok_s": _median(cmp, side, "decode_tokens_per_s"),
-                "decode_tok_s_range": _range(cmp, side, "decode_tokens_per_s"),
-                "ttft_s": _median(cmp, side, "ttft_s"),
-                "vs_llamacpp": 1.0
-                if side == cmp["baseline"]
-                else _ratio(cmp, side, "decode_tokens_per_s"),
-            }
-            for side in cmp["sides"]
-        }
-    if "quantization" in results:
-        summary["quantization"] = {
-            mode: {
-                "perplexity": row.get("perplexity"),
-                "top1_agreement_vs_fp32": row.get("top1_agreement_vs_fp32"),
-                "greedy_identical_vs_none": row.get("greedy_identical_vs_none"),
-            }
-            for mode, row in results["quantization"]["results"].items()
-        }
-    return summary
+    return {name: fn(results[name]) for name, fn in _SUMMARIZERS.items() if name in results}
 
 
 def run_info(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

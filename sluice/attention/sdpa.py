@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from sluice.attention import kv_int8
 from sluice.attention import window as windows
-from sluice.attention.backend import AttentionBackend, AttentionMetadata
+from sluice.attention.backend import AttentionBackend, AttentionMetadata, PrefillSpan
 from sluice.kernels import Library
 from sluice.kernels import attention as paged
 
@@ -49,7 +49,6 @@ class SDPABackend(AttentionBackend):
         window: int | None = None,
         scale: float | None = None,
     ) -> torch.Tensor:
-        block_size = k_cache.shape[2]
         # Every new token's K/V goes into the cache before anyone reads it, so requests
         # that share blocks within one step see each other's writes.
         self._write(k, v, k_cache, v_cache, meta)
@@ -57,52 +56,42 @@ class SDPABackend(AttentionBackend):
         out = q.new_empty(q.shape)  # contiguous even where q is a strided slice of qkv
         n = meta.num_small_tokens
         if n and self.kernel is not None:
-            assert meta.small_block_tables is not None
-            assert meta.small_query_start is not None and meta.small_ctx_end is not None
-            paged.paged_attention(
-                self.kernel,
-                q[:n],
-                k_cache,
-                v_cache,
-                meta.small_block_tables,
-                meta.small_query_start,
-                meta.small_ctx_end,
-                q.shape[-1] ** -0.5 if scale is None else scale,
-                out=out[:n],
-                window=window,
-            )
+            self._small_on_kernel(q[:n], k_cache, v_cache, meta, out[:n], window, scale)
         elif n:
-            assert meta.row_block_tables is not None
-            # Gather whole blocks: [n, max_blocks, kvh, block_size, d] -> [n, kvh, L, d].
-            kd = _read(k_cache[meta.row_block_tables], q).transpose(1, 2).flatten(2, 3)
-            vd = _read(v_cache[meta.row_block_tables], q).transpose(1, 2).flatten(2, 3)
-            mask = meta.row_mask if window is None else windows.row_mask(meta, window)
-            od = F.scaled_dot_product_attention(
-                q[:n].unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=True, scale=scale
-            )
-            out[:n] = od.squeeze(2)
+            out[:n] = _small_on_sdpa(q[:n], k_cache, v_cache, meta, window, scale)
         for span in meta.prefills:
             s, e = span.q_start, span.q_start + span.q_len
-            qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
-            slots, mask = windows.span_context(span, window)
-            if slots is None and k_cache.dtype == torch.uint8:
-                slots = meta.slot_mapping[s:e]  # the span's own rows, as quantized
-            if slots is None:
-                kp, vp = k[s:e], v[s:e]
-            else:  # [ctx, kvh, d]
-                kp = _read(k_cache[slots // block_size, :, slots % block_size], q)
-                vp = _read(v_cache[slots // block_size, :, slots % block_size], q)
-            op = F.scaled_dot_product_attention(
-                qp,
-                kp.transpose(0, 1).unsqueeze(0),
-                vp.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None,
-                enable_gqa=True,
-                scale=scale,
-            )
-            out[s:e] = op.squeeze(0).transpose(0, 1)
+            kp, vp, mask = _span_kv(span, k, v, k_cache, v_cache, meta, window, q)
+            out[s:e] = _attend_span(q[s:e], kp, vp, mask, scale)
         return out
+
+    def _small_on_kernel(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+        window: int | None,
+        scale: float | None,
+    ) -> None:
+        """The small group (decodes and short chunks) through our paged kernel, which
+        reads K/V in place from the blocks, into out."""
+        assert self.kernel is not None
+        assert meta.small_block_tables is not None
+        assert meta.small_query_start is not None and meta.small_ctx_end is not None
+        paged.paged_attention(
+            self.kernel,
+            q,
+            k_cache,
+            v_cache,
+            meta.small_block_tables,
+            meta.small_query_start,
+            meta.small_ctx_end,
+            q.shape[-1] ** -0.5 if scale is None else scale,
+            out=out,
+            window=window,
+        )
 
     def _write(
         self,
@@ -129,3 +118,69 @@ def _read(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     if rows.dtype != torch.uint8:
         return rows
     return kv_int8.dequantize(rows, q.shape[-1], q.dtype)
+
+
+def _small_on_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """The small group without the kernel: one query row per token over its request's
+    blocks, gathered into a padded copy and masked to what the row may see."""
+    assert meta.row_block_tables is not None
+    # Gather whole blocks: [n, max_blocks, kvh, block_size, d] -> [n, kvh, L, d].
+    kd = _read(k_cache[meta.row_block_tables], q).transpose(1, 2).flatten(2, 3)
+    vd = _read(v_cache[meta.row_block_tables], q).transpose(1, 2).flatten(2, 3)
+    mask = meta.row_mask if window is None else windows.row_mask(meta, window)
+    od = F.scaled_dot_product_attention(
+        q.unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=True, scale=scale
+    )
+    return od.squeeze(2)
+
+
+def _span_kv(
+    span: PrefillSpan,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None,
+    q: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """K/V [ctx, kvh, d] a prefill span attends to (as q's dtype), and its mask (None:
+    plain causal): its own fresh k/v when it sees nothing else, else its context's rows
+    read back from the cache (an int8 pool's own fresh rows too, as quantized)."""
+    s, e = span.q_start, span.q_start + span.q_len
+    slots, mask = windows.span_context(span, window)
+    if slots is None and k_cache.dtype == torch.uint8:
+        slots = meta.slot_mapping[s:e]  # the span's own rows, as quantized
+    if slots is None:
+        return k[s:e], v[s:e], mask
+    block_size = k_cache.shape[2]
+    kp = _read(k_cache[slots // block_size, :, slots % block_size], q)
+    vp = _read(v_cache[slots // block_size, :, slots % block_size], q)
+    return kp, vp, mask
+
+
+def _attend_span(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """One prefill span's queries [q_len, heads, d] over its K/V [ctx, kvh, d]."""
+    op = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, heads, q_len, d]
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
+        enable_gqa=True,
+        scale=scale,
+    )
+    return op.squeeze(0).transpose(0, 1)

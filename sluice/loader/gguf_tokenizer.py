@@ -184,21 +184,7 @@ def _sentencepiece_bpe(meta: GGUFMetadata, tokens: list[str], types: list[int]) 
     vocab: dict[str, int] = {}
     for i, tok in enumerate(spelled):
         vocab.setdefault(tok, i)
-    if gemma or scores is None:
-        # Gemma's scores do not follow its merge order; its file order does.
-        rank = {tok: float(-i) for tok, i in vocab.items()}
-    else:
-        rank = {tok: float(scores[i]) for tok, i in vocab.items()}
-    mergeable = {tok: i for tok, i in vocab.items() if types[i] in (_NORMAL, _USER_DEFINED)}
-    candidates: list[tuple[float, int, str, str]] = []
-    for tok, i in mergeable.items():
-        for cut in range(1, len(tok)):
-            left, right = tok[:cut], tok[cut:]
-            if left in mergeable and right in mergeable:
-                candidates.append((-rank[tok], i, left, right))
-    candidates.sort()
-    merges = [[left, right] for _, _, left, right in candidates]
-
+    merges = _spm_merges(vocab, types, _spm_merge_ranks(vocab, scores, gemma))
     added = [
         _added_token(i, tok, special=typ in (_CONTROL, _UNKNOWN))
         for i, (tok, typ) in enumerate(zip(tokens, types, strict=True))
@@ -206,27 +192,16 @@ def _sentencepiece_bpe(meta: GGUFMetadata, tokens: list[str], types: list[int]) 
     ]
     add_prefix = meta.get("tokenizer.ggml.add_space_prefix")
     add_prefix = (not gemma) if add_prefix is None else bool(add_prefix)
-    normalizers: list[dict[str, Any]] = []
-    if add_prefix:
-        normalizers.append({"type": "Prepend", "prepend": _SPM_SPACE})
-    normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": _SPM_SPACE})
-    decoders: list[dict[str, Any]] = [
-        {"type": "Replace", "pattern": {"String": _SPM_SPACE}, "content": " "},
-        {"type": "ByteFallback"},
-        {"type": "Fuse"},
-    ]
-    if add_prefix:
-        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
     unk = meta.get("tokenizer.ggml.unknown_token_id")
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": added,
-        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "normalizer": _spm_normalizer(add_prefix),
         "pre_tokenizer": None,
         "post_processor": None,
-        "decoder": {"type": "Sequence", "decoders": decoders},
+        "decoder": _spm_decoder(add_prefix),
         "model": {
             "type": "BPE",
             "dropout": None,
@@ -240,3 +215,50 @@ def _sentencepiece_bpe(meta: GGUFMetadata, tokens: list[str], types: list[int]) 
             "merges": merges,
         },
     }
+
+
+def _spm_merge_ranks(
+    vocab: dict[str, int], scores: list[float] | None, gemma: bool
+) -> dict[str, float]:
+    """Each token's rank as a merge result, higher merging first: its score, else its
+    place in the file."""
+    if gemma or scores is None:
+        # Gemma's scores do not follow its merge order; its file order does.
+        return {tok: float(-i) for tok, i in vocab.items()}
+    return {tok: float(scores[i]) for tok, i in vocab.items()}
+
+
+def _spm_merges(vocab: dict[str, int], types: list[int], rank: dict[str, float]) -> list[list[str]]:
+    """Every way of making a normal or user-defined token from two others, best-ranked
+    result first (ties: by token id, then shorter left part)."""
+    mergeable = {tok: i for tok, i in vocab.items() if types[i] in (_NORMAL, _USER_DEFINED)}
+    candidates: list[tuple[float, int, str, str]] = []
+    for tok, i in mergeable.items():
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in mergeable and right in mergeable:
+                candidates.append((-rank[tok], i, left, right))
+    candidates.sort()
+    return [[left, right] for _, _, left, right in candidates]
+
+
+def _spm_normalizer(add_prefix: bool) -> dict[str, Any]:
+    """SentencePiece's normalization: spaces as U+2581, one prepended if add_prefix."""
+    normalizers: list[dict[str, Any]] = []
+    if add_prefix:
+        normalizers.append({"type": "Prepend", "prepend": _SPM_SPACE})
+    normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": _SPM_SPACE})
+    return {"type": "Sequence", "normalizers": normalizers}
+
+
+def _spm_decoder(add_prefix: bool) -> dict[str, Any]:
+    """The normalization undone: U+2581 back to spaces, <0xNN> byte tokens back to
+    bytes, and the prepended space dropped."""
+    decoders: list[dict[str, Any]] = [
+        {"type": "Replace", "pattern": {"String": _SPM_SPACE}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
+    if add_prefix:
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    return {"type": "Sequence", "decoders": decoders}

@@ -21,18 +21,22 @@ from dataclasses import dataclass
 import torch
 
 from sluice.core.request import SamplingRow
+from sluice.core.sampling_params import SamplingParams
 
 _GREEDY_EPS = 1e-5
 # Candidates that top-k/top-p look at before falling back to sorting a whole row.
 _CANDIDATES = 512
 
 
+# Logprob of the sampled token, its rank, top-N (ids, logprobs).
+TokenLogprobs = tuple[float, int, list[int], list[float]]
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Per row, None unless the request asked for logprobs: (logprob of the sampled
-    # token, its rank, top-N (ids, logprobs)).
-    logprobs: list[tuple[float, int, list[int], list[float]] | None]
+    # Per row, None unless the request asked for logprobs.
+    logprobs: list[TokenLogprobs | None]
 
 
 class Sampler:
@@ -54,77 +58,59 @@ class Sampler:
         [rows, V]) the tokens a constrained row's grammar allows; applied after bias and
         penalties, before temperature and top-k/top-p, so those renormalize over what the
         grammar allows. Logprobs stay the model's own (before any of this)."""
-        s = logits.shape[0]
         params = [r.sampling_params for r in requests]
-        want_logprobs = [p.logprobs is not None for p in params]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        # Bias, min_tokens and penalties edit logits in place: copy only when one applies
-        # (a [rows, vocab] copy per step is not free at large batches).
-        if (
-            any(
-                p.logit_bias
-                or (p.min_tokens and r.num_output_tokens < p.min_tokens)
-                or _has_penalty(p)
-                for r, p in zip(requests, params, strict=True)
-            )
-            or allowed is not None
+        want_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logits = self._edit_logits(logits, requests, params, stop_ids, allowed)
+        token_list = self._next_tokens(logits, requests, params).tolist()
+        if raw_logprobs is None:
+            return SamplerOutput(token_list, [None] * len(token_list))
+        return SamplerOutput(token_list, _logprobs(raw_logprobs, params, token_list))
+
+    def _edit_logits(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[SamplingRow],
+        params: list[SamplingParams],
+        stop_ids: list[list[int]],
+        allowed: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """logits after logit bias, min_tokens, penalties and the grammar's mask, in that
+        order. These edit in place: on a copy, made only when one applies (a [rows, vocab]
+        copy per step is not free at large batches)."""
+        if allowed is not None or any(
+            p.logit_bias or _below_min_tokens(r, p) or _has_penalty(p)
+            for r, p in zip(requests, params, strict=True)
         ):
             logits = logits.clone()
-
-        for i, (r, p) in enumerate(zip(requests, params, strict=True)):
-            if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
-                vals = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
-                logits[i, ids] += vals.to(logits.device)
-            # A grammar that is complete may allow nothing but the end: it wins over
-            # min_tokens (the masked row would otherwise have nothing left to sample).
-            if (
-                p.min_tokens
-                and r.num_output_tokens < p.min_tokens
-                and stop_ids[i]
-                and r.grammar is None
-            ):
-                logits[i, torch.tensor(stop_ids[i], device=logits.device)] = float("-inf")
-
+        _bias_and_block_stops(logits, requests, params, stop_ids)
         if any(_has_penalty(p) for p in params):
             self._apply_penalties(logits, requests)
         if allowed is not None:
             rows, mask = allowed
             rows = rows.to(logits.device)
             logits[rows] = logits[rows].masked_fill(~mask.to(logits.device), float("-inf"))
+        return logits
 
+    def _next_tokens(
+        self, logits: torch.Tensor, requests: Sequence[SamplingRow], params: list[SamplingParams]
+    ) -> torch.Tensor:
+        """One token per row: argmax where the temperature is ~0, else sampled."""
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         greedy = temps < _GREEDY_EPS
         if bool(greedy.all()):
-            tokens = logits.argmax(dim=-1)
-        elif not bool(greedy.any()):
-            tokens = self._sample(logits, requests, temps)
-        else:  # each kind of row through its own path only
-            tokens = torch.empty(s, dtype=torch.long, device=logits.device)
-            g, ng = greedy.nonzero().flatten(), (~greedy).nonzero().flatten()
-            tokens[g.to(logits.device)] = logits[g.to(logits.device)].argmax(dim=-1)
-            sampled = [requests[i] for i in ng.tolist()]
-            tokens[ng.to(logits.device)] = self._sample(
-                logits[ng.to(logits.device)], sampled, temps[ng]
-            )
-
-        token_list = tokens.tolist()
-        out: list[tuple[float, int, list[int], list[float]] | None] = [None] * s
-        if raw_logprobs is not None:
-            for i, p in enumerate(params):
-                if p.logprobs is None:
-                    continue
-                row = raw_logprobs[i]
-                tok = token_list[i]
-                lp = row[tok]
-                rank = int((row > lp).sum().item()) + 1
-                top_ids: list[int] = []
-                top_vals: list[float] = []
-                if p.logprobs > 0:
-                    vals, ids = row.topk(p.logprobs)
-                    top_ids, top_vals = ids.tolist(), vals.tolist()
-                out[i] = (float(lp.item()), rank, top_ids, top_vals)
-        return SamplerOutput(token_list, out)
+            return logits.argmax(dim=-1)
+        if not bool(greedy.any()):
+            return self._sample(logits, requests, temps)
+        # Mixed: each kind of row through its own path only.
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        g, ng = greedy.nonzero().flatten(), (~greedy).nonzero().flatten()
+        tokens[g.to(logits.device)] = logits[g.to(logits.device)].argmax(dim=-1)
+        sampled = [requests[i] for i in ng.tolist()]
+        tokens[ng.to(logits.device)] = self._sample(
+            logits[ng.to(logits.device)], sampled, temps[ng]
+        )
+        return tokens
 
     def _sample(
         self, logits: torch.Tensor, requests: Sequence[SamplingRow], temps: torch.Tensor
@@ -208,6 +194,49 @@ class Sampler:
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits.copy_(torch.where(seen, penalised, logits))
         logits -= freq[:, None] * counts + pres[:, None] * (counts > 0).float()
+
+
+def _below_min_tokens(r: SamplingRow, p: SamplingParams) -> bool:
+    return bool(p.min_tokens and r.num_output_tokens < p.min_tokens)
+
+
+def _bias_and_block_stops(
+    logits: torch.Tensor,
+    requests: Sequence[SamplingRow],
+    params: list[SamplingParams],
+    stop_ids: list[list[int]],
+) -> None:
+    """Add each row's logit bias; mask its stop tokens while it is below min_tokens."""
+    for i, (r, p) in enumerate(zip(requests, params, strict=True)):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            vals = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+            logits[i, ids] += vals.to(logits.device)
+        # A grammar that is complete may allow nothing but the end: it wins over
+        # min_tokens (the masked row would otherwise have nothing left to sample).
+        if _below_min_tokens(r, p) and stop_ids[i] and r.grammar is None:
+            logits[i, torch.tensor(stop_ids[i], device=logits.device)] = float("-inf")
+
+
+def _logprobs(
+    raw_logprobs: torch.Tensor, params: list[SamplingParams], token_list: list[int]
+) -> list[TokenLogprobs | None]:
+    """Per row, for the rows that asked: the sampled token's logprob and rank, and the
+    top-N, all from the model's own logprobs."""
+    out: list[TokenLogprobs | None] = [None] * len(token_list)
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            continue
+        row = raw_logprobs[i]
+        lp = row[token_list[i]]
+        rank = int((row > lp).sum().item()) + 1
+        top_ids: list[int] = []
+        top_vals: list[float] = []
+        if p.logprobs > 0:
+            vals, ids = row.topk(p.logprobs)
+            top_ids, top_vals = ids.tolist(), vals.tolist()
+        out[i] = (float(lp.item()), rank, top_ids, top_vals)
+    return out
 
 
 def _top_k_top_p(
