@@ -45,6 +45,7 @@ from sluice.distributed.replica_client import ReplicaClient
 from sluice.distributed.router import Router
 from sluice.distributed.stats import merged_stats
 from sluice.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS, RequestStream
+from sluice.engine.stats import FrontEndStats
 from sluice.loader import load_tokenizer, resolve_chat_template
 from sluice.outputs import RequestOutput
 from sluice.sampling_params import SamplingParams
@@ -213,10 +214,13 @@ class DataParallelLLM:
             )
             loads = list(self._loads)
         snap = merged_stats(self.replicas, loads, self.router.counts)
-        snap["num_pending"] = pending
-        snap["num_resent_after_replica_death"] = self.num_resent
-        snap["num_lost_to_replica_death"] = self.num_lost
-        snap["engine_alive"] = self.is_running
+        mine = FrontEndStats(
+            num_pending=pending,
+            num_resent_after_replica_death=self.num_resent,
+            num_lost_to_replica_death=self.num_lost,
+            engine_alive=self.is_running,
+        )
+        snap.update(mine.as_dict())
         return snap
 
     def shutdown(self, timeout: float = 0.0) -> None:

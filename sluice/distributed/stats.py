@@ -1,111 +1,64 @@
-"""The replicas' stats as one engine's (sums, and rates from the summed counts), plus
-one entry per replica for /stats and the per-replica gauges of /metrics."""
+"""The replicas' stats as one engine's, plus one entry per replica for /stats and the
+per-replica gauges of /metrics.
+
+How each key merges is declared on its field in sluice/engine/stats.py (`Merge`):
+summed counts, facts every replica shares (taken from the first up), rates and
+fractions recomputed from the summed counts; a connector's keys appear where some
+replica reports them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sluice.distributed.replica_client import ReplicaClient
 from sluice.distributed.router import RouteCounts
-
-# Counts that add up across replicas; the rest of an engine's stats are rates (derived
-# below) or facts every replica shares (dtype, block size), taken from the first up.
-_SUMMED = (
-    "num_running",
-    "num_waiting",
-    "num_requests",
-    "kv_total_blocks",
-    "kv_free_blocks",
-    "kv_local_total_blocks",
-    "kv_local_free_blocks",
-    "prefix_cache_queried_tokens",
-    "prefix_cache_hit_tokens",
-    "num_preemptions",
-    "num_steps",
-    "num_generated_tokens",
-    "num_forced_tokens",
-    "grammars_compiled",
-    "weight_bytes",
-    "spec_drafted_tokens",
-    "spec_accepted_tokens",
-    "spec_emitted_tokens",
-    "spec_verify_steps",
-)
-# A prefill/decode instance's counters (kv_connector/pd_*.py), where replicas have them.
-_PD_SUMMED = (
-    "pd_held_transfers",
-    "pd_held_blocks",
-    "pd_held_bytes",
-    "pd_sent_transfers",
-    "pd_expired_transfers",
-    "pd_broken_transfers",
-    "pd_refused_pulls",
-    "pd_dropped_holds",
-    "pd_bytes_sent",
-    "pd_pending_pulls",
-    "pd_pulled_transfers",
-    "pd_failed_transfers",
-    "pd_loaded_blocks",
-    "pd_loaded_tokens",
-    "pd_bytes_pulled",
-    "pd_pull_seconds",
-)
-_SHARED = (
-    "block_size",
-    "max_model_len",
-    "dtype",
-    "quantization",
-    "kv_cache_dtype",
-    "cpu_kernels",
-    "spec_method",
-)
+from sluice.engine.stats import Derive, FrontEndStats, Merge, ReplicaStats, stat_fields
 
 
 def merged_stats(
     replicas: Sequence[ReplicaClient], loads: Sequence[int], counts: Sequence[RouteCounts]
 ) -> dict[str, Any]:
     up = [r.stats for r in replicas if r.alive and r.stats]
-    out: dict[str, Any] = {k: sum(int(s.get(k, 0)) for s in up) for k in _SUMMED}
-    for key in _SHARED:
-        out[key] = next((s[key] for s in up if key in s), None)
-    for key in _PD_SUMMED:
-        if any(key in s for s in up):
-            out[key] = sum(s.get(key, 0) for s in up)
-    # The fuller pool's use, as one engine reports it (a split cache has two pools).
-    out["kv_usage"] = max(
-        1.0 - out[free] / out[total] if out[total] else 0.0
-        for total, free in (
-            ("kv_total_blocks", "kv_free_blocks"),
-            ("kv_local_total_blocks", "kv_local_free_blocks"),
-        )
-    )
-    queried = out["prefix_cache_queried_tokens"]
-    out["prefix_cache_hit_rate"] = out["prefix_cache_hit_tokens"] / queried if queried else 0.0
-    drafted, steps = out["spec_drafted_tokens"], out["spec_verify_steps"]
-    out["spec_acceptance_rate"] = out["spec_accepted_tokens"] / drafted if drafted else 0.0
-    out["spec_mean_accepted_length"] = out["spec_emitted_tokens"] / steps if steps else 0.0
-    out["data_parallel_size"] = len(replicas)
-    out["replicas"] = [_one(r, loads[r.index], counts[r.index]) for r in replicas]
+    out = merge(up)
+    entries = [_one(r, loads[r.index], counts[r.index]) for r in replicas]
+    out.update(FrontEndStats(data_parallel_size=len(replicas), replicas=entries).as_dict())
+    return out
+
+
+def merge(up: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One engine's stats (EngineStats.as_dict()'s keys, less the UNMERGED ones) from
+    the up replicas' dicts, in /stats' order."""
+    out: dict[str, Any] = {}
+    derived: list[tuple[str, Derive]] = []
+    for f in stat_fields():
+        if f.merge is Merge.UNMERGED or (f.group is not None and not any(f.key in s for s in up)):
+            continue  # not merged, or that connector is off on every replica
+        if f.merge is Merge.SUMMED:
+            # Absent (an older or partial replica): 0. Counts stay ints.
+            values = (s.get(f.key, 0) for s in up)
+            out[f.key] = sum(int(v) if f.type is int else v for v in values)
+        elif f.merge is Merge.SHARED:
+            out[f.key] = next((s[f.key] for s in up if f.key in s), None)
+        elif f.merge is Merge.DERIVED and f.derive is not None:
+            out[f.key] = None  # its place in the order; computed once the sums are in
+            derived.append((f.key, f.derive))
+        else:
+            raise TypeError(f"stat {f.key!r} declares no merge (sluice/engine/stats.py)")
+    for key, derive in derived:
+        out[key] = derive(out)
     return out
 
 
 def _one(r: ReplicaClient, load: int, counts: RouteCounts) -> dict[str, Any]:
-    s = r.stats if r.alive else {}
-    return {
-        "replica": r.index,
-        "alive": r.alive,
-        "pid": r.pid,
-        "restarts": r.restarts,
-        "load": load,
-        "routed": counts.routed,
-        "routed_by_prefix": counts.routed_by_prefix,
-        "num_running": s.get("num_running", 0),
-        "num_waiting": s.get("num_waiting", 0),
-        "num_requests": s.get("num_requests", 0),
-        "num_generated_tokens": s.get("num_generated_tokens", 0),
-        "kv_usage": s.get("kv_usage", 0.0),
-        "kv_free_blocks": s.get("kv_free_blocks", 0),
-        "kv_total_blocks": s.get("kv_total_blocks", 0),
-        "prefix_cache_hit_rate": s.get("prefix_cache_hit_rate", 0.0),
-    }
+    return ReplicaStats(
+        replica=r.index,
+        alive=r.alive,
+        pid=r.pid,
+        restarts=r.restarts,
+        load=load,
+        routed=counts.routed,
+        routed_by_prefix=counts.routed_by_prefix,
+        **ReplicaStats.mirrored(r.stats if r.alive else {}),
+    ).as_dict()

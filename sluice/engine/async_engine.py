@@ -26,6 +26,7 @@ from typing import Any, Protocol, cast
 from sluice.config import EngineConfig
 from sluice.core.errors import EngineShutdownError, EngineStepError, QueueFullError
 from sluice.engine.engine import LLMEngine
+from sluice.engine.stats import FrontEndStats
 from sluice.outputs import RequestOutput
 from sluice.sampling_params import SamplingParams
 
@@ -297,9 +298,11 @@ class AsyncLLM:
         """The engine's stats as of its last step (a copy; safe from any thread)."""
         with self._lock:
             snap = dict(self._stats)
-            snap["num_pending"] = self._pending_adds
-        snap["num_step_errors"] = self._num_step_errors
-        snap["engine_alive"] = self.is_running
+            pending = self._pending_adds
+        mine = FrontEndStats(
+            num_pending=pending, num_step_errors=self._num_step_errors, engine_alive=self.is_running
+        )
+        snap.update(mine.as_dict())
         return snap
 
     def shutdown(self, timeout: float = 0.0) -> None:

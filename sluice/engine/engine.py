@@ -29,6 +29,7 @@ from sluice.engine.request_output import (
 )
 from sluice.engine.scheduler import SchedulerOutput
 from sluice.engine.speculative.shadow import ShadowProposer
+from sluice.engine.stats import EngineStats, ratio
 from sluice.engine.tensor_parallel import TensorParallelWorkers
 from sluice.outputs import RequestOutput
 from sluice.parallel import TPGroup
@@ -464,60 +465,52 @@ class LLMEngine:
     # ---- introspection ------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        """/stats' JSON: EngineStats as a dict. Each stat's meaning, merge across
+        replicas and Prometheus export are declared on its field (sluice/engine/stats.py,
+        which imports nothing of the engine)."""
         pool, local = self.kv.pool, self.kv.local_pool
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_requests": len(self.groups),
-            "kv_total_blocks": pool.num_blocks,
-            "kv_free_blocks": pool.num_free,
-            # A split cache's windowed layers' pool (0 with one pool).
-            "kv_local_total_blocks": local.num_blocks if local else 0,
-            "kv_local_free_blocks": local.num_free if local else 0,
-            "kv_usage": self.kv.usage,  # of the fuller pool
-            "kv_waste": self.waste.fraction,
-            "prefix_cache_hit_rate": self.kv.prefix_cache_hit_rate,
-            "prefix_cache_queried_tokens": self.kv.num_queried_tokens,
-            "prefix_cache_hit_tokens": self.kv.num_hit_tokens,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_steps": self.num_steps,
-            "num_generated_tokens": self.num_generated_tokens,
-            "num_forced_tokens": self.num_forced_tokens,
-            **self._spec_stats(),
-            **(self.kv_connector.stats() if self.kv_connector else {}),
-            "grammars_compiled": self.grammars.num_compiled,
-            "block_size": self.config.block_size,
-            "max_model_len": self.max_model_len,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "quantization": self.quantization,
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "cpu_kernels": self.cpu_kernels,
-            "weight_bytes": self.weight_bytes,
-        }
-
-    def _spec_stats(self) -> dict[str, Any]:
-        """Speculative decoding since start. A verify step is one request verifying its
-        drafts in one engine step; it emits its accepted drafts and the target's own
-        token (fewer where a stop ends the run), so emitted / verify steps is the mean
-        accepted length (1 when no draft passes)."""
-        spec = self.speculator
+        spec, draft = self.speculator, self.draft
         drafted = spec.num_drafted_tokens if spec else 0
         accepted = spec.num_accepted_tokens if spec else 0
         emitted = spec.num_emitted_tokens if spec else 0
         steps = spec.num_verify_steps if spec else 0
-        return {
-            "spec_method": self.config.speculative_method,
-            "spec_drafted_tokens": drafted,
-            "spec_accepted_tokens": accepted,
-            "spec_emitted_tokens": emitted,
-            "spec_verify_steps": steps,
-            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
-            "spec_mean_accepted_length": emitted / steps if steps else 0.0,
-            # The draft model's KV pool (0 without one) and its forward passes.
-            "spec_draft_kv_total_blocks": self.draft.kv.pool.num_blocks if self.draft else 0,
-            "spec_draft_kv_free_blocks": self.draft.kv.num_free_blocks if self.draft else 0,
-            "spec_draft_forwards": self.draft.num_forwards if self.draft else 0,
-        }
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_requests=len(self.groups),
+            kv_total_blocks=pool.num_blocks,
+            kv_free_blocks=pool.num_free,
+            kv_local_total_blocks=local.num_blocks if local else 0,
+            kv_local_free_blocks=local.num_free if local else 0,
+            kv_usage=self.kv.usage,
+            kv_waste=self.waste.fraction,
+            prefix_cache_hit_rate=self.kv.prefix_cache_hit_rate,
+            prefix_cache_queried_tokens=self.kv.num_queried_tokens,
+            prefix_cache_hit_tokens=self.kv.num_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_generated_tokens=self.num_generated_tokens,
+            num_forced_tokens=self.num_forced_tokens,
+            spec_method=self.config.speculative_method,
+            spec_drafted_tokens=drafted,
+            spec_accepted_tokens=accepted,
+            spec_emitted_tokens=emitted,
+            spec_verify_steps=steps,
+            spec_acceptance_rate=ratio(accepted, drafted),
+            spec_mean_accepted_length=ratio(emitted, steps),
+            spec_draft_kv_total_blocks=draft.kv.pool.num_blocks if draft else 0,
+            spec_draft_kv_free_blocks=draft.kv.num_free_blocks if draft else 0,
+            spec_draft_forwards=draft.num_forwards if draft else 0,
+            connector=self.kv_connector.stats() if self.kv_connector else None,
+            grammars_compiled=self.grammars.num_compiled,
+            block_size=self.config.block_size,
+            max_model_len=self.max_model_len,
+            dtype=str(self.dtype).removeprefix("torch."),
+            quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
+            cpu_kernels=self.cpu_kernels,
+            weight_bytes=self.weight_bytes,
+        ).as_dict()
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from sluice.core.request import Request
+from sluice.engine.stats import ConnectorStats
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,9 @@ class KVConnectorScheduler(ABC):
         prefill instance's transfer address); asked once, after `request_finished`."""
         return None
 
-    def stats(self) -> dict[str, float]:
-        return {}
+    def stats(self) -> ConnectorStats | None:
+        """The connector's typed stats (sluice/engine/stats.py), None if it keeps none."""
+        return None
 
 
 class KVConnectorWorker(ABC):
@@ -125,9 +127,6 @@ class KVConnectorWorker(ABC):
     def close(self) -> None:
         """Finish the saves in flight and release what the worker holds."""
 
-    def stats(self) -> dict[str, float]:
-        return {}
-
 
 @dataclass
 class KVConnector:
@@ -136,8 +135,9 @@ class KVConnector:
     scheduler: KVConnectorScheduler
     worker: KVConnectorWorker
 
-    def stats(self) -> dict[str, float]:
-        return {**self.scheduler.stats(), **self.worker.stats()}
+    def stats(self) -> ConnectorStats | None:
+        # A connector's counts live in its scheduler half; no worker half keeps any.
+        return self.scheduler.stats()
 
     def step_failed(self) -> None:
         """The step that was to load and save may have written anything: its staged

@@ -40,6 +40,7 @@ from sluice.engine.kv_connector.base import (
     KVConnectorWorker,
 )
 from sluice.engine.kv_connector.disk_store import BlockFormat, DiskStore
+from sluice.engine.stats import DiskTierStats, ratio
 
 
 def model_fingerprint(path: Path) -> str:
@@ -133,26 +134,24 @@ class DiskTierScheduler(KVConnectorScheduler):
         saves, self._saves = self._saves, []
         return saves
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> DiskTierStats:
         c = self.store.counters
-        return {
-            "kv_offload_queried_blocks": self.num_queried_blocks,
-            "kv_offload_hit_blocks": self.num_loaded_blocks,
-            "kv_offload_miss_blocks": self.num_queried_blocks - self.num_loaded_blocks,
-            "kv_offload_hit_rate": (
-                self.num_loaded_blocks / self.num_queried_blocks if self.num_queried_blocks else 0.0
-            ),
-            "kv_offload_loaded_tokens": self.num_loaded_blocks * self.block_size,
-            "kv_offload_files": self.store.num_files,
-            "kv_offload_disk_bytes": self.store.num_bytes,
-            "kv_offload_bytes_read": c.bytes_read,
-            "kv_offload_bytes_written": c.bytes_written,
-            "kv_offload_files_written": c.files_written,
-            "kv_offload_files_evicted": c.files_evicted,
-            "kv_offload_corrupt_files": c.corrupt_files,
-            "kv_offload_write_errors": c.write_errors,
-            "kv_offload_saves_dropped": c.saves_dropped,
-        }
+        return DiskTierStats(
+            kv_offload_queried_blocks=self.num_queried_blocks,
+            kv_offload_hit_blocks=self.num_loaded_blocks,
+            kv_offload_miss_blocks=self.num_queried_blocks - self.num_loaded_blocks,
+            kv_offload_hit_rate=ratio(self.num_loaded_blocks, self.num_queried_blocks),
+            kv_offload_loaded_tokens=self.num_loaded_blocks * self.block_size,
+            kv_offload_files=self.store.num_files,
+            kv_offload_disk_bytes=self.store.num_bytes,
+            kv_offload_bytes_read=c.bytes_read,
+            kv_offload_bytes_written=c.bytes_written,
+            kv_offload_files_written=c.files_written,
+            kv_offload_files_evicted=c.files_evicted,
+            kv_offload_corrupt_files=c.corrupt_files,
+            kv_offload_write_errors=c.write_errors,
+            kv_offload_saves_dropped=c.saves_dropped,
+        )
 
 
 class DiskTierWorker(KVConnectorWorker):

@@ -35,6 +35,7 @@ from sluice.engine.kv_connector.base import (
 )
 from sluice.engine.kv_connector.disk_store import BlockFormat
 from sluice.engine.kv_connector.pd_transport import TransferError, fetch_blocks
+from sluice.engine.stats import PDDecodeStats
 
 logger = logging.getLogger("sluice")
 
@@ -145,17 +146,17 @@ class DecodeScheduler(KVConnectorScheduler):
     def take_saves(self) -> list[BlockTransfer]:
         return []
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> PDDecodeStats:
         c = self.counters
-        return {
-            "pd_pending_pulls": sum(1 for p in self._pulls.values() if not p.done),
-            "pd_pulled_transfers": c.pulled_transfers,
-            "pd_failed_transfers": c.failed_transfers,
-            "pd_loaded_blocks": c.loaded_blocks,
-            "pd_loaded_tokens": c.loaded_blocks * self.block_size,
-            "pd_bytes_pulled": c.bytes_pulled,
-            "pd_pull_seconds": c.pull_seconds,
-        }
+        return PDDecodeStats(
+            pd_pending_pulls=sum(1 for p in self._pulls.values() if not p.done),
+            pd_pulled_transfers=c.pulled_transfers,
+            pd_failed_transfers=c.failed_transfers,
+            pd_loaded_blocks=c.loaded_blocks,
+            pd_loaded_tokens=c.loaded_blocks * self.block_size,
+            pd_bytes_pulled=c.bytes_pulled,
+            pd_pull_seconds=c.pull_seconds,
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

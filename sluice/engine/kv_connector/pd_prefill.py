@@ -33,6 +33,7 @@ from sluice.engine.kv_connector.base import (
 )
 from sluice.engine.kv_connector.disk_store import BlockFormat
 from sluice.engine.kv_connector.pd_transport import BlockServer
+from sluice.engine.stats import PDPrefillStats
 
 
 def _advertised_host(host: str) -> str:
@@ -92,7 +93,7 @@ class PrefillScheduler(KVConnectorScheduler):
     def take_transfer_params(self, request_id: str) -> dict[str, Any] | None:
         return self._params.pop(request_id, None)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> PDPrefillStats:
         return self.server.stats()
 
 

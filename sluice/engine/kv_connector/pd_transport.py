@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from sluice.engine.kv_connector.disk_store import BlockFormat
+from sluice.engine.stats import PDPrefillStats
 
 logger = logging.getLogger("sluice")
 
@@ -131,22 +132,22 @@ class BlockServer:
     def _num_blocks_locked(self) -> int:
         return sum(h.num_blocks for h in self._held.values())
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> PDPrefillStats:
         c = self.counters
         with self._lock:
             blocks = self._num_blocks_locked()
             transfers = len(self._held)
-        return {
-            "pd_held_transfers": transfers,
-            "pd_held_blocks": blocks,
-            "pd_held_bytes": blocks * self.format.nbytes,
-            "pd_sent_transfers": c.sent_transfers,
-            "pd_expired_transfers": c.expired_transfers,
-            "pd_broken_transfers": c.broken_transfers,
-            "pd_refused_pulls": c.refused_pulls,
-            "pd_dropped_holds": c.dropped_holds,
-            "pd_bytes_sent": c.bytes_sent,
-        }
+        return PDPrefillStats(
+            pd_held_transfers=transfers,
+            pd_held_blocks=blocks,
+            pd_held_bytes=blocks * self.format.nbytes,
+            pd_sent_transfers=c.sent_transfers,
+            pd_expired_transfers=c.expired_transfers,
+            pd_broken_transfers=c.broken_transfers,
+            pd_refused_pulls=c.refused_pulls,
+            pd_dropped_holds=c.dropped_holds,
+            pd_bytes_sent=c.bytes_sent,
+        )
 
     def _release(self, transfer_id: str, counter: str) -> None:
         """Drop a transfer's blocks (once: the first reason counts)."""
