@@ -20,7 +20,13 @@ from sluice.core.choices import Architecture
 
 # One line per family, in the order of core.choices.ARCHITECTURES.
 REGISTRY: dict[Architecture, ArchitectureSpec] = {
-    spec.name: spec for spec in (llama.SPEC, qwen2.SPEC, qwen3.SPEC, gemma3.SPEC)
+    spec.name: spec
+    for spec in (
+        llama.SPEC,  # Llama, SmolLM, Mistral
+        qwen2.SPEC,
+        qwen3.SPEC,
+        gemma3.SPEC,
+    )
 }
 
 _BY_GGUF = {name: spec for spec in REGISTRY.values() for name in spec.gguf_names}

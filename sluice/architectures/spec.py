@@ -96,9 +96,10 @@ GLOBAL_NAMES: Mapping[str, str] = MappingProxyType(
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ArchitectureSpec:
-    """One architecture family, registered once (sluice/architectures/__init__.py)."""
+    """One architecture family, registered once (sluice/architectures/__init__.py);
+    compared and hashed by identity: each family has one."""
 
     # ModelConfig.architecture: the registry's key, one of core.choices.Architecture.
     name: Architecture
