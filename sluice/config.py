@@ -122,7 +122,8 @@ LOCAL_KV_GROUP = 1
 
 
 def check_architecture(arch: object) -> Architecture:
-    """`arch` if sluice implements it; the loaders call this before any expensive work."""
+    """`arch` if sluice implements it (a family registered in sluice/architectures/);
+    ModelConfig and sluice.architectures.spec_of call this."""
     for known in ARCHITECTURES:
         if arch == known:
             return known

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from sluice.architectures import REGISTRY
 from sluice.config import EngineConfig, ModelConfig, resolve_quantization
 from sluice.core.choices import (
     ARCHITECTURES,
@@ -17,8 +18,7 @@ from sluice.core.choices import (
     WEIGHT_QUANTIZATIONS,
 )
 from sluice.core.errors import ConfigError
-from sluice.loader import hf_loader
-from sluice.models import _REGISTRY
+from sluice.models import MODEL_CLASSES, model_class
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,8 +68,12 @@ def test_auto_quantization_resolves_to_a_weight_method() -> None:
 
 
 def test_architectures_have_a_model_and_loaders_map_into_them() -> None:
-    assert tuple(_REGISTRY) == ARCHITECTURES
-    assert set(hf_loader._ARCHITECTURES.values()) == set(ARCHITECTURES)
+    # The loaders and the model registry all read sluice.architectures.REGISTRY.
+    assert tuple(REGISTRY) == ARCHITECTURES
+    for arch in ARCHITECTURES:
+        config = ModelConfig(arch, 10, 8, 16, 1, 2, 2, 4)
+        assert model_class(config) is MODEL_CLASSES[REGISTRY[arch].model]
+        assert REGISTRY[arch].gguf_names and REGISTRY[arch].hf_classes
     with pytest.raises(ValueError, match="sluice supports: llama, qwen2, qwen3"):
         ModelConfig("gpt2", 10, 8, 16, 1, 2, 2, 4)
 

@@ -24,9 +24,23 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"core", "settings", "kernels"},
     "attention": {"core", "settings", "config", "kernels"},
     "layers": {"core", "settings", "config", "kernels"},
-    "models": {"core", "settings", "config", "kernels", "attention", "layers"},
-    "loader": {"core", "settings", "config"},
-    "runner": {"core", "settings", "config", "kernels", "attention", "layers", "models"},
+    # What each model architecture is (names, config reading, tensor names, weight
+    # fix-ups, capabilities): declarations the loader and the models both read, so
+    # below both, and nothing the loader may not import itself.
+    "architectures": {"core", "config"},
+    "models": {"core", "settings", "config", "kernels", "attention", "layers", "architectures"},
+    "loader": {"core", "settings", "config", "architectures"},
+    # The runner and the engine ask an architecture's registration what it can do.
+    "runner": {
+        "core",
+        "settings",
+        "config",
+        "kernels",
+        "attention",
+        "layers",
+        "architectures",
+        "models",
+    },
     # Constrained decoding: constraints to grammar matchers, masks, forced tokens.
     "structured": {"core"},
     # Tensor parallelism's collectives (torch.distributed, shared memory); the model
@@ -39,6 +53,7 @@ ALLOWED: dict[str, set[str]] = {
         "settings",
         "config",
         "kernels",
+        "architectures",
         "loader",
         "runner",
         "structured",

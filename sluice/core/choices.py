@@ -28,7 +28,8 @@ QUANTIZATIONS: tuple[Quantization, ...] = get_args(Quantization)
 WeightQuantization = Literal["none", "int8", "int4", "gguf"]
 WEIGHT_QUANTIZATIONS: tuple[WeightQuantization, ...] = get_args(WeightQuantization)
 
-# Decoder families sluice implements (ModelConfig.architecture): one decoder, flags apart.
+# Decoder families sluice implements (ModelConfig.architecture), each registered once
+# in sluice/architectures/, whose REGISTRY lists exactly these, in this order.
 Architecture = Literal["llama", "qwen2", "qwen3", "gemma3"]
 ARCHITECTURES: tuple[Architecture, ...] = get_args(Architecture)
 

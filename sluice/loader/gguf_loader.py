@@ -14,7 +14,6 @@ import io
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -27,8 +26,9 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from sluice import settings
-from sluice.config import ModelConfig, check_architecture
-from sluice.core.quantized_tensor import QuantizedTensor, Weight
+from sluice.architectures import GGUFKeys, spec_for_gguf, spec_of
+from sluice.config import ModelConfig
+from sluice.core.quantized_tensor import Weight
 
 from . import gguf_blocks
 from .gguf_metadata import GGUFMetadata
@@ -37,129 +37,65 @@ from .tokenizer import Tokenizer
 
 logger = logging.getLogger("sluice")
 
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-# Gemma 3 has four norms a layer; llama.cpp calls the pre-MLP one ffn_norm, which is
-# the post-attention norm of the other families.
-_GEMMA3_LAYER_NAMES = {
-    **_LAYER_NAMES,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
 
 def config_from_gguf(meta: GGUFMetadata, name: str = "model") -> ModelConfig:
+    """ModelConfig from a GGUF's metadata: the Llama-style keys every family shares,
+    then what its family (sluice/architectures/) reads or fixes on top."""
     name_in_file = meta.get("general.architecture")
     if name_in_file is None:
         raise ValueError("not a model GGUF: general.architecture is missing")
-    # Fail before any expensive work, with the same message ModelConfig gives.
-    arch = check_architecture(name_in_file)
-
-    def req(key: str) -> Any:
-        value = meta.get(f"{arch}.{key}")
-        if value is None:
-            raise ValueError(f"GGUF metadata {arch}.{key} is missing")
-        return value
-
-    hidden = int(req("embedding_length"))
-    heads = int(req("attention.head_count"))
+    # Fail before any expensive work, naming what sluice supports.
+    spec = spec_for_gguf(name_in_file)
+    keys = GGUFKeys(meta, str(name_in_file))
+    hidden = int(keys.require("embedding_length"))
+    heads = int(keys.require("attention.head_count"))
     tensor_names = {t.name: t for t in meta.reader.tensors}
     if "rope_freqs.weight" in tensor_names:
         raise ValueError(
             "GGUF with per-dimension rope frequency factors (rope_freqs.weight, "
             "Llama-3.1 style rope scaling) is not supported"
         )
+    head_count_kv = keys.get("attention.head_count_kv")
+    key_length = keys.get("attention.key_length")
+    fields: dict[str, Any] = dict(
+        vocab_size=_vocab_size(meta, tensor_names),
+        hidden_size=hidden,
+        intermediate_size=int(keys.require("feed_forward_length")),
+        num_layers=int(keys.require("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(head_count_kv) if head_count_kv is not None else heads,
+        head_dim=int(key_length) if key_length is not None else hidden // heads,
+        rms_norm_eps=float(keys.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(keys.get("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(keys),
+        max_position_embeddings=int(keys.get("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        name=str(meta.get("general.name") or name),
+    )
+    fields.update(spec.gguf_fields(keys, fields))
+    return ModelConfig(architecture=spec.name, **fields)
+
+
+def _vocab_size(meta: GGUFMetadata, tensor_names: dict[str, Any]) -> int:
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens else 0
     embd = tensor_names.get("token_embd.weight")
     if embd is not None and int(embd.shape[-1]) != vocab:
         # The embedding defines the logits' width; a padded or short token list must not.
         vocab = int(embd.shape[-1])
-
-    rope_scaling: dict[str, Any] | None = None
-    scaling_type = meta.get(f"{arch}.rope.scaling.type")
-    factor = meta.get(f"{arch}.rope.scaling.factor")
-    if scaling_type not in (None, "none") and factor is not None:
-        rope_scaling = {"rope_type": str(scaling_type), "factor": float(factor)}
-        original = meta.get(f"{arch}.rope.scaling.original_context_length")
-        if original is not None:
-            rope_scaling["original_max_position_embeddings"] = int(original)
-
-    head_count_kv = meta.get(f"{arch}.attention.head_count_kv")
-    key_length = meta.get(f"{arch}.attention.key_length")
-    head_dim = int(key_length) if key_length is not None else hidden // heads
-    extra: dict[str, Any] = {}
-    if arch == "gemma3":
-        extra = _gemma3_fields(meta, int(req("block_count")), hidden // heads, head_dim)
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(req("feed_forward_length")),
-        num_layers=int(req("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(head_count_kv) if head_count_kv is not None else heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=arch == "qwen2",
-        qk_norm=arch in ("qwen3", "gemma3"),
-        name=str(meta.get("general.name") or name),
-        **extra,
-    )
+    return vocab
 
 
-def _gemma3_fields(
-    meta: GGUFMetadata, num_layers: int, hidden_per_head: int, head_dim: int
-) -> dict[str, Any]:
-    """What a Gemma 3 GGUF leaves to the reader, as llama.cpp and transformers fill it
-    in: every 6th layer global (the others local), local rope base 10k, scores scaled
-    by head_dim ** -0.5 (hidden / heads for the 62-layer 27B), GeGLU, no softcapping."""
-    window = meta.get("gemma3.attention.sliding_window")
-    return dict(
-        sliding_window=int(window) if window is not None else None,
-        sliding_window_layers=tuple(i for i in range(num_layers) if (i + 1) % 6),
-        rope_local_theta=10_000.0,
-        query_pre_attn_scalar=float(hidden_per_head if num_layers == 62 else head_dim),
-        hidden_act="gelu_pytorch_tanh",
-    )
-
-
-def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation (interleaved rope -> HF's rotate_half layout)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _hf_name(name: str, arch: str) -> str | None:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
-    m = _BLOCK_RE.fullmatch(name)
-    if m is None or m.group(2) not in layer_names:
+def _rope_scaling(keys: GGUFKeys) -> dict[str, Any] | None:
+    scaling_type = keys.get("rope.scaling.type")
+    factor = keys.get("rope.scaling.factor")
+    if scaling_type in (None, "none") or factor is None:
         return None
-    return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
+    rope_scaling: dict[str, Any] = {"rope_type": str(scaling_type), "factor": float(factor)}
+    original = keys.get("rope.scaling.original_context_length")
+    if original is not None:
+        rope_scaling["original_max_position_embeddings"] = int(original)
+    return rope_scaling
 
 
 @dataclass(frozen=True)
@@ -225,13 +161,6 @@ def _to_weight(f: io.BufferedReader, entry: TensorEntry, keep_quantized: bool) -
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def _unpermuted(weight: Weight, n_head: int) -> Weight:
-    if isinstance(weight, QuantizedTensor):
-        rows = weight.shape[0]
-        return weight.rows(_unpermute_rope(torch.arange(rows), n_head))
-    return _unpermute_rope(weight, n_head).contiguous()
-
-
 def tensors_from_gguf(
     path: Path, entries: list[TensorEntry], config: ModelConfig, keep_quantized: bool = True
 ) -> dict[str, Weight]:
@@ -239,9 +168,10 @@ def tensors_from_gguf(
     into our layouts (or dequantized to float32 if not keep_quantized), floats as
     stored."""
     out: dict[str, Weight] = {}
+    spec = spec_of(config.architecture)
     with open(path, "rb") as f:
         for entry in entries:
-            name = _hf_name(entry.name, config.architecture)
+            name = spec.hf_tensor_name(entry.name)
             if name is None:
                 raise ValueError(
                     f"unexpected tensor {entry.name!r} in a {config.architecture} GGUF"
@@ -249,17 +179,8 @@ def tensors_from_gguf(
             weight = _to_weight(f, entry, keep_quantized)
             if not keep_quantized and isinstance(weight, torch.Tensor):
                 weight = weight.float()
-            if config.architecture == "llama":
-                if name.endswith("q_proj.weight"):
-                    weight = _unpermuted(weight, config.num_heads)
-                elif name.endswith("k_proj.weight"):
-                    weight = _unpermuted(weight, config.num_kv_heads)
-            elif config.architecture == "gemma3" and name.endswith("norm.weight"):
-                # llama.cpp's converter stores Gemma's norm scales with the 1 added;
-                # the HF convention (and our loader's) is the offset from 1.
-                assert isinstance(weight, torch.Tensor)
-                weight = weight.float() - 1.0
-            out[name] = weight
+            # What llama.cpp's converter changed (llama's q/k row order, Gemma's norms).
+            out[name] = spec.gguf_weight(name, weight, config)
     return out
 
 

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
+from sluice.architectures import spec_of
 from sluice.attention import AttentionBackend, AttentionMetadata, PrefillSpan
 from sluice.attention.step import StepContext, step_context
 from sluice.config import GLOBAL_KV_GROUP, ModelConfig
@@ -97,9 +98,10 @@ SMALL_CHUNK_TOKENS = 16
 
 def check_tensor_parallel(config: ModelConfig, world_size: int) -> None:
     """Refuse, naming tensor_parallel_size, a model this many ranks cannot split."""
-    if config.architecture == "gemma3":
+    spec = spec_of(config.architecture)
+    if not spec.tensor_parallel:
         raise ConfigError(
-            "tensor_parallel_size", "tensor_parallel_size > 1 does not run Gemma 3 models yet"
+            "tensor_parallel_size", f"tensor_parallel_size > 1 does not run {spec.title} models yet"
         )
     for what, count in (
         ("attention heads", config.num_heads),

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from sluice.architectures import spec_of
 from sluice.config import EngineConfig, ModelConfig
 from sluice.core.errors import ConfigError
 from sluice.core.quantized_tensor import Weight, quantize_8bit
@@ -101,7 +102,7 @@ def find_head(config: EngineConfig, target: ModelConfig) -> Path:
 def check_head(path: Path, meta: dict[str, str], target: ModelConfig) -> None:
     """The head must have been trained for this target: its features mean nothing to
     another model's."""
-    if target.architecture == "gemma3":
+    if not spec_of(target.architecture).eagle_head:
         raise ConfigError(
             "speculative_method", "speculative_method='eagle' runs on Llama-family targets"
         )
