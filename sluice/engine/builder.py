@@ -74,6 +74,18 @@ class EngineParts:
     tensor_parallel: TensorParallelRanks | None
     startup_seconds: float
 
+    @property
+    def kv_cache_dtype(self) -> str:
+        """What the KV pool stores: the compute dtype's name, or "int8"."""
+        if self.config.kv_cache_dtype == "auto":
+            return str(self.options.dtype).removeprefix("torch.")
+        return self.config.kv_cache_dtype
+
+    @property
+    def cpu_kernels(self) -> str:
+        """The instruction-set level of our CPU kernels ("off" on CUDA or without them)."""
+        return kernels.variant() if self.options.device.type == "cpu" else "off"
+
 
 @dataclass(frozen=True)
 class _Target:
@@ -121,7 +133,28 @@ def build_engine(config: EngineConfig) -> EngineParts:
     # step, from re-scanning them every time (it showed in decode profiles).
     gc.collect()
     gc.freeze()
+    _log_ready(parts)
     return parts
+
+
+def _log_ready(parts: EngineParts) -> None:
+    path = parts.model_path
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    logger.info(
+        "sluice ready in %.1fs: %s, %s, weights %s (%.0f MiB in memory; the file: %.0f "
+        "MiB), CPU kernels %s, %d KV blocks of %d tokens (KV cache %s), max_model_len %d",
+        parts.startup_seconds,
+        parts.model_config.name,
+        parts.options.dtype,
+        parts.options.quantization,
+        parts.runner.weight_bytes() / 2**20,
+        sum(p.stat().st_size for p in files) / 2**20,
+        parts.cpu_kernels,
+        parts.layout.num_blocks,
+        parts.config.block_size,
+        parts.kv_cache_dtype,
+        parts.layout.max_model_len,
+    )
 
 
 def _load_target(config: EngineConfig, device: torch.device) -> _Target:
@@ -271,8 +304,3 @@ def kv_block_format(
         layout=runner.kv_block_layout(),
         nbytes=runner.read_block(0).numel(),
     )
-
-
-def kernel_level(device: torch.device) -> str:
-    """The instruction-set level of our CPU kernels ("off" on CUDA or without them)."""
-    return kernels.variant() if device.type == "cpu" else "off"

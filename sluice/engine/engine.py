@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +16,7 @@ import torch
 from sluice.config import LOCAL_KV_GROUP, EngineConfig
 from sluice.core.errors import RequestError
 from sluice.core.request import DraftRow, Request, RequestStatus, SamplingRow
-from sluice.engine.builder import EngineParts, build_engine, kernel_level, kv_block_format
+from sluice.engine.builder import EngineParts, build_engine, kv_block_format
 from sluice.engine.kv_connector import BlockFormat, KVConnector
 from sluice.engine.request_output import (
     RequestGroup,
@@ -41,13 +40,6 @@ from sluice.structured import ConstraintMasks, advance, forced_tokens
 logger = logging.getLogger("sluice")
 
 
-def _file_bytes(path: Path) -> int:
-    """The model's size on disk (a file, or an HF directory's files)."""
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 @dataclass
 class _WasteCounter:
     allocated_slots: int = 0
@@ -69,16 +61,11 @@ class LLMEngine:
         self.dtype = parts.options.dtype
         self.quantization = parts.options.quantization
         self.max_model_len = parts.layout.max_model_len
-        # What the pool stores: the compute dtype's name, or "int8".
-        self.kv_cache_dtype = (
-            str(self.dtype).removeprefix("torch.")
-            if parts.config.kv_cache_dtype == "auto"
-            else parts.config.kv_cache_dtype
-        )
+        self.kv_cache_dtype = parts.kv_cache_dtype
         self.kv, self.runner, self.scheduler = parts.kv, parts.runner, parts.scheduler
         self.sampler, self.grammars = parts.sampler, parts.grammars
         self.constraint_masks = ConstraintMasks(parts.model_config.vocab_size)
-        self.cpu_kernels = kernel_level(parts.options.device)
+        self.cpu_kernels = parts.cpu_kernels
         self.startup_seconds = parts.startup_seconds
         self.weight_bytes = parts.runner.weight_bytes()
         # State: set aside or replaced while the engine runs (tests, a new disk tier).
@@ -91,28 +78,10 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_forced_tokens = 0
-        self._log_ready()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         return cls(build_engine(config))
-
-    def _log_ready(self) -> None:
-        logger.info(
-            "sluice ready in %.1fs: %s, %s, weights %s (%.0f MiB in memory; the file: %.0f "
-            "MiB), CPU kernels %s, %d KV blocks of %d tokens (KV cache %s), max_model_len %d",
-            self.startup_seconds,
-            self.model_config.name,
-            self.dtype,
-            self.quantization,
-            self.weight_bytes / 2**20,
-            _file_bytes(self.model_path) / 2**20,
-            self.cpu_kernels,
-            self.parts.layout.num_blocks,
-            self.config.block_size,
-            self.kv_cache_dtype,
-            self.max_model_len,
-        )
 
     @property
     def draft(self) -> ShadowProposer[Any, Any] | None:
