@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,9 +41,6 @@ class KVLayout:
         target's global pool, in the compute dtype (a draft's KV is small, and its
         precision is what its guesses are measured at), one pool."""
         return KVLayout(self.block_size, self.num_blocks, max_model_len)
-
-    def with_max_model_len(self, max_model_len: int) -> KVLayout:
-        return dataclasses.replace(self, max_model_len=max_model_len)
 
 
 def kv_bytes_per_block(

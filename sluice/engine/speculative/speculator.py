@@ -105,6 +105,9 @@ class Speculator:
     ) -> None:
         """proposer: the draft source (methods.py builds it from the method's name)."""
         self.proposer = proposer
+        # Checked once here: a runtime Protocol check inspects every member, too
+        # slow for each step.
+        self._feature_sink = proposer if isinstance(proposer, FeatureProposer) else None
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.costs = costs
@@ -144,8 +147,8 @@ class Speculator:
         self, scheduled: Sequence[tuple[Request, int]], features: dict[Request, torch.Tensor]
     ) -> None:
         """This step's hidden states of the target, for a proposer that drafts from them."""
-        assert isinstance(self.proposer, FeatureProposer), "features go to a FeatureProposer"
-        self.proposer.take_features(scheduled, features)
+        assert self._feature_sink is not None, "features go to a FeatureProposer"
+        self._feature_sink.take_features(scheduled, features)
 
     def observe(self, req: Request, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
         """A request verified `num_drafts` drafts, accepted the first `num_accepted` and
