@@ -39,6 +39,11 @@ _LLAMA3_ROPE = {
 }
 
 KINDS = ("llama", "llama-rope3", "qwen2", "qwen3")
+# Mixture-of-Experts: 8 experts of 64 units, a few chosen per token, as each family
+# routes (Qwen3-MoE renormalizes its top k, as the released models do; Qwen2-MoE and
+# OLMoE do not; Mixtral always does).
+MOE_KINDS = ("mixtral", "qwen2moe", "qwen3moe", "olmoe")
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
 
 
 def hf_config(kind: str, shape: dict[str, Any]) -> Any:
@@ -53,7 +58,22 @@ def hf_config(kind: str, shape: dict[str, Any]) -> Any:
         return transformers.Qwen2Config(**{**shape, "rope_theta": 1000000.0})
     if kind == "qwen3":
         return transformers.Qwen3Config(**{**shape, "rope_theta": 1000000.0}, head_dim=48)
-    raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}")
+    if kind == "mixtral":
+        return transformers.MixtralConfig(
+            **shape, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6
+        )
+    if kind == "qwen2moe":
+        return transformers.Qwen2MoeConfig(
+            **{**shape, **_MOE, "rope_theta": 1e6}, shared_expert_intermediate_size=96
+        )
+    if kind == "qwen3moe":
+        moe = {**_MOE, "num_experts_per_tok": 3}
+        return transformers.Qwen3MoeConfig(
+            **{**shape, **moe}, head_dim=48, norm_topk_prob=True, rope_theta=1e6
+        )
+    if kind == "olmoe":
+        return transformers.OlmoeConfig(**{**shape, **_MOE, "intermediate_size": 64})
+    raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS + MOE_KINDS)}")
 
 
 def build_model(kind: str, shape: dict[str, Any], directory: Path) -> Any:
@@ -63,7 +83,7 @@ def build_model(kind: str, shape: dict[str, Any], directory: Path) -> Any:
     torch.manual_seed(0)
     config = hf_config(kind, shape)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if kind == "qwen2":  # make the q/k/v biases matter
+    if kind in ("qwen2", "qwen2moe"):  # make the q/k/v biases matter
         with torch.no_grad():
             for layer in model.model.layers:
                 attn = layer.self_attn

@@ -55,6 +55,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    # OLMoE: that RMSNorm spans the whole q (and k) projection, every head together.
+    qk_norm_per_head: bool = True
     hidden_act: str = "silu"
     name: str = "model"
     # Sliding-window attention: a query sees its last `sliding_window` positions
@@ -69,9 +71,21 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     # Logits become cap * tanh(logits / cap) (Gemma 2 and 3 configs may set it).
     final_logit_softcapping: float | None = None
+    # Mixture-of-Experts (sluice/models/moe.py): each layer's MLP is `num_experts`
+    # experts of `moe_intermediate_size` units, of which a router picks
+    # `num_experts_per_tok` per token (softmax over all, top-k; the k weights
+    # renormalized to sum to 1 where `norm_topk_prob`). 0 experts: a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    # Qwen2-MoE: a shared expert of this many units beside the routed ones, gated by
+    # sigmoid(a learned projection) per token; 0: none.
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
+        self._check_experts()
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of "
@@ -90,6 +104,25 @@ class ModelConfig:
                 raise ValueError(
                     f"sliding_window_layers lists layer {i}; the model has {self.num_layers}"
                 )
+
+    def _check_experts(self) -> None:
+        """A Mixture-of-Experts shape that can run: k of E experts, 1 <= k <= E."""
+        if self.num_experts == 0:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                f"num_experts ({self.num_experts})"
+            )
+        if self.moe_intermediate_size < 1:
+            raise ValueError(
+                f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        """Each layer's MLP is a set of routed experts."""
+        return self.num_experts > 0
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`, or None where it attends to the whole context."""

@@ -64,10 +64,11 @@ def test_names_are_claimed_once_and_every_model_class_is_used() -> None:
 
 
 def test_an_unregistered_name_is_refused_naming_what_is_supported() -> None:
-    gguf_names = "llama, qwen2, qwen3, gemma3"
+    gguf_names = "llama, qwen2, qwen3, gemma3, qwen2moe, qwen3moe, olmoe"
     hf_classes = (
-        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-        "Gemma3ForCausalLM"
+        "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
+        "Qwen3ForCausalLM, Gemma3ForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, "
+        "OlmoeForCausalLM"
     )
     for lookup, name, known in [
         (spec_for_gguf, "gpt2", gguf_names),
@@ -93,9 +94,27 @@ def test_capabilities_come_from_the_registration() -> None:
             with pytest.raises(ConfigError, match=f"does not run {spec.title} models yet"):
                 check_tensor_parallel(config, 2)
         if not spec.eagle_head:
-            with pytest.raises(ConfigError, match="runs on Llama-family targets"):
+            with pytest.raises(ConfigError, match="runs on dense Llama-family targets"):
                 check_head(Path("head.safetensors"), {}, config)
     assert not REGISTRY["gemma3"].tensor_parallel and not REGISTRY["gemma3"].eagle_head
+    # Mixtral is a Llama with experts: the experts are what cannot be split or drafted for.
+    mixtral = ModelConfig(
+        "llama",
+        10,
+        8,
+        16,
+        1,
+        2,
+        2,
+        4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    )
+    with pytest.raises(ConfigError, match="does not split Mixture-of-Experts models"):
+        check_tensor_parallel(mixtral, 2)
+    with pytest.raises(ConfigError, match="runs on dense Llama-family targets"):
+        check_head(Path("head.safetensors"), {}, mixtral)
 
 
 def _tiny_gemma3(path: Path, layers: int) -> dict[str, np.ndarray]:

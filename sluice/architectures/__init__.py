@@ -13,7 +13,7 @@ live with the models, and the models need them as much as the loader does.
 
 from __future__ import annotations
 
-from sluice.architectures import gemma3, llama, qwen2, qwen3
+from sluice.architectures import gemma3, llama, olmoe, qwen2, qwen2moe, qwen3, qwen3moe
 from sluice.architectures.spec import ArchitectureSpec, GGUFKeys, rope_from_hf
 from sluice.config import check_architecture
 from sluice.core.choices import Architecture
@@ -22,10 +22,13 @@ from sluice.core.choices import Architecture
 REGISTRY: dict[Architecture, ArchitectureSpec] = {
     spec.name: spec
     for spec in (
-        llama.SPEC,  # Llama, SmolLM, Mistral
+        llama.SPEC,  # Llama, SmolLM, Mistral, Mixtral
         qwen2.SPEC,
         qwen3.SPEC,
         gemma3.SPEC,
+        qwen2moe.SPEC,
+        qwen3moe.SPEC,
+        olmoe.SPEC,
     )
 }
 

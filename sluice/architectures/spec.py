@@ -85,6 +85,21 @@ LAYER_NAMES: Mapping[str, str] = MappingProxyType(
         "ffn_norm": "post_attention_layernorm",
     }
 )
+# A Mixture-of-Experts layer's tensors: the router, each projection of every expert
+# stacked into one tensor ([experts, out, in]), and Qwen2-MoE's shared expert and its gate.
+MOE_LAYER_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        **LAYER_NAMES,
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_exps": "mlp.experts.gate_proj",
+        "ffn_up_exps": "mlp.experts.up_proj",
+        "ffn_down_exps": "mlp.experts.down_proj",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    }
+)
 # Outside the layers, every family's the same.
 GLOBAL_NAMES: Mapping[str, str] = MappingProxyType(
     {
@@ -116,6 +131,9 @@ class ArchitectureSpec:
     hf_fields: HFFields = no_fields
     # blk.N.<key> -> model.layers.N.<value> (a tensor the table lacks is refused).
     gguf_layer_names: Mapping[str, str] = field(default_factory=lambda: LAYER_NAMES)
+    # Substrings of its HF checkpoints' tensor names -> the shared names (Mixtral's
+    # block_sparse_moe.experts.N.w1 -> mlp.experts.N.gate_proj), replaced in order.
+    hf_renames: tuple[tuple[str, str], ...] = ()
     # Undoes what llama.cpp's converter did to a weight; the GGUF loader applies it to
     # every tensor of such a file, after renaming.
     gguf_weight: WeightTransform = as_stored
@@ -132,6 +150,55 @@ class ArchitectureSpec:
         if m is None or m.group(2) not in self.gguf_layer_names:
             return None
         return f"model.layers.{m.group(1)}.{self.gguf_layer_names[m.group(2)]}.{m.group(3)}"
+
+    def hf_checkpoint_name(self, name: str) -> str:
+        """A tensor's name in an HF checkpoint of this family -> the shared name."""
+        for old, new in self.hf_renames:
+            name = name.replace(old, new)
+        return name
+
+
+def moe_from_gguf(keys: GGUFKeys, norm_topk_prob: bool) -> Fields:
+    """The expert fields of a GGUF (none for a dense model): llama.cpp's keys; the
+    top-k renormalization is the family's (`norm_topk_prob`) unless the file says."""
+    count = keys.get("expert_count")
+    if not count:
+        return {}
+    used = keys.get("expert_used_count")
+    if used is None:
+        raise ValueError(f"GGUF metadata {keys.prefix}.expert_used_count is missing")
+    # Mixtral's files have no expert size: its experts are the feed-forward size.
+    size = keys.get("expert_feed_forward_length") or keys.require("feed_forward_length")
+    return {
+        "num_experts": int(count),
+        "num_experts_per_tok": int(used),
+        "moe_intermediate_size": int(size),
+        "norm_topk_prob": bool(keys.get("expert_weights_norm", norm_topk_prob)),
+        "shared_expert_intermediate_size": int(keys.get("expert_shared_feed_forward_length") or 0),
+    }
+
+
+def moe_from_hf(cfg: Mapping[str, Any], norm_topk_prob: bool | None = None) -> Fields:
+    """The expert fields of a config.json (none for a dense model). norm_topk_prob: the
+    family's fixed choice (Mixtral always renormalizes), None to read the config's.
+    Layers without experts (decoder_sparse_step > 1, mlp_only_layers) are refused."""
+    count = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not count:
+        return {}
+    step, dense_layers = cfg.get("decoder_sparse_step") or 1, cfg.get("mlp_only_layers") or []
+    if step != 1 or dense_layers:
+        raise ValueError(
+            "Mixture-of-Experts models with dense layers between the expert layers "
+            f"(decoder_sparse_step={step}, mlp_only_layers={dense_layers}) are not supported"
+        )
+    norm = cfg.get("norm_topk_prob", False) if norm_topk_prob is None else norm_topk_prob
+    return {
+        "num_experts": int(count),
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        "norm_topk_prob": bool(norm),
+        "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0),
+    }
 
 
 def rope_from_hf(params: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:

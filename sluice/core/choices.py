@@ -30,7 +30,7 @@ WEIGHT_QUANTIZATIONS: tuple[WeightQuantization, ...] = get_args(WeightQuantizati
 
 # Decoder families sluice implements (ModelConfig.architecture), each registered once
 # in sluice/architectures/, whose REGISTRY lists exactly these, in this order.
-Architecture = Literal["llama", "qwen2", "qwen3", "gemma3"]
+Architecture = Literal["llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe", "olmoe"]
 ARCHITECTURES: tuple[Architecture, ...] = get_args(Architecture)
 
 # How the KV cache stores K and V: "auto" in the compute dtype, "int8" as int8 rows

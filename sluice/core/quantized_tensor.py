@@ -92,8 +92,12 @@ class QuantizedTensor:
     def shape(self) -> tuple[int, int]:
         return (self.scale.shape[0], self.scale.shape[1] * self.group)
 
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(packed, hbits, scale, minimum, super_scale): the kernels' arguments."""
         return (self.packed, self.hbits, self.scale, self.minimum, self.super_scale)
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.parts()
 
     @property
     def nbytes(self) -> int:

@@ -102,7 +102,7 @@ def _kernel_args(
     return qt.packed, qt.hbits, qt.scale, qt.minimum, qt.super_scale, qt.bits, qt.group
 
 
-def _cpu_kernels(weight: torch.Tensor) -> Library | None:
+def cpu_kernels(weight: torch.Tensor) -> Library | None:
     """Our kernels for a layer whose compute tensor is `weight`: on CPU, in fp32 or
     bf16 (what they read and write); None means the torch-ops path."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
@@ -145,7 +145,7 @@ class BlockQuantized(LinearMethod):
         layer.qb_packed, layer.qb_hbits = weight.packed, weight.hbits
         layer.qb_scale, layer.qb_min = weight.scale, weight.minimum
         layer.qb_super = weight.super_scale
-        self.lib = _cpu_kernels(layer.weight)
+        self.lib = cpu_kernels(layer.weight)
         # The head's kernel bounds its second level per token by the row's largest |W|.
         self.row_max = (
             _row_max_abs(self.lib, weight) if self.output_head and self.lib is not None else None
@@ -195,6 +195,14 @@ def _linear(
         stop = min(n, start + rows)
         y[:, start:stop] = F.linear(x, _dequantized_rows(lib, w, start, stop, x.dtype))
     return y
+
+
+def quantized_linear(
+    lib: Library | None, w: QuantizedTensor, x: torch.Tensor, dense_min_rows: int
+) -> torch.Tensor:
+    """x @ W.T on a block-quantized weight (an expert's rows of a stacked one): the
+    block kernel below `dense_min_rows` rows, dequantized tiles and a GEMM from there."""
+    return _linear(lib, w, x, None, dense_min_rows)
 
 
 @torch.library.custom_op("sluice::qblock_linear", mutates_args=())
@@ -247,7 +255,7 @@ class Embedding(nn.Module):
                 f"shape mismatch: expected {tuple(self.weight.shape)}, got {weight.shape}"
             )
         self.quantized = weight
-        self.lib = _cpu_kernels(self.weight)
+        self.lib = cpu_kernels(self.weight)
         # Empty, but keeps the compute dtype and device that callers read off it.
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
@@ -303,9 +311,16 @@ def weight_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for module in model.modules():
-        if not isinstance(module, Linear | Embedding) and not hasattr(module, "eps"):
+        held = getattr(module, "held", None)  # a MoE layer's stacked experts
+        if (
+            not isinstance(module, Linear | Embedding)
+            and not hasattr(module, "eps")
+            and held is None
+        ):
             continue  # RMSNorm has eps; rotary tables and containers are skipped
         tensors: list[torch.Tensor] = list(module.parameters(recurse=False))
+        if held is not None:
+            tensors += held()
         # Kernel layouts are plain tensor attributes (q4_packed, qb_scale, ...).
         tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
         if isinstance(module, Embedding) and module.quantized is not None:

@@ -144,7 +144,9 @@ def _to_weight(f: io.BufferedReader, entry: TensorEntry, keep_quantized: bool) -
     shape, type_name = entry.shape, entry.type_name
     cols = shape[-1]
     rows = int(np.prod(shape[:-1]))
-    if keep_quantized and len(shape) == 2 and gguf_blocks.can_keep(type_name, cols):
+    # A 3-D tensor is a Mixture-of-Experts projection [experts, out, in]: its rows are
+    # independent too, kept as one [experts * out, in] weight.
+    if keep_quantized and len(shape) in (2, 3) and gguf_blocks.can_keep(type_name, cols):
         row_bytes = entry.nbytes // rows
 
         def read_rows(r0: int, r1: int) -> torch.Tensor:
@@ -184,6 +186,51 @@ def tensors_from_gguf(
     return out
 
 
+def expert_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each Mixture-of-Experts tensor a layer must have (GGUF name after blk.N.) and
+    its shape in torch order."""
+    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "ffn_gate_inp.weight": (e, h),
+        "ffn_gate_exps.weight": (e, i, h),
+        "ffn_up_exps.weight": (e, i, h),
+        "ffn_down_exps.weight": (e, h, i),
+    }
+    s = config.shared_expert_intermediate_size
+    if s:
+        shapes.update(
+            {
+                "ffn_gate_shexp.weight": (s, h),
+                "ffn_up_shexp.weight": (s, h),
+                "ffn_down_shexp.weight": (h, s),
+                "ffn_gate_inp_shexp.weight": (h,),
+            }
+        )
+    return shapes
+
+
+def check_expert_tensors(config: ModelConfig, entries: list[TensorEntry]) -> None:
+    """A Mixture-of-Experts file's expert tensors against its metadata (expert_count,
+    expert_feed_forward_length, ...), before any weight is read: a missing router or a
+    stack of the wrong count or size is named, not found later as a shape error."""
+    if not config.is_moe:
+        return
+    by_name = {t.name: t for t in entries}
+    for layer in range(config.num_layers):
+        for suffix, shape in expert_shapes(config).items():
+            name = f"blk.{layer}.{suffix}"
+            entry = by_name.get(name)
+            if entry is None:
+                raise ValueError(f"GGUF Mixture-of-Experts model is missing tensor {name!r}")
+            # The shared expert's gate is a vector, or a [1, hidden] matrix.
+            if entry.shape != shape and (len(shape) > 1 or entry.shape != (1, *shape)):
+                raise ValueError(
+                    f"GGUF tensor {name!r} has shape {list(entry.shape)}; the metadata "
+                    f"({config.num_experts} experts of {config.moe_intermediate_size} units, "
+                    f"hidden size {config.hidden_size}) needs {list(shape)}"
+                )
+
+
 GGUFModel = tuple[ModelConfig, dict[str, Weight], Tokenizer]
 
 
@@ -198,7 +245,7 @@ def _remove_legacy_cache() -> None:
 
 
 # Bump when the header cache's layout or the config/tokenizer conversion changes.
-HEADER_FORMAT = 1
+HEADER_FORMAT = 2
 
 
 def _header_entry(path: Path) -> Path:
@@ -254,5 +301,6 @@ def load_gguf(path: str | os.PathLike[str], keep_quantized: bool = True) -> GGUF
     path = Path(path)
     _remove_legacy_cache()
     config, tokenizer, entries = _cached_header(path)
+    check_expert_tensors(config, entries)
     tensors = tensors_from_gguf(path, entries, config, keep_quantized)
     return config, tensors, tokenizer

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from sluice.architectures import rope_from_hf, spec_for_hf
+from sluice.architectures import rope_from_hf, spec_for_hf, spec_of
 from sluice.config import ModelConfig
 
 from .tokenizer import Tokenizer
@@ -52,13 +53,38 @@ def tensors_from_hf_dir(directory: Path, config: ModelConfig) -> dict[str, torch
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{directory} has no *.safetensors weights")
+    spec = spec_of(config.architecture)
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
         for name, tensor in load_file(shard).items():
-            tensors[name] = tensor.float()
+            tensors[spec.hf_checkpoint_name(name)] = tensor.float()
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # same layout as a GGUF: tied means no lm_head
+    if config.is_moe:
+        stack_experts(tensors, config.num_experts)
     return tensors
+
+
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+_proj\.weight)")
+
+
+def stack_experts(tensors: dict[str, torch.Tensor], num_experts: int) -> None:
+    """Checkpoints store each expert's projections apart (mlp.experts.N.gate_proj); the
+    model takes each projection of all experts as one [E, out, in] tensor, as a GGUF
+    stores it (mlp.experts.gate_proj). In place; a missing expert is named."""
+    found: dict[str, dict[int, torch.Tensor]] = {}
+    for name in [n for n in tensors if _EXPERT.fullmatch(n)]:
+        m = _EXPERT.fullmatch(name)
+        assert m is not None
+        found.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = tensors.pop(name)
+    for name, experts in found.items():
+        missing = sorted(set(range(num_experts)) - set(experts))
+        if missing or len(experts) != num_experts:
+            raise ValueError(
+                f"checkpoint has {len(experts)} experts for {name} (config: {num_experts}); "
+                f"missing {missing[:8]}"
+            )
+        tensors[name] = torch.stack([experts[e] for e in range(num_experts)])
 
 
 def load_hf_dir(

@@ -28,7 +28,8 @@ from sluice.config import ModelConfig
 from sluice.core.quantized_tensor import Weight
 from sluice.layers.linear import Linear
 from sluice.layers.rotary import _inv_freq
-from sluice.models.llama import LlamaForCausalLM, _Checkpoint
+from sluice.models.checkpoint import Checkpoint
+from sluice.models.llama import LlamaForCausalLM
 
 # The head's own tensors, by the names its file stores (bf16 or fp32 safetensors); the
 # embedding and output head come from the target's file.
@@ -80,7 +81,7 @@ class EagleHead(LlamaForCausalLM):
     def load_weights(self, tensors: dict[str, Weight]) -> None:
         """The head's tensors (EAGLE_TENSORS) and the target's embedding and output
         head (model.embed_tokens.weight, lm_head.weight where untied)."""
-        _Checkpoint(tensors, self.embed_tokens.weight.dtype).put_linear(self.fc, ["fc.weight"])
+        Checkpoint(tensors, self.embed_tokens.weight.dtype).put_linear(self.fc, ["fc.weight"])
         super().load_weights(tensors)
 
 

@@ -17,14 +17,9 @@ from torch import nn
 from sluice.config import ModelConfig
 from sluice.layers import fused
 from sluice.layers.rotary import RotaryEmbedding
-from sluice.models.llama import (
-    MLP,
-    Attention,
-    DecoderLayer,
-    LlamaForCausalLM,
-    RMSNorm,
-    _Checkpoint,
-)
+from sluice.models.checkpoint import Checkpoint
+from sluice.models.llama import Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
+from sluice.models.mlp import MLP
 
 
 class GeGLU(MLP):
@@ -41,7 +36,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(dim, eps)
         self.pre_feedforward_layernorm = RMSNorm(dim, eps)
-        self.mlp = GeGLU(config)
+        self.mlp = GeGLU(config.hidden_size, config.intermediate_size)
         self.post_feedforward_layernorm = RMSNorm(dim, eps)
 
     def forward(
@@ -94,13 +89,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         out: torch.Tensor = h if residual is None else h + residual
         return out
 
-    def _load_layer(self, ck: _Checkpoint, layer: DecoderLayer, p: str) -> None:
+    def _load_layer(self, ck: Checkpoint, layer: DecoderLayer, p: str) -> None:
         super()._load_layer(ck, layer, p)
         assert isinstance(layer, Gemma3DecoderLayer)
         for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
             self._put_norm(ck, getattr(layer, name), f"{p}{name}.weight")
 
-    def _put_norm(self, ck: _Checkpoint, norm: RMSNorm, name: str) -> None:
+    def _put_norm(self, ck: Checkpoint, norm: RMSNorm, name: str) -> None:
         """Gemma's checkpoints store each norm's scale minus 1 (HF convention; the GGUF
         loader converts llama.cpp's stored scale to it, as transformers does). The sum
         is taken in fp32, as transformers computes 1 + weight."""

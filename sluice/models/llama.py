@@ -19,14 +19,15 @@ from sluice.config import ModelConfig
 from sluice.core.quantized_tensor import (
     QuantizedTensor,
     Weight,
-    concat_rows,
-    dequantize,
     weight_rows,
 )
 from sluice.layers import fused
 from sluice.layers.block_quant import BlockQuantized, Embedding
 from sluice.layers.linear import Linear
 from sluice.layers.rotary import RotaryEmbedding
+from sluice.models.checkpoint import Checkpoint
+from sluice.models.mlp import MLP
+from sluice.models.moe import SparseMoE
 from sluice.models.tp_shard import Collectives
 
 
@@ -64,9 +65,16 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = Linear(self.q_size, config.hidden_size)
+        # Per head (Qwen3, Gemma 3) or over the whole projection (OLMoE).
+        self.qk_norm_per_head = config.qk_norm_per_head
         if config.qk_norm:
-            self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
+            q_dim, k_dim = (
+                (self.head_dim, self.head_dim)
+                if self.qk_norm_per_head
+                else (self.q_size, self.kv_size)
+            )
+            self.q_norm: RMSNorm | None = RMSNorm(q_dim, config.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(k_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -76,25 +84,17 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+            if self.qk_norm_per_head:
+                q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+                qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+            else:
+                q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+                qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1).view(t, -1, self.head_dim)
         # q and k heads rotate together, in place where fused.
         q, k = fused.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = attend(q, k, v, self.layer_index, self.window, self.scale)
         projected: torch.Tensor = self.o_proj(out.reshape(t, self.q_size))
         return projected
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.inter = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter)
-        self.down_proj = Linear(self.inter, config.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
-        return out
 
 
 class DecoderLayer(nn.Module):
@@ -103,7 +103,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config)
+            if config.is_moe
+            else MLP(config.hidden_size, config.intermediate_size)
+        )
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
@@ -167,6 +171,7 @@ class LlamaForCausalLM(nn.Module):
         self.full_vocab_size = full_vocab_size
         for layer in self.layers:
             layer.self_attn.o_proj.reduce = tp.all_reduce
+            assert isinstance(layer.mlp, MLP)  # experts are not split (check_tensor_parallel)
             layer.mlp.down_proj.reduce = tp.all_reduce
 
     def init_rotary(self, max_positions: int) -> None:
@@ -221,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
         `tensors`: each entry is removed as it is loaded). Quantized ones (a GGUF's)
         stay quantized where the layer's method keeps them (BlockQuantized), else are
         dequantized into the model's dtype."""
-        ck = _Checkpoint(tensors, self.embed_tokens.weight.dtype)
+        ck = Checkpoint(tensors, self.embed_tokens.weight.dtype)
         embed = ck.take("model.embed_tokens.weight")
         if isinstance(embed, QuantizedTensor) and isinstance(self.lm_head.method, BlockQuantized):
             self.embed_tokens.load_quantized(embed)
@@ -235,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.method.process_weight(module)
 
-    def _load_layer(self, ck: _Checkpoint, layer: DecoderLayer, p: str) -> None:
+    def _load_layer(self, ck: Checkpoint, layer: DecoderLayer, p: str) -> None:
         """One decoder layer's weights, names prefixed with `p`."""
         att = layer.self_attn
         ck.put_linear(att.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
@@ -247,16 +252,19 @@ class LlamaForCausalLM(nn.Module):
             self._put_norm(ck, att.q_norm, p + "self_attn.q_norm.weight")
             self._put_norm(ck, att.k_norm, p + "self_attn.k_norm.weight")
         mlp = layer.mlp
-        ck.put_linear(mlp.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
-        ck.put_linear(mlp.down_proj, [p + "mlp.down_proj.weight"])
+        if isinstance(mlp, SparseMoE):
+            mlp.load(ck, p + "mlp.")
+        else:
+            ck.put_linear(mlp.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
+            ck.put_linear(mlp.down_proj, [p + "mlp.down_proj.weight"])
         self._put_norm(ck, layer.input_layernorm, p + "input_layernorm.weight")
         self._put_norm(ck, layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
 
-    def _put_norm(self, ck: _Checkpoint, norm: RMSNorm, name: str) -> None:
+    def _put_norm(self, ck: Checkpoint, norm: RMSNorm, name: str) -> None:
         """An RMSNorm's weight as the checkpoint stores it (Gemma's norms add 1)."""
         ck.put(norm.weight, ck.take(name))
 
-    def _load_head(self, ck: _Checkpoint) -> None:
+    def _load_head(self, ck: Checkpoint) -> None:
         """A separate output weight, or the embedding's (tied: one copy in memory); only
         the rows of output_ids where the output is restricted."""
         ids = self.output_ids
@@ -276,47 +284,3 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = nn.Parameter(tied.detach()[ids], requires_grad=False)
             return
         self.lm_head.weight = tied
-
-
-class _Checkpoint:
-    """The named weights being loaded into a model, converted as each layer keeps them."""
-
-    def __init__(self, tensors: dict[str, Weight], dtype: torch.dtype) -> None:
-        self.tensors = tensors
-        self.dtype = dtype
-
-    def take(self, name: str) -> Weight:
-        """The weight, removed from the dict: once its layer holds it (fused,
-        converted), the loader's copy is freed layer by layer instead of all at the end,
-        which would double the peak memory of a load."""
-        if name not in self.tensors:
-            raise ValueError(f"checkpoint is missing tensor {name!r}")
-        return self.tensors.pop(name)
-
-    def dense_float(self, value: Weight) -> torch.Tensor:
-        """The weight as fp32, whatever the model's dtype (for arithmetic at load)."""
-        if isinstance(value, QuantizedTensor):
-            return dequantize(value, torch.float32)
-        return value.float()
-
-    def dense(self, value: Weight) -> torch.Tensor:
-        if isinstance(value, QuantizedTensor):
-            return dequantize(value, self.dtype)  # quantization="none", int8 or int4
-        return value.to(self.dtype)
-
-    def put(self, param: torch.Tensor, value: Weight) -> None:
-        value = self.dense(value)
-        if tuple(param.shape) != tuple(value.shape):
-            raise ValueError(
-                f"shape mismatch: expected {tuple(param.shape)}, got {tuple(value.shape)}"
-            )
-        param.copy_(value)
-
-    def put_linear(self, layer: Linear, names: list[str]) -> None:
-        """One layer's weight from one or more checkpoint tensors stacked along rows."""
-        parts = [self.take(n) for n in names]
-        quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
-        if isinstance(layer.method, BlockQuantized) and len(quantized) == len(parts):
-            layer.method.load_quantized(layer, concat_rows(quantized))
-        else:
-            self.put(layer.weight, torch.cat([self.dense(p) for p in parts]))

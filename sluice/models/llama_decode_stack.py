@@ -32,6 +32,7 @@ from sluice.layers.block_quant import BlockQuantized
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import Int4WeightOnly, Int8WeightOnly
 from sluice.models.llama import DecoderLayer, LlamaForCausalLM
+from sluice.models.mlp import MLP
 
 STACK_MAX_ROWS = 3
 QBLOCK_FORMATS = frozenset(
@@ -116,6 +117,8 @@ def layer_fields(
     """(the formats of its linears, the layer's fields by name) where every part of the
     layer runs on our kernels in `dtype`; None otherwise."""
     attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(mlp, MLP):  # a Mixture-of-Experts layer
+        return None
     linears = [
         _linear_fields("qkv", attn.qkv_proj, bias_allowed=True),
         _linear_fields("o", attn.o_proj, bias_allowed=False),
@@ -197,6 +200,7 @@ class LlamaDecodeStack:
         dtype = model.embed_tokens.weight.dtype
         if (
             c.qk_norm
+            or c.is_moe  # its C++ layer has a dense MLP only
             or getattr(backend, "kernel", None) is None
             or model.embed_tokens.weight.device.type != "cpu"
             or dtype not in (torch.float32, torch.bfloat16)
@@ -213,6 +217,7 @@ class LlamaDecodeStack:
             formats |= found[0]
             rows.append(found[1])
             attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(mlp, MLP)  # layer_fields returned fields
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 # layer_fields returned fields, so every linear runs one of our kernels.
                 method = cast(_KernelMethod, linear.method)

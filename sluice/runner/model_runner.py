@@ -103,6 +103,12 @@ def check_tensor_parallel(config: ModelConfig, world_size: int) -> None:
         raise ConfigError(
             "tensor_parallel_size", f"tensor_parallel_size > 1 does not run {spec.title} models yet"
         )
+    if config.is_moe:
+        raise ConfigError(
+            "tensor_parallel_size",
+            "tensor_parallel_size > 1 does not split Mixture-of-Experts models yet "
+            "(expert parallelism)",
+        )
     for what, count in (
         ("attention heads", config.num_heads),
         ("KV heads", config.num_kv_heads),

@@ -102,9 +102,10 @@ def find_head(config: EngineConfig, target: ModelConfig) -> Path:
 def check_head(path: Path, meta: dict[str, str], target: ModelConfig) -> None:
     """The head must have been trained for this target: its features mean nothing to
     another model's."""
-    if not spec_of(target.architecture).eagle_head:
+    if not spec_of(target.architecture).eagle_head or target.is_moe:
         raise ConfigError(
-            "speculative_method", "speculative_method='eagle' runs on Llama-family targets"
+            "speculative_method",
+            "speculative_method='eagle' runs on dense Llama-family targets",
         )
     want = {
         "format": FORMAT,

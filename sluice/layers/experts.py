@@ -1,0 +1,189 @@
+"""The experts of a Mixture-of-Experts layer: each projection of all E experts held as
+one stacked weight, run over a step's rows grouped by expert.
+
+A GGUF stores each projection of all experts as one 3-D tensor; it stays in its block
+quantization as one QuantizedTensor of E * out rows (expert e is rows e * out ..
+(e + 1) * out: a view, never a copy; gate and up are interleaved per expert at load so
+one matmul gives an expert's both). Dense weights (a safetensors checkpoint, or a
+device without our kernels) are [E, out, in] tensors.
+
+With our kernels, the experts that got fewer rows than the block kernel's crossover
+(`DENSE_MIN_ROWS` of sluice/layers/block_quant.py) run in one grouped kernel call
+(csrc/qblock.cpp's sluice_qblock_matmul_experts: activations quantized once, each
+chosen expert's blocks read once for all its rows); an expert with more rows (a
+prefill) runs as a dense layer does, dequantized tiles and a GEMM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sluice import kernels
+from sluice.core.quantized_tensor import QuantizedTensor, Weight, concat_rows, dequantize
+from sluice.kernels import Library, qblock
+from sluice.layers.block_quant import DENSE_MIN_ROWS, cpu_kernels, quantized_linear
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """A step's (token, expert) pairs sorted by expert: the rows each expert runs over."""
+
+    order: torch.Tensor  # [T * k]: flat pair indices (token * k + slot), by expert, stably
+    start: torch.Tensor  # [G + 1] int64, CPU: group g is sorted rows start[g] .. start[g + 1]
+    expert: torch.Tensor  # [G] int64, CPU: the expert of each group (only chosen ones)
+    counts: torch.Tensor  # [E] int64: rows each expert got (the routing's load)
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, num_experts: int) -> ExpertGroups:
+        """Groups of the expert ids [T, k] a router chose."""
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=num_experts)
+        on_cpu = counts.cpu()
+        expert = on_cpu.nonzero().flatten()
+        start = torch.zeros(len(expert) + 1, dtype=torch.int64)
+        torch.cumsum(on_cpu[expert], 0, out=start[1:])
+        return cls(order, start, expert, counts)
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        """(expert, first row, end row) of each group."""
+        bounds = self.start.tolist()
+        return [(e, bounds[g], bounds[g + 1]) for g, e in enumerate(self.expert.tolist())]
+
+
+class Experts(nn.Module):
+    """Every expert's gate/up and down projections."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden = hidden_size
+        self.inter = intermediate_size
+        self.gate_up_weight: Weight = torch.empty(0)
+        self.down_weight: Weight = torch.empty(0)
+        self.lib: Library | None = None
+        # Rows each expert has been given since load (sluice_moe_expert_tokens_total).
+        self.tokens = torch.zeros(num_experts, dtype=torch.int64)
+
+    def load(
+        self, gate: Weight, up: Weight, down: Weight, *, dtype: torch.dtype, keep_quantized: bool
+    ) -> None:
+        """The checkpoint's stacked gate, up [E, I, H] and down [E, H, I] (quantized ones
+        as [E * out, in] QuantizedTensors); kept quantized where `keep_quantized` and
+        every part is, else dense in `dtype`. Shapes are checked, naming the part."""
+        e, h, i = self.num_experts, self.hidden, self.inter
+        parts = (("gate", gate, (e, i, h)), ("up", up, (e, i, h)), ("down", down, (e, h, i)))
+        for name, w, shape in parts:
+            _check_shape(name, w, shape)
+        if keep_quantized and all(isinstance(w, QuantizedTensor) for w in (gate, up, down)):
+            assert isinstance(gate, QuantizedTensor) and isinstance(up, QuantizedTensor)
+            assert isinstance(down, QuantizedTensor)
+            both = concat_rows([gate, up])  # [gate of every expert; up of every expert]
+            self.gate_up_weight = both.rows(_interleave(e, i))
+            self.down_weight = down
+            self.lib = cpu_kernels(torch.empty(0, dtype=dtype))
+            return
+        dense = [_dense(w, shape, dtype) for _, w, shape in parts]
+        self.gate_up_weight = torch.cat(dense[:2], dim=1).contiguous()
+        self.down_weight = dense[2]
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors the weights occupy (for weight_bytes)."""
+        out: list[torch.Tensor] = []
+        for w in (self.gate_up_weight, self.down_weight):
+            out += list(w.parts()) if isinstance(w, QuantizedTensor) else [w]
+        return out
+
+    def gate_up(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """[rows, 2I]: each sorted row through its expert's gate and up projections."""
+        self.tokens += groups.counts.to(self.tokens.device)
+        return self._run(self.gate_up_weight, x, groups)
+
+    def down(self, h: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """[rows, H]: each sorted row through its expert's down projection."""
+        return self._run(self.down_weight, h, groups)
+
+    def _run(self, w: Weight, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        if isinstance(w, QuantizedTensor):
+            return _quantized(self.lib, w, self.num_experts, x, groups)
+        y = x.new_empty(x.shape[0], w.shape[1])
+        for e, lo, hi in groups.spans():
+            y[lo:hi] = F.linear(x[lo:hi], w[e])
+        return y
+
+
+def _check_shape(name: str, w: Weight, shape: tuple[int, int, int]) -> None:
+    e, out, k = shape
+    got = w.shape
+    want = (e * out, k) if isinstance(w, QuantizedTensor) else shape
+    if tuple(got) != want:
+        raise ValueError(
+            f"expert {name} projections have shape {tuple(got)}; the model's "
+            f"{e} experts of {out} x {k} need {want}"
+        )
+
+
+def _interleave(num_experts: int, inter: int) -> torch.Tensor:
+    """Row order putting expert e's gate rows then its up rows together, from the rows
+    [gate of all experts; up of all experts]."""
+    e = torch.arange(num_experts)[:, None, None]
+    which = torch.arange(2)[None, :, None]
+    i = torch.arange(inter)[None, None, :]
+    return (which * num_experts * inter + e * inter + i).flatten()
+
+
+def _dense(w: Weight, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(w, QuantizedTensor):
+        return dequantize(w, dtype).reshape(shape)
+    return w.to(dtype).reshape(shape)
+
+
+def _quantized(
+    lib: Library | None, w: QuantizedTensor, num_experts: int, x: torch.Tensor, groups: ExpertGroups
+) -> torch.Tensor:
+    """x's sorted rows through their experts' blocks: the grouped kernel for the experts
+    with few rows, dequantized tiles and a GEMM for those with many (or everywhere
+    without our kernels)."""
+    out = w.shape[0] // num_experts
+    y = x.new_empty(x.shape[0], out)
+    few: list[tuple[int, int, int]] = []
+    dense_min_rows = DENSE_MIN_ROWS.get(kernels.variant(), 4) if lib is not None else 0
+    for e, lo, hi in groups.spans():
+        if hi - lo < dense_min_rows:
+            few.append((e, lo, hi))
+        else:
+            expert = w.row_slice(e * out, (e + 1) * out)
+            y[lo:hi] = quantized_linear(lib, expert, x[lo:hi], dense_min_rows)
+    if few:
+        assert lib is not None
+        _grouped(lib, w, num_experts, x, few, y)
+    return y
+
+
+def _grouped(
+    lib: Library,
+    w: QuantizedTensor,
+    num_experts: int,
+    x: torch.Tensor,
+    few: list[tuple[int, int, int]],
+    y: torch.Tensor,
+) -> None:
+    """The groups `few` in one grouped kernel call, written into their rows of y."""
+    sizes = [hi - lo for _, lo, hi in few]
+    start = torch.zeros(len(few) + 1, dtype=torch.int64)
+    torch.cumsum(torch.tensor(sizes, dtype=torch.int64), 0, out=start[1:])
+    expert = torch.tensor([e for e, _, _ in few], dtype=torch.int64)
+    whole = sum(sizes) == x.shape[0]  # every group (a decode step): no gather
+    rows = None if whole else torch.cat([torch.arange(lo, hi) for _, lo, hi in few])
+    xs = x if rows is None else x[rows]
+    ys = qblock.qblock_matmul_experts(
+        lib, xs.contiguous(), *w.parts(), w.bits, w.group, num_experts, start, expert
+    )
+    if rows is None:
+        y.copy_(ys)
+    else:
+        y[rows] = ys
