@@ -28,6 +28,7 @@ from sluice.engine.stats import (
     NotExported,
     PDDecodeStats,
     PDPrefillStats,
+    PerLayerExpert,
     PerReplica,
     ReplicaStats,
     StatField,
@@ -44,6 +45,8 @@ def _value(f: StatField, n: int) -> Any:
         return n
     if f.type is float:
         return n / 1000
+    if isinstance(f.export, PerLayerExpert):  # 2 layers of 3 experts
+        return [[n, n + 1, n + 2], [n + 3, n + 4, n + 5]]
     return f"{f.key}-{n}"
 
 
@@ -75,7 +78,7 @@ def scrape(stats: dict[str, Any]) -> dict[str, float]:
 def _export_declared(f: StatField) -> bool:
     if isinstance(f.export, NotExported):
         return bool(f.export.reason)  # "": no declaration at all
-    return isinstance(f.export, AsGauge | AsLabel | PerReplica)
+    return isinstance(f.export, AsGauge | AsLabel | PerReplica | PerLayerExpert)
 
 
 def test_every_engine_stat_declares_its_merge_and_export() -> None:
@@ -145,6 +148,11 @@ def test_every_gauge_is_on_a_scrape_with_its_value(connector: type[Any]) -> None
             assert samples.get(f.export.name) == float(value), f"{f.key} -> {f.export.name}"
         elif isinstance(f.export, AsLabel):
             labels[f.key] = str(value)
+        elif isinstance(f.export, PerLayerExpert):
+            for layer, row in enumerate(value):
+                for expert, count in enumerate(row):
+                    name = f"{f.export.name}{{expert={expert},layer={layer}}}"
+                    assert samples[name] == float(count), name
     info = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
     assert samples[f"sluice_engine_info{{{info}}}"] == 1.0
     assert labels  # the info gauge has its labels
@@ -191,6 +199,10 @@ def test_merged_stats_handle_every_stat(connector: type[Any] | None) -> None:
             assert out[f.key] == ones[0][f.key] + ones[1][f.key], f.key
         elif f.merge is Merge.SHARED:
             assert out[f.key] == ones[0][f.key], f.key
+        elif f.merge is Merge.CELLWISE:
+            a, b = ones[0][f.key], ones[1][f.key]
+            want = [[x + y for x, y in zip(*r, strict=True)] for r in zip(a, b, strict=True)]
+            assert out[f.key] == want, f.key
         else:
             assert f.derive is not None
             assert isinstance(out[f.key], float) and out[f.key] == f.derive(out), f.key

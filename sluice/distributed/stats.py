@@ -39,6 +39,8 @@ def merge(up: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             # Absent (an older or partial replica): 0. Counts stay ints.
             values = (s.get(f.key, 0) for s in up)
             out[f.key] = sum(int(v) if f.type is int else v for v in values)
+        elif f.merge is Merge.CELLWISE:
+            out[f.key] = _cellwise_sum([s[f.key] for s in up if f.key in s])
         elif f.merge is Merge.SHARED:
             out[f.key] = next((s[f.key] for s in up if f.key in s), None)
         elif f.merge is Merge.DERIVED and f.derive is not None:
@@ -49,6 +51,13 @@ def merge(up: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for key, derive in derived:
         out[key] = derive(out)
     return out
+
+
+def _cellwise_sum(tables: Sequence[Sequence[Sequence[int]]]) -> list[list[int]]:
+    """Tables of one shape (the replicas run one model) added cell by cell."""
+    if not tables:
+        return []
+    return [[sum(cells) for cells in zip(*rows, strict=True)] for rows in zip(*tables, strict=True)]
 
 
 def _one(r: ReplicaClient, load: int, counts: RouteCounts) -> dict[str, Any]:

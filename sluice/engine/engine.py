@@ -472,6 +472,7 @@ class LLMEngine:
             spec_draft_forwards=draft.num_forwards if draft else 0,
             connector=self.kv_connector.stats() if self.kv_connector else None,
             grammars_compiled=self.grammars.num_compiled,
+            moe_expert_tokens=self.runner.expert_tokens(),
             block_size=self.config.block_size,
             max_model_len=self.max_model_len,
             dtype=str(self.dtype).removeprefix("torch."),

@@ -29,6 +29,7 @@ class Merge(enum.Enum):
     SHARED = "shared"  # a fact every replica shares (dtype): the first up replica's
     DERIVED = "derived"  # a rate or fraction: recomputed from the merged counts
     UNMERGED = "unmerged"  # left out of the merged stats; the declaration says why
+    CELLWISE = "cellwise"  # a table of counts (one model's shape): added cell by cell
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,16 @@ class NotExported:
     reason: str
 
 
-Export = AsGauge | AsLabel | PerReplica | NotExported
+@dataclass(frozen=True)
+class PerLayerExpert:
+    """A [layer][expert] table of counts, exported as this gauge with one series per
+    cell, labelled by layer and expert (empty for a dense model: no series)."""
+
+    name: str
+    help: str
+
+
+Export = AsGauge | AsLabel | PerReplica | PerLayerExpert | NotExported
 _PER_REPLICA = PerReplica()
 
 # Keys of a dataclass field's metadata.
@@ -398,6 +408,15 @@ class EngineStats:
         AsGauge(
             "sluice_structured_grammars_compiled",
             "Distinct constraints compiled by the grammar library (since start).",
+        ),
+    )
+    # Mixture-of-Experts routing: the tokens each expert of each layer was given since
+    # start, [layer][expert] (empty for a dense model), so a user can see routing skew.
+    moe_expert_tokens: list[list[int]] = stat(  # noqa: RUF009 (a field(), as every stat)
+        Merge.CELLWISE,
+        PerLayerExpert(
+            "sluice_moe_expert_tokens",
+            "Tokens routed to each expert of each Mixture-of-Experts layer (since start).",
         ),
     )
     block_size: int = stat(Merge.SHARED, _CONFIG)

@@ -17,6 +17,7 @@ from sluice.config import GLOBAL_KV_GROUP, ModelConfig
 from sluice.core.errors import ConfigError
 from sluice.core.request import Request
 from sluice.layers.block_quant import weight_bytes
+from sluice.layers.experts import Experts
 from sluice.models.llama import LlamaForCausalLM
 from sluice.models.llama_decode_stack import LlamaDecodeStack
 from sluice.models.tp_shard import Collectives
@@ -169,6 +170,11 @@ class ModelRunner:
         self.tp = tp
         self.followers = followers
         self.return_features = return_features
+
+    def expert_tokens(self) -> list[list[int]]:
+        """Tokens routed to each expert of each Mixture-of-Experts layer since load,
+        [layer][expert]; empty for a dense model."""
+        return [m.tokens.tolist() for m in self.model.modules() if isinstance(m, Experts)]
 
     def weight_bytes(self) -> int:
         """Bytes of the model's weights as held in memory (see block_quant.weight_bytes)."""

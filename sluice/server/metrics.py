@@ -26,6 +26,7 @@ from sluice.engine.stats import (
     AsLabel,
     EngineStats,
     FrontEndStats,
+    PerLayerExpert,
     PerReplica,
     ReplicaStats,
     stat_fields,
@@ -75,6 +76,7 @@ _STATS = (*stat_fields(EngineStats), *stat_fields(FrontEndStats))
 _GAUGES = tuple((f.key, f.export) for f in _STATS if isinstance(f.export, AsGauge))
 _INFO_LABELS = tuple(f.key for f in _STATS if isinstance(f.export, AsLabel))
 _REPLICA_LISTS = tuple(f.key for f in _STATS if isinstance(f.export, PerReplica))
+_EXPERT_TABLES = tuple((f.key, f.export) for f in _STATS if isinstance(f.export, PerLayerExpert))
 _REPLICA_GAUGES = tuple(
     (f.key, f.export) for f in stat_fields(ReplicaStats) if isinstance(f.export, AsGauge)
 )
@@ -112,6 +114,10 @@ class ServerMetrics:
             key: Gauge(g.name, g.help, [*labels, _REPLICA_LABEL], registry=r)
             for key, g in _REPLICA_GAUGES
         }
+        self._expert_gauges = {
+            key: Gauge(g.name, g.help, [*labels, "layer", "expert"], registry=r)
+            for key, g in _EXPERT_TABLES
+        }
 
     def finished(self, reason: str, count: int = 1) -> None:
         self._finished.labels(self._model, reason).inc(count)
@@ -145,6 +151,10 @@ class ServerMetrics:
                 index = str(replica[_REPLICA_LABEL])
                 for name, family in self._replica_gauges.items():
                     family.labels(self._model, index).set(float(replica[name]))
+        for key, family in self._expert_gauges.items():
+            for layer, row in enumerate(stats.get(key) or ()):
+                for expert, count in enumerate(row):
+                    family.labels(self._model, str(layer), str(expert)).set(float(count))
         info = [str(stats.get(k, "unknown")) for k in _INFO_LABELS]
         self._engine_info.clear()
         self._engine_info.labels(self._model, *info).set(1)
