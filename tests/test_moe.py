@@ -1,0 +1,142 @@
+"""Mixture-of-Experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) on random weights:
+sluice's greedy output equals transformers' token for token in fp32, from the
+safetensors directory, alone and batched, in chunks and after a prefix-cache hit;
+routing ties break as the reference breaks them; a bad checkpoint is refused by name.
+The GGUF path of the same models is tests/test_moe_gguf.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from benchmarks.random_models import MOE_KINDS, SMALL, build_model
+from sluice import LLM, SamplingParams
+from sluice.loader import tokenizer_from_gguf
+
+transformers = pytest.importorskip("transformers")
+
+ARCHITECTURE = {
+    "mixtral": "llama",
+    "qwen2moe": "qwen2moe",
+    "qwen3moe": "qwen3moe",
+    "olmoe": "olmoe",
+}
+
+
+def build(kind: str, directory: Path, smollm2_path: Path) -> Any:
+    model = build_model(kind, SMALL, directory)
+    tokenizer_from_gguf(smollm2_path).save(directory)
+    return model
+
+
+def reference(model: Any, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False
+        )
+    return list(out[0, len(ids) :].tolist())
+
+
+def prompts(lengths: tuple[int, ...], seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in lengths]
+
+
+def engine(directory: Path, **kwargs: Any) -> LLM:
+    options: dict[str, Any] = dict(
+        model=str(directory), dtype="float32", kv_cache_memory=0.02, block_size=8
+    )
+    return LLM(**{**options, **kwargs})
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_greedy_equals_transformers_alone_batched_and_chunked(
+    kind: str, tmp_path: Path, smollm2_path: Path
+) -> None:
+    model = build(kind, tmp_path, smollm2_path)
+    batch = prompts((5, 23, 40, 70))
+    want = [reference(model, ids, 16) for ids in batch]
+    # 16-token chunks: the 70-token prompt is prefilled in five steps, beside decodes.
+    llm = engine(tmp_path, max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert llm.engine.model_config.architecture == ARCHITECTURE[kind]
+    assert llm.engine.model_config.num_experts == 8
+    outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    alone = llm.generate(batch[3], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == want[3]
+    # Every expert of every layer was routed tokens, counted once per (token, expert).
+    table = llm.stats()["moe_expert_tokens"]
+    k = llm.engine.model_config.num_experts_per_tok
+    assert len(table) == SMALL["num_hidden_layers"] and all(len(r) == 8 for r in table)
+    computed = sum(len(ids) + 15 for ids in batch) + len(batch[3]) + 15
+    assert all(sum(row) == computed * k for row in table)
+
+
+def test_a_prefix_cache_hit_gives_the_same_tokens(tmp_path: Path, smollm2_path: Path) -> None:
+    model = build("qwen3moe", tmp_path, smollm2_path)
+    (shared,) = prompts((48,))
+    first, second = shared + prompts((9,), seed=2)[0], shared + prompts((6,), seed=3)[0]
+    llm = engine(tmp_path, enable_prefix_caching=True)
+    llm.generate(first, GREEDY, use_tqdm=False)
+    out = llm.generate(second, GREEDY, use_tqdm=False)[0]
+    assert llm.stats()["prefix_cache_hit_tokens"] >= 40  # the shared blocks were reused
+    assert out.outputs[0].token_ids == reference(model, second, 16)
+
+
+def test_routing_ties_break_as_the_reference_breaks_them(
+    tmp_path: Path, smollm2_path: Path
+) -> None:
+    """Experts 1, 4 and 6 of every layer get the same router row: every token scores
+    them equally, so which of them make its top k is decided by the tie order
+    (torch.topk's, as transformers uses it) and the output depends on it: the three
+    experts' weights differ."""
+    model = build("qwen3moe", tmp_path, smollm2_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            router = layer.mlp.gate.weight
+            router[4].copy_(router[1])
+            router[6].copy_(router[1])
+            router[1].mul_(3.0)  # and make the tied experts often win
+            router[4].copy_(router[1])
+            router[6].copy_(router[1])
+            tensors[f"model.layers.{i}.mlp.gate.weight"] = router.clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+    batch = prompts((12, 30))
+    llm = engine(tmp_path)
+    outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference(model, ids, 16) for ids in batch]
+    # The ties were real: those experts were chosen, and not equally often.
+    table = llm.stats()["moe_expert_tokens"]
+    assert any(row[1] != row[6] for row in table)
+
+
+def test_a_checkpoint_missing_an_expert_is_refused_naming_it(
+    tmp_path: Path, smollm2_path: Path
+) -> None:
+    build("olmoe", tmp_path, smollm2_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.up_proj.*missing \[5\]"):
+        engine(tmp_path)
+
+
+def test_top_k_beyond_the_expert_count_is_refused(tmp_path: Path, smollm2_path: Path) -> None:
+    import json
+
+    build("mixtral", tmp_path, smollm2_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_experts_per_tok"] = 9
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(9\) must be between 1 and"):
+        engine(tmp_path)
