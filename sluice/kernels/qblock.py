@@ -39,6 +39,11 @@ _MATMUL_FLOAT = c_function("sluice_qblock_matmul_float", None, *_MATMUL_ARGS)
 _MATMUL_RESIDUAL = c_function("sluice_qblock_matmul_residual", None, *_MATMUL_ARGS)
 # (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, row_max, y)
 _MATMUL_HEAD = c_function("sluice_qblock_matmul_head", None, *_MATMUL_ARGS[:-1], POINTER, POINTER)
+# (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, num_groups, group_start,
+#  group_expert, y)
+_MATMUL_EXPERTS = c_function(
+    "sluice_qblock_matmul_experts", None, *_MATMUL_ARGS[:-1], INT, POINTER, POINTER, POINTER
+)
 # (bits, group, packed, hbits, d, m, s, K, N, out, out_bf16)
 _DEQUANTIZE = c_function(
     "sluice_qblock_dequantize",
@@ -120,6 +125,14 @@ def _weight_args(
     return n, k, (ptr(packed), p(hbits) if hcols else 0, ptr(scale), p(minimum), p(super_scale))
 
 
+def _activations(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x as the matmuls take it: contiguous fp32 or bf16 [M, K]."""
+    x = x.contiguous()
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x must be fp32 or bf16 [M, {k}], got {x.dtype} {tuple(x.shape)}")
+    return x
+
+
 def _matmul(
     fn: CFunction,
     lib: Library,
@@ -135,9 +148,7 @@ def _matmul(
 ) -> torch.Tensor:
     """y = fn(x, the weight): extra, pointers fn takes between N and y."""
     n, k, weight = _weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
-    x = x.contiguous()
-    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"x must be fp32 or bf16 [M, {k}], got {x.dtype} {tuple(x.shape)}")
+    x = _activations(x, k)
     m = x.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
@@ -220,6 +231,62 @@ def qblock_matmul_head(
         raise ValueError(f"row_max must be contiguous float32 [{n}]")
     weight = (packed, hbits, scale, minimum, super_scale, bits, group)
     return _matmul(_MATMUL_HEAD, lib, x, *weight, extra=(ptr(row_max),))
+
+
+def _check_expert_groups(
+    group_start: torch.Tensor, group_expert: torch.Tensor, m: int, num_experts: int
+) -> None:
+    """Raise unless group_start holds len(group_expert) + 1 row bounds rising from 0 to
+    M and every group_expert names an expert (both contiguous int64 on the CPU)."""
+    for name, t in (("group_start", group_start), ("group_expert", group_expert)):
+        if (t.dtype, t.dim(), t.device.type) != (torch.int64, 1, "cpu") or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 1-D int64 CPU tensor")
+    if group_start.numel() != group_expert.numel() + 1:
+        raise ValueError(
+            f"group_start has {group_start.numel()} bounds for {group_expert.numel()} groups "
+            "(one more than the groups)"
+        )
+    bounds = group_start.tolist()  # (a handful of values a step: cheaper than torch ops)
+    if bounds[0] != 0 or bounds[-1] != m or bounds != sorted(bounds):
+        raise ValueError(f"group_start must rise from 0 to M = {m}, got {bounds}")
+    experts = group_expert.tolist()
+    if experts and not (0 <= min(experts) and max(experts) < num_experts):
+        raise ValueError(f"group_expert ids must lie in [0, {num_experts}), got {experts}")
+
+
+def qblock_matmul_experts(
+    lib: Library,
+    x: torch.Tensor,  # [M, K] fp32 or bf16: the (token, expert) pairs' rows, by group
+    packed: torch.Tensor,  # the five tensors of E experts' weights stacked: [E * N, ...]
+    hbits: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    super_scale: torch.Tensor,
+    bits: int,
+    group: int,
+    num_experts: int,
+    group_start: torch.Tensor,  # [G + 1] int64: group j is rows group_start[j] .. [j + 1]
+    group_expert: torch.Tensor,  # [G] int64: group j's expert
+) -> torch.Tensor:
+    """y [M, N] (x's dtype, N = rows / num_experts): each group's rows @ W_e.T, W_e =
+    rows e * N .. (e + 1) * N of the stacked weight (a Mixture-of-Experts layer's
+    projection), every row as qblock_matmul computes it. One call for all groups: the
+    activations are quantized once, and only the named experts' weights are read."""
+    rows, k, weight = _weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
+    if num_experts < 1 or rows % num_experts:
+        raise ValueError(f"{rows} weight rows do not split into {num_experts} experts")
+    n = rows // num_experts
+    x = _activations(x, k)
+    m = x.shape[0]
+    _check_expert_groups(group_start, group_expert, m, num_experts)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        _MATMUL_EXPERTS(
+            lib,
+            *(ptr(x), is_bf16(x), m, k, bits, group, *weight, n),
+            *(group_expert.numel(), ptr(group_start), ptr(group_expert), ptr(y)),
+        )
+    return y
 
 
 def _out_dtype(dtype: torch.dtype) -> int:

@@ -204,6 +204,40 @@ void matmul_float(const T* x, int M, int K, int bits, int group, const QbWeight&
                      (sluice::qblock_float_rows_t<B, G, IQ>(xf.data(), M, K, w, N, y)))
 }
 
+// Expert e's weight in one stacked from experts of N rows each: rows e * N .. (e + 1) * N,
+// its pointers (the integer scales' multipliers s too) moved to row e * N, no copy.
+template <int BITS, int G, bool IQ>
+QbWeight expert_weight(const QbWeight& w, int K, int64_t first_row) {
+  const sluice::QbRow r = w.row<BITS, G, IQ>(K, first_row);
+  return {r.w, r.h, r.d, r.m, r.sd};
+}
+
+// Group j's rows start[j] .. start[j + 1] of y times expert[j]'s weight, each group as
+// qblock_matmul on those rows alone (the same passes, so the same results); an empty
+// group is skipped (by every thread alike: they meet the same worksharing loops).
+template <int BITS, int G, bool IQ, typename T>
+void experts_t(const sluice::QBlockActivations& xa, int K, const QbWeight& w, int N,
+               int num_groups, const int64_t* start, const int64_t* expert, T* y) {
+  for (int j = 0; j < num_groups; ++j) {
+    const int r0 = static_cast<int>(start[j]), rows = static_cast<int>(start[j + 1] - start[j]);
+    if (rows == 0) continue;
+    const QbWeight we = expert_weight<BITS, G, IQ>(w, K, expert[j] * N);
+    sluice::qblock_rows_t<BITS, G, IQ>(xa, rows, K, we, N, y, r0);
+  }
+}
+
+// The activations quantized once for all M rows, then one parallel region over the groups.
+template <typename T>
+void matmul_experts(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N,
+                    int num_groups, const int64_t* start, const int64_t* expert, T* y) {
+  const bool integer = w.s != nullptr;
+  sluice::QBlockActivations xa;
+  xa.quantize(x, M, K, group, integer);
+#pragma omp parallel
+  SLUICE_QB_DISPATCH(bits, group, integer,
+                     (experts_t<B, G, IQ>(xa, K, w, N, num_groups, start, expert, y)))
+}
+
 template <typename T>
 void gather(const int64_t* rows, int count, int bits, int group, const QbWeight& w, int K,
             T* out) {
@@ -232,6 +266,24 @@ void sluice_qblock_matmul(const void* x, int bf16, int M, int K, int bits, int g
   else
     matmul(static_cast<const float*>(x), M, K, bits, group, w, N,
            static_cast<float*>(y));
+}
+
+// Mixture-of-experts: W stacks E experts of N rows each ([E * N, K]); x's rows come in
+// groups, group j rows group_start[j] .. group_start[j + 1] (group_start[0] = 0, the last
+// M), and y [M, N] = each group's rows @ W_e.T, e = group_expert[j], as
+// sluice_qblock_matmul computes them. Only the named experts' weights are read.
+void sluice_qblock_matmul_experts(const void* x, int bf16, int M, int K, int bits, int group,
+                                  const uint8_t* packed, const uint8_t* hbits, const void* d,
+                                  const void* m, const uint16_t* s, int N, int num_groups,
+                                  const int64_t* group_start, const int64_t* group_expert,
+                                  void* y) {
+  const QbWeight w{packed, hbits, d, m, s};
+  if (bf16)
+    matmul_experts(static_cast<const uint16_t*>(x), M, K, bits, group, w, N, num_groups,
+                   group_start, group_expert, static_cast<uint16_t*>(y));
+  else
+    matmul_experts(static_cast<const float*>(x), M, K, bits, group, w, N, num_groups,
+                   group_start, group_expert, static_cast<float*>(y));
 }
 
 // As sluice_qblock_matmul with x quantized in two int8 levels (x, then its residual).

@@ -795,13 +795,16 @@ void qb_rows_pass(const QBlockActivations& xa, int r0, int K, const QbWeight& wt
 // A pass over the weights per kQbRowBlock rows. Reusing each weight row from L1 across
 // row blocks instead (the tiled loop this replaced) measured slower on 2 cores of Zen 5:
 // the 1.5B's head at 16 rows 22.2 against 14.6 ms, at 9 rows 13.4 against 12.3.
+// Rows first .. first + M of xa and y (the experts' matmul runs a group of rows at a
+// time, each in the passes a call of its M rows alone would make: the same results).
 template <int BITS, int G, bool IQ, typename T>
-void qblock_rows_t(const QBlockActivations& xa, int M, int K, const QbWeight& wt, int N, T* y) {
+void qblock_rows_t(const QBlockActivations& xa, int M, int K, const QbWeight& wt, int N, T* y,
+                   int first = 0) {
   const int passes = (M + kQbRowBlock - 1) / kQbRowBlock;
   const int per_pass = (M + passes - 1) / passes;  // as even as they go: 16 rows as 8 + 8
   for (int r0 = 0; r0 < M; r0 += per_pass)
     qb_with_rows(std::min(per_pass, M - r0),
-                 [&](auto R) { qb_rows_pass<BITS, G, IQ, R>(xa, r0, K, wt, N, y); });
+                 [&](auto R) { qb_rows_pass<BITS, G, IQ, R>(xa, first + r0, K, wt, N, y); });
 }
 
 // The runtime format (bits, group; integer scales where the weight has multipliers s)
