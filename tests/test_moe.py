@@ -140,3 +140,48 @@ def test_top_k_beyond_the_expert_count_is_refused(tmp_path: Path, smollm2_path: 
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"num_experts_per_tok \(9\) must be between 1 and"):
         engine(tmp_path)
+
+
+def _quantized_stack(e: int, out: int, k: int, gen: torch.Generator) -> Any:
+    from sluice.core.quantized_tensor import quantize_8bit
+
+    return quantize_8bit(torch.randn(e * out, k, generator=gen) * 0.1)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_quantized_experts_equal_their_dense_selves(kernel_level: str, tokens: int) -> None:
+    """The experts kept in their blocks (a GGUF's) against the same weights dequantized:
+    a decode step (1 token: the grouped kernel, every group one row), a few tokens
+    (groups under the dense crossover) and a prefill (40 tokens x top 4 of 8: experts
+    over it take dequantized tiles + GEMM, the rest the grouped kernel), at every
+    kernel level. The gap is the int8 activations' (the block kernel's own bound)."""
+    from sluice.core.quantized_tensor import dequantize
+    from sluice.layers.experts import ExpertGroups, Experts
+
+    gen = torch.Generator().manual_seed(0)
+    e, h, i = 8, 128, 64
+    gate, up, down = (_quantized_stack(e, *s, gen) for s in ((i, h), (i, h), (h, i)))
+    quantized, dense = Experts(e, h, i), Experts(e, h, i)
+    quantized.load(gate, up, down, dtype=torch.float32, keep_quantized=True)
+    dense.load(
+        *(dequantize(w).reshape(e, -1, w.shape[1]) for w in (gate, up, down)),
+        dtype=torch.float32,
+        keep_quantized=False,
+    )
+    assert quantized.lib is not None and quantized.held()[0].dtype == torch.uint8
+    ids = torch.stack([torch.randperm(e, generator=gen)[:4] for _ in range(tokens)])
+    groups = ExpertGroups.of(ids, e)
+    x = torch.randn(tokens, h, generator=gen)[groups.order // 4]
+    for fn in ("gate_up", "down"):
+        rows = x if fn == "gate_up" else torch.randn(len(x), i, generator=gen)
+        got = getattr(quantized, fn)(rows, groups)
+        want = getattr(dense, fn)(rows, groups)
+        scale = want.abs().max()
+        assert (got - want).abs().max() <= 0.02 * scale, fn
+    assert quantized.tokens.sum() == tokens * 4
+
+
+def test_compile_is_refused_for_experts(tmp_path: Path, smollm2_path: Path) -> None:
+    build("qwen3moe", tmp_path, smollm2_path)
+    with pytest.raises(ValueError, match="compile=True does not run Mixture-of-Experts"):
+        engine(tmp_path, compile=True)

@@ -14,6 +14,7 @@ import torch
 from sluice.attention import kv_int8, select_backend
 from sluice.config import ModelConfig
 from sluice.core.choices import WeightQuantization
+from sluice.core.errors import ConfigError
 from sluice.core.quantized_tensor import Weight
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import make_linear_method
@@ -70,6 +71,9 @@ def build_runner(
     it). tp: this rank's group (it keeps its slice of heads, units and vocabulary);
     followers: rank 0's handle on the other ranks."""
     full_vocab = config.vocab_size
+    if options.compile and config.is_moe:
+        # Its routing groups rows by expert on the host: data-dependent, no one graph.
+        raise ConfigError("compile", "compile=True does not run Mixture-of-Experts models yet")
     if tp is not None:
         check_tensor_parallel(config, tp.world_size)
         shard_checkpoint(tensors, config, tp.rank, tp.world_size, options.dtype)
