@@ -18,9 +18,13 @@ OlmoeForCausalLM. What it follows, and where the converter surprises:
   [E, I, H], [E, H, I] (ggml ne {H, I, E} / {I, H, E}); the router is blk.N.ffn_gate_inp.
 - The "llama" arch (Llama and Mixtral) gets the converter's q/k row permutation (HF's
   rotate-half rope to ggml's interleaved pairs); k uses the KV head count.
-- Qwen2-MoE's `shared_expert_gate` [1, H] is written as it is, 2-D: ggml ne {H, 1}.
-  llama.cpp creates ffn_gate_inp_shexp as {n_embd} and accepts that (trailing 1s
-  match), and ggml counts it as 1-D, so llama-quantize never quantizes it either.
+- Qwen2-MoE's `shared_expert_gate` [1, H] becomes blk.N.ffn_gate_inp_shexp 1-D [H]
+  (`shexp_gate_1d`), as llama.cpp creates it ({n_embd}) and as every file llama.cpp's
+  C code writes stores it: gguf.cpp writes ggml_n_dims dims, so llama-quantize's output
+  (all published quantized files) has ne {H}, and transformers' GGUF reader expects
+  that ("quantized one is (2048)"). convert_hf_to_gguf.py itself writes the tensor as
+  saved, ne {H, 1}, in its F32/F16/Q8_0 files: shexp_gate_1d=False writes that form
+  (llama.cpp loads both: trailing 1s match).
 - OLMoE's q_norm/k_norm cover the whole projection ([H] and [kv_heads * head_dim]);
   llama.cpp creates both as {n_embd}, so it runs OLMoE only with kv_heads == heads.
 - `expert_weights_norm` is written for none of these archs: the converter writes it only
@@ -339,7 +343,11 @@ class _Safetensors:
 
 
 def _hf_tensors(
-    st: _Safetensors, config: dict[str, Any], arch: gguf.MODEL_ARCH, wanted: QType
+    st: _Safetensors,
+    config: dict[str, Any],
+    arch: gguf.MODEL_ARCH,
+    wanted: QType,
+    shexp_gate_1d: bool,
 ) -> list[TensorPlan]:
     """The converter's tensors, in its order: extra (rope_freqs) first, then the
     safetensors names sorted, each layer's experts where its last one comes."""
@@ -376,11 +384,17 @@ def _hf_tensors(
         n = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else 0
         permute = arch == A.LLAMA and n > 0
 
-        def load(name: str = name, n: int = n, permute: bool = permute) -> np.ndarray:
-            data = st.load(name)
+        shape = st.shapes[name]
+        if shexp_gate_1d and gguf_name.endswith(".ffn_gate_inp_shexp.weight"):
+            shape = (math.prod(shape),)
+
+        def load(
+            name: str = name, n: int = n, permute: bool = permute, shape: tuple[int, ...] = shape
+        ) -> np.ndarray:
+            data = st.load(name).reshape(shape)
             return llama_permute(data, n) if permute else data
 
-        add(gguf_name, st.shapes[name], load)
+        add(gguf_name, shape, load)
     if pending:
         raise ValueError(f"incomplete experts (config has {n_experts}): {sorted(pending)}")
     return plans
@@ -422,10 +436,19 @@ def _stacked_experts(
     return plans
 
 
-def hf_to_gguf(hf_dir: Path, out: Path, *, tensor_type: str = "F32", tokenizer_gguf: Path) -> None:
+def hf_to_gguf(
+    hf_dir: Path,
+    out: Path,
+    *,
+    tensor_type: str = "F32",
+    tokenizer_gguf: Path,
+    shexp_gate_1d: bool = True,
+) -> None:
     """Convert a transformers-saved model directory into a GGUF as llama.cpp's
     convert_hf_to_gguf.py lays it out (see the module docstring), with the tokenizer of
-    `tokenizer_gguf`. `tensor_type`: F32, F16, Q8_0 or Q4_0 for the weight matrices."""
+    `tokenizer_gguf`. `tensor_type`: F32, F16, Q8_0 or Q4_0 for the weight matrices.
+    `shexp_gate_1d`: Qwen2-MoE's ffn_gate_inp_shexp as [H] (llama-quantize's files)
+    rather than the converter's [1, H]."""
     hf_dir, out = Path(hf_dir), Path(out)
     config = json.loads((hf_dir / "config.json").read_text())
     if "text_config" in config:
@@ -442,7 +465,7 @@ def hf_to_gguf(hf_dir: Path, out: Path, *, tensor_type: str = "F32", tokenizer_g
     out.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         st = _Safetensors(hf_dir, stack)
-        write_gguf(writer, _hf_tensors(st, config, arch, wanted))
+        write_gguf(writer, _hf_tensors(st, config, arch, wanted, shexp_gate_1d))
 
 
 # ---- random weights in a real model's shape ------------------------------------------------
@@ -628,7 +651,7 @@ def _shaped_layer(s: Shape, i: int) -> list[tuple[str, tuple[int, ...], str]]:
     if s.shared_ffn:
         f = s.shared_ffn
         t += [
-            (p + "ffn_gate_inp_shexp.weight", (1, h), "rand"),
+            (p + "ffn_gate_inp_shexp.weight", (h,), "rand"),  # llama-quantize: 1-D
             (p + "ffn_gate_shexp.weight", (f, h), "w"),
             (p + "ffn_up_shexp.weight", (f, h), "w"),
             (p + "ffn_down_shexp.weight", (h, f), "w"),

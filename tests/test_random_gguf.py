@@ -166,8 +166,11 @@ _EXPERT_NAMES = {
 }
 
 
-def _expected(kind: str, hf: dict[str, np.ndarray], config: Any) -> dict[str, np.ndarray]:
-    """The GGUF tensors (torch order) llama.cpp's converter makes of `hf`."""
+def _expected(
+    kind: str, hf: dict[str, np.ndarray], config: Any, shexp_gate_1d: bool = True
+) -> dict[str, np.ndarray]:
+    """The GGUF tensors (torch order) llama.cpp's converter makes of `hf` (the shared
+    expert's gate 1-D as llama-quantize rewrites it, unless not `shexp_gate_1d`)."""
     out: dict[str, np.ndarray] = {"token_embd.weight": hf["model.embed_tokens.weight"]}
     out["output_norm.weight"] = hf["model.norm.weight"]
     if "lm_head.weight" in hf:
@@ -185,6 +188,8 @@ def _expected(kind: str, hf: dict[str, np.ndarray], config: Any) -> dict[str, np
             value = _permute(value, config.num_attention_heads)
         if ARCH[kind] == "llama" and ".k_proj." in name:
             value = _permute(value, config.num_key_value_heads)
+        if m[2] == "mlp.shared_expert_gate.weight" and shexp_gate_1d:
+            value = value.reshape(-1)
         out[p + _LAYER_NAMES[m[2]]] = value
     for name, members in experts.items():
         out[name] = np.stack([v for _, v in sorted(members, key=lambda x: x[0])])
@@ -267,8 +272,8 @@ def _check_llama_cpp_shapes(kind: str, tensors: dict[str, Any]) -> None:
         assert _ne(tensors["blk.1.ffn_gate_exps.weight"]) == [64, ffn, 8]
         assert _ne(tensors["blk.1.ffn_up_exps.weight"]) == [64, ffn, 8]
         assert _ne(tensors["blk.1.ffn_down_exps.weight"]) == [ffn, 64, 8]
-    if kind == "qwen2moe":  # [1, H] as saved; llama.cpp's {n_embd} accepts {H, 1}
-        assert _ne(tensors["blk.0.ffn_gate_inp_shexp.weight"]) == [64, 1]
+    if kind == "qwen2moe":  # {n_embd}, as llama-quantize's files store it
+        assert _ne(tensors["blk.0.ffn_gate_inp_shexp.weight"]) == [64]
         assert _ne(tensors["blk.0.ffn_gate_shexp.weight"]) == [64, 48]
     if kind == "olmoe":  # over the whole projection
         assert _ne(tensors["blk.0.attn_q_norm.weight"]) == [64]
@@ -291,6 +296,19 @@ def _llama3_factors() -> np.ndarray:
     mid = 1 / ((1 - smooth) / r["factor"] + smooth)
     low_wavelen, high_wavelen = old / r["low_freq_factor"], old / r["high_freq_factor"]
     return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, r["factor"], mid))
+
+
+def test_converters_2d_shexp_gate(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    """shexp_gate_1d=False: the shared expert's gate as convert_hf_to_gguf.py writes
+    it, [1, H] (ggml ne {H, 1}); llama.cpp loads that too."""
+    hf = _build("qwen2moe", tmp_path / "hf")
+    hf_to_gguf(
+        tmp_path / "hf", tmp_path / "m.gguf", tokenizer_gguf=tiny_tokenizer, shexp_gate_1d=False
+    )
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    gate = tensors["blk.1.ffn_gate_inp_shexp.weight"]
+    assert _ne(gate) == [64, 1] and gate.tensor_type == QType.F32
+    np.testing.assert_array_equal(gate.data, hf["model.layers.1.mlp.shared_expert_gate.weight"])
 
 
 @pytest.mark.parametrize("tensor_type", ["F16", "Q8_0", "Q4_0"])
@@ -427,7 +445,7 @@ def _check_shaped_tensors(s: Shape, plans: dict[str, Any]) -> None:
         assert plans["blk.0.ffn_up_exps.weight"].shape == (s.experts, f, h)
         assert plans["blk.0.ffn_down_exps.weight"].shape == (s.experts, h, f)
     if s.shared_ffn:
-        assert plans["blk.0.ffn_gate_inp_shexp.weight"].shape == (1, h)
+        assert plans["blk.0.ffn_gate_inp_shexp.weight"].shape == (h,)
 
 
 @pytest.mark.usefixtures("tiny_shapes")
