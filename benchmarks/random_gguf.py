@@ -39,10 +39,15 @@ OlmoeForCausalLM. What it follows, and where the converter surprises:
   `tensor_type`, falling back to F16 where its rows don't split into blocks. Q4_0 is
   offered here though the converter has no such --outtype (llama-quantize makes it).
 
+It reads one tensor (one expert) at a time. Checked beside transformers' GGUF reader,
+which is written for llama.cpp's files: it gives back the saved weights exactly for
+Llama (q/k un-permuted), Qwen2-MoE and Qwen3-MoE; for the MoE ones only when given the
+HF config (it maps no expert_feed_forward_length), and it reads no Mixtral or OLMoE.
+
 `write_shaped` writes random weights in a real model's shape (SHAPES), tensor by
 tensor straight to disk (one bounded chunk in memory at a time), quantized as
 llama-quantize's Q4_K_M (see `mix_type`) or Q8_0 would, with random quants under small
-fixed block scales (weights ~ +-0.018, zero mean) so activations stay finite.
+fixed block scales (weights of std ~0.018, zero mean) so activations stay finite.
 
 Both copy the tokenizer (every tokenizer.* key: tokens, merges, types, special ids,
 chat template) from `tokenizer_gguf`. Where the model's vocabulary is larger, the list
