@@ -1,0 +1,178 @@
+"""Mixture-of-Experts models from GGUF files laid out as llama.cpp's converter writes
+them (benchmarks/random_gguf.py): in F32, greedy output equals transformers' on the
+same weights token for token; in Q8_0, the experts stay in their blocks (never a dense
+copy: the weight bytes are the file's) and agree with the F32 file; files whose expert
+tensors disagree with their metadata are refused before any weight is read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.random_gguf import hf_to_gguf
+from benchmarks.random_models import MOE_KINDS, SMALL, build_model
+from sluice import LLM, SamplingParams
+from sluice.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+# A 512-token vocabulary: reading SmolLM2's 49,152 tokens out of a GGUF takes seconds
+# each time a file is written, read back or loaded.
+VOCAB = 512
+SHAPE = {**SMALL, "vocab_size": VOCAB}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer-only GGUF of VOCAB byte-level tokens."""
+    path = tmp_path_factory.mktemp("tok") / "vocab.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(["<|endoftext|>"] + [f"t{i}" for i in range(1, VOCAB)])
+    w.add_token_types([3] + [1] * (VOCAB - 1))
+    w.add_token_merges([])
+    w.add_eos_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (7, 33)]
+
+
+def _reference(model: Any, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False
+        )
+    return list(out[0, len(ids) :].tolist())
+
+
+def _llm(path: Path, **kwargs: Any) -> LLM:
+    return LLM(
+        model=str(path),
+        kv_cache_memory=0.02,
+        block_size=8,
+        max_num_batched_tokens=16,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_f32_gguf_equals_transformers(kind: str, tmp_path: Path, tokenizer: Path) -> None:
+    model = build_model(kind, SHAPE, tmp_path / "hf")
+    path = tmp_path / f"{kind}.gguf"
+    hf_to_gguf(tmp_path / "hf", path, tokenizer_gguf=tokenizer)
+    llm = _llm(path, dtype="float32", quantization="none")
+    assert llm.engine.model_config.num_experts == 8
+    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(model, p) for p in _prompts()]
+
+
+def test_q8_0_experts_stay_quantized_and_agree_with_their_dense_selves(
+    tmp_path: Path, tokenizer: Path
+) -> None:
+    """A Q8_0 file on the block kernels: the expert stacks are held as the file's bytes
+    (weight_bytes within a few percent of the file: no dense copy), and each prompt's
+    next-token distribution is the one the same weights give dequantized, to the int8
+    activations' rounding (same top token, logprobs within 0.25 nats after 3 layers of
+    random weights; a wrong expert's rows would change them outright)."""
+    build_model("qwen3moe", SHAPE, tmp_path / "hf")
+    q8 = tmp_path / "q8.gguf"
+    hf_to_gguf(tmp_path / "hf", q8, tensor_type="Q8_0", tokenizer_gguf=tokenizer)
+    sp = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    llm = _llm(q8, dtype="float32", quantization="gguf")
+    assert llm.engine.quantization == "gguf"
+    tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(q8).tensors)
+    # A Q8_0 block keeps its fp16 scale beside its 32 bytes, as the file does.
+    assert abs(llm.stats()["weight_bytes"] - tensor_bytes) <= 0.03 * tensor_bytes
+    got = [o.outputs[0].logprobs[0] for o in llm.generate(_prompts(), sp, use_tqdm=False)]
+    del llm
+    dense = _llm(q8, dtype="float32", quantization="none")
+    want = [o.outputs[0].logprobs[0] for o in dense.generate(_prompts(), sp, use_tqdm=False)]
+    for g, w in zip(got, want, strict=True):
+        assert next(iter(g)) == next(iter(w))  # the greedy pick
+        for token, lp in w.items():
+            if token in g:
+                assert abs(g[token].logprob - lp.logprob) < 0.25, token
+
+
+def _rewrite(src: Path, dst: Path, change: Any) -> None:
+    """A copy of the GGUF at src with `change(name, array, metadata)` applied to its
+    tensors (returning None drops one) and its metadata dict."""
+    reader = gguf.GGUFReader(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(dst, arch)
+    meta = {
+        name: field.contents()
+        for name, field in reader.fields.items()
+        if not name.startswith("GGUF.") and name != "general.architecture"
+    }
+    tensors = {t.name: np.array(t.data) for t in reader.tensors}
+    change(tensors, meta)
+    for key, value in meta.items():
+        field = reader.fields[key]
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, value, vtype, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, value, vtype)
+    for name, data in tensors.items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def olmoe_gguf(tmp_path_factory: pytest.TempPathFactory, tokenizer: Path) -> Path:
+    directory = tmp_path_factory.mktemp("olmoe")
+    build_model("olmoe", SHAPE, directory / "hf")
+    hf_to_gguf(directory / "hf", directory / "olmoe.gguf", tokenizer_gguf=tokenizer)
+    return directory / "olmoe.gguf"
+
+
+@pytest.mark.parametrize(
+    ("defect", "message"),
+    [
+        ("no_router", r"missing tensor 'blk\.1\.ffn_gate_inp\.weight'"),
+        ("expert_count", r"'blk\.0\.ffn_gate_inp\.weight' has shape \[8, 128\]; .*12 experts"),
+        ("top_k", r"num_experts_per_tok \(9\) must be between 1 and num_experts \(8\)"),
+        ("expert_size", r"'blk\.0\.ffn_gate_exps\.weight' has shape \[8, 64, 128\].*needs"),
+    ],
+)
+def test_a_file_that_lies_about_its_experts_is_refused(
+    defect: str, message: str, tmp_path: Path, olmoe_gguf: Path
+) -> None:
+    bad = tmp_path / "bad.gguf"
+
+    def change(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        if defect == "no_router":
+            del tensors["blk.1.ffn_gate_inp.weight"]
+        elif defect == "expert_count":
+            meta["olmoe.expert_count"] = 12
+        elif defect == "top_k":
+            meta["olmoe.expert_used_count"] = 9
+        else:
+            meta["olmoe.feed_forward_length"] = 48  # OLMoE's expert size
+
+    _rewrite(olmoe_gguf, bad, change)
+    with pytest.raises(ValueError, match=message):
+        load_model(str(bad))
