@@ -766,29 +766,36 @@ SLUICE_INLINE void qb_store(T* y, int N, int64_t n, const float* out) {
 
 // Rows r0 .. r0 + R (R <= kQbRowBlock) of y: every weight row times all R rows, in one
 // orphaned `omp for`; long rows go chunk by chunk over blocks of kQbChunkRows weight rows.
+// `wait` false leaves out the barrier at the end (every thread must pass the same), where
+// no thread reads what another writes before the region's end: the experts' groups
+// write disjoint rows of y.
 constexpr int kQbChunkRows = 8;
 template <int BITS, int G, bool IQ, int R, typename T>
-void qb_rows_pass(const QBlockActivations& xa, int r0, int K, const QbWeight& wt, int N, T* y) {
+void qb_rows_pass(const QBlockActivations& xa, int r0, int K, const QbWeight& wt, int N, T* y,
+                  bool wait = true) {
   const QbActRows<R> a = qb_act_rows<G, R>(xa, r0, K);
   y += static_cast<int64_t>(r0) * N;
   if (K <= kQbChunk || R <= 2) {  // (1-2 rows: bandwidth-bound, weights best read in order)
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int n = 0; n < N; ++n) {
       float out[R];
       qb_dot_row<BITS, G, IQ, R, true>(wt.row<BITS, G, IQ>(K, n), a, K, out);
       qb_store<T, R>(y, N, n, out);
     }
-    return;
+  } else {
+    const int blocks = (N + kQbChunkRows - 1) / kQbChunkRows;
+#pragma omp for schedule(static) nowait
+    for (int b = 0; b < blocks; ++b) {
+      const int n0 = b * kQbChunkRows, n1 = std::min(N, n0 + kQbChunkRows);
+      float out[kQbChunkRows][R] = {};
+      for (int k0 = 0; k0 < K; k0 += kQbChunk)
+        for (int n = n0; n < n1; ++n)
+          qb_dot_chunk<BITS, G, IQ, R, true>(wt.row<BITS, G, IQ>(K, n), a, k0, K, out[n - n0]);
+      for (int n = n0; n < n1; ++n) qb_store<T, R>(y, N, n, out[n - n0]);
+    }
   }
-  const int blocks = (N + kQbChunkRows - 1) / kQbChunkRows;
-#pragma omp for schedule(static)
-  for (int b = 0; b < blocks; ++b) {
-    const int n0 = b * kQbChunkRows, n1 = std::min(N, n0 + kQbChunkRows);
-    float out[kQbChunkRows][R] = {};
-    for (int k0 = 0; k0 < K; k0 += kQbChunk)
-      for (int n = n0; n < n1; ++n)
-        qb_dot_chunk<BITS, G, IQ, R, true>(wt.row<BITS, G, IQ>(K, n), a, k0, K, out[n - n0]);
-    for (int n = n0; n < n1; ++n) qb_store<T, R>(y, N, n, out[n - n0]);
+  if (wait) {
+#pragma omp barrier
   }
 }
 
@@ -796,15 +803,17 @@ void qb_rows_pass(const QBlockActivations& xa, int r0, int K, const QbWeight& wt
 // row blocks instead (the tiled loop this replaced) measured slower on 2 cores of Zen 5:
 // the 1.5B's head at 16 rows 22.2 against 14.6 ms, at 9 rows 13.4 against 12.3.
 // Rows first .. first + M of xa and y (the experts' matmul runs a group of rows at a
-// time, each in the passes a call of its M rows alone would make: the same results).
+// time, each in the passes a call of its M rows alone would make: the same results);
+// `wait` false: no barrier after the passes (see qb_rows_pass).
 template <int BITS, int G, bool IQ, typename T>
 void qblock_rows_t(const QBlockActivations& xa, int M, int K, const QbWeight& wt, int N, T* y,
-                   int first = 0) {
+                   int first = 0, bool wait = true) {
   const int passes = (M + kQbRowBlock - 1) / kQbRowBlock;
   const int per_pass = (M + passes - 1) / passes;  // as even as they go: 16 rows as 8 + 8
   for (int r0 = 0; r0 < M; r0 += per_pass)
-    qb_with_rows(std::min(per_pass, M - r0),
-                 [&](auto R) { qb_rows_pass<BITS, G, IQ, R>(xa, first + r0, K, wt, N, y); });
+    qb_with_rows(std::min(per_pass, M - r0), [&](auto R) {
+      qb_rows_pass<BITS, G, IQ, R>(xa, first + r0, K, wt, N, y, wait);
+    });
 }
 
 // The runtime format (bits, group; integer scales where the weight has multipliers s)
