@@ -253,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
             self._put_norm(ck, att.k_norm, p + "self_attn.k_norm.weight")
         mlp = layer.mlp
         if isinstance(mlp, SparseMoE):
-            mlp.load(ck, p + "mlp.")
+            mlp.load(ck, p + "mlp.", keep_quantized=isinstance(self.lm_head.method, BlockQuantized))
         else:
             ck.put_linear(mlp.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
             ck.put_linear(mlp.down_proj, [p + "mlp.down_proj.weight"])

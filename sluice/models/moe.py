@@ -14,11 +14,11 @@ as the reference adds them.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sluice.config import ModelConfig
 from sluice.layers import fused
-from sluice.layers.block_quant import BlockQuantized
 from sluice.layers.experts import ExpertGroups, Experts
 from sluice.layers.linear import Linear
 from sluice.models.checkpoint import Checkpoint
@@ -41,14 +41,19 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
-        self.gate = Linear(config.hidden_size, config.num_experts)
+        # The router in fp32 whatever the model's dtype: its logits pick the experts, and
+        # a bf16 matmul would move near-ties (it is E x hidden, a small read).
+        self.router = nn.Parameter(
+            torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32),
+            requires_grad=False,
+        )
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         shared = config.shared_expert_intermediate_size
         self.shared_expert = MLP(config.hidden_size, shared) if shared else None
         self.shared_expert_gate = Linear(config.hidden_size, 1) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
+        logits = F.linear(x.float(), self.router)
         weights, ids = route(logits, self.top_k, self.renormalize)
         groups = ExpertGroups.of(ids, self.experts.num_experts)
         tokens = groups.order // self.top_k  # the token of each sorted pair
@@ -61,15 +66,26 @@ class SparseMoE(nn.Module):
             out = out + scale * self.shared_expert(x)
         return out
 
-    def load(self, ck: Checkpoint, prefix: str) -> None:
-        """This layer's router, experts and shared expert (`prefix`: "model.layers.N.mlp.")."""
-        ck.put_linear(self.gate, [prefix + "gate.weight"])
+    def held(self) -> list[torch.Tensor]:
+        """The router (for weight_bytes; the experts and shared expert count themselves)."""
+        return [self.router]
+
+    def load(self, ck: Checkpoint, prefix: str, keep_quantized: bool) -> None:
+        """This layer's router, experts and shared expert (`prefix`: "model.layers.N.mlp.");
+        keep_quantized: experts a GGUF stores in blocks stay in them."""
+        router = ck.dense_float(ck.take(prefix + "gate.weight"))
+        if tuple(router.shape) != tuple(self.router.shape):
+            raise ValueError(
+                f"{prefix}gate.weight has shape {tuple(router.shape)}, "
+                f"expected {tuple(self.router.shape)}"
+            )
+        self.router.copy_(router)
         self.experts.load(
             ck.take(prefix + "experts.gate_proj.weight"),
             ck.take(prefix + "experts.up_proj.weight"),
             ck.take(prefix + "experts.down_proj.weight"),
             dtype=ck.dtype,
-            keep_quantized=isinstance(self.gate.method, BlockQuantized),
+            keep_quantized=keep_quantized,
         )
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             p = prefix + "shared_expert."
