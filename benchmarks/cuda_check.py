@@ -9,6 +9,8 @@ GPU. No CI machine has one, so this script is what checks that path where a GPU 
    tests/test_architectures.py) on the GPU in fp32, sluice's greedy output against
    transformers' on the same weights, token for token, with chunked prefill (a 32-token
    budget), prefix caching, and again with n-gram and draft-model speculative decoding;
+   The MoE kinds (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) the same way, plain and with
+   n-gram speculation (part "moe"): routing, grouping and dense expert stacks on the GPU;
 2. figures: a random-weight model of SmolLM2-135M's shape in bf16, single-stream
    decode and offline throughput against transformers' static-batch `generate` on the
    same weights and prompts, interleaved rounds (A B A B), medians;
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import REPO_ROOT, compare, interleave, write_result
-from benchmarks.random_models import SMALL, build_model
+from benchmarks.random_models import MOE_KINDS, SMALL, build_model
 
 # SmolLM2-135M's shape (30 layers, hidden 576, GQA 9/3, vocab 49152, tied embeddings).
 SMOLLM2_SHAPE = dict(
@@ -121,20 +123,30 @@ def greedy_against(llm: Any, prompts: list[list[int]], ref: list[list[int]]) -> 
     }
 
 
-def check_correctness(tokenizer: Path, device: str, work: Path) -> list[dict[str, Any]]:
+def check_correctness(
+    tokenizer: Path,
+    device: str,
+    work: Path,
+    kinds: tuple[str, ...] = ("llama", "qwen2", "qwen3"),
+    methods: tuple[str | None, ...] = (None, "ngram", "draft"),
+) -> list[dict[str, Any]]:
+    """Greedy output of each kind's random model on `device` against transformers'
+    there, plain and with each speculative method. The MoE kinds (part "moe") run
+    their experts as dense stacks on the GPU (routing, grouping and the weighted sum
+    in torch)."""
     from sluice.engine.speculative.step_costs import StepCosts
 
     prompts = small_prompts()
     # A prompt that repeats itself, so n-gram lookup has drafts to verify.
     prompts.append((prompts[1] * 4)[:80])
     results = []
-    for kind in ("llama", "qwen2", "qwen3"):
+    for kind in kinds:
         directory = work / kind
         model = build(kind, SMALL, directory, tokenizer).to(device)
         ref = hf_greedy(model, prompts, GREEDY_TOKENS, device)
         # "draft": the model drafts for itself, so every draft is accepted and the
         # draft model's own paged KV and catch-up run too.
-        for spec in (None, "ngram", "draft"):
+        for spec in methods:
             llm = small_engine(
                 directory,
                 device,
@@ -397,7 +409,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=256, help="offline throughput prompts")
     ap.add_argument(
-        "--parts", default="correctness,server,figures,compile", help="which parts, in order"
+        "--parts", default="correctness,moe,server,figures,compile", help="which parts, in order"
     )
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     ap.add_argument("--output", type=Path, default=REPO_ROOT / "benchmarks/results/cuda_check.json")
@@ -410,6 +422,12 @@ def main() -> None:
         work = Path(tmp)
         for name, step in (
             ("correctness", lambda: check_correctness(args.tokenizer, args.device, work)),
+            (
+                "moe",
+                lambda: check_correctness(
+                    args.tokenizer, args.device, work, MOE_KINDS, (None, "ngram")
+                ),
+            ),
             ("server", lambda: check_server(work, args.tokenizer, args.device)),
             (
                 "figures",
