@@ -87,7 +87,8 @@ class Experts(nn.Module):
             self.down_weight = down
             self.lib = cpu_kernels(torch.empty(0, dtype=dtype))
             return
-        dense = [_dense(w, shape, dtype) for _, w, shape in parts]
+        # On the model's device (the checkpoint's tensors are on the CPU).
+        dense = [_dense(w, shape, dtype).to(self.tokens.device) for _, w, shape in parts]
         self.gate_up_weight = torch.cat(dense[:2], dim=1).contiguous()
         self.down_weight = dense[2]
 
