@@ -693,6 +693,44 @@ def _tensor_parallel(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _moe(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        cmp, b, bw = d["comparison"], d["bytes"], d["read_bandwidth_gb_s"]
+        share = []
+        for side in ("sluice", "llama.cpp"):
+            tg = cmp["summary"][side]["tg_tok_s"]["median"]
+            share.append(f"{tg * b['decode_step_bytes'] / 1e9 / bw:.0%}")
+        mem = [
+            r["peak_rss_bytes"] / (b["file_bytes"] + r["kv_pool_bytes"])
+            for r in d["runs"]["sluice"]
+        ]
+        rows.append(
+            [
+                *_run_cells(name, d),
+                d["model"],
+                _pair(cmp, "sluice", "llama.cpp", "pp_tok_s", 1),
+                _ratio(_rmed(cmp, "sluice", "pp_tok_s")),
+                _pair(cmp, "sluice", "llama.cpp", "tg_tok_s", 1),
+                _ratio(_rmed(cmp, "sluice", "tg_tok_s")),
+                f"{b['decode_step_bytes'] / 1e9:.2f} GB, {bw:.1f} GB/s: " + " / ".join(share),
+                f"{max(mem):.2f}×",
+                str(cmp["rounds"]),
+            ]
+        )
+    headers = [
+        "model (random weights)",
+        "prompt tok/s sluice / llama.cpp",
+        "ratio",
+        "decode tok/s sluice / llama.cpp",
+        "ratio",
+        "bytes a token reads, read bandwidth: share reached sluice / llama.cpp",
+        "peak RSS / (file + KV pool)",
+        "rounds",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
 def _swa_pool(results: Sequence[Result]) -> str:
     rows = []
     for name, d in results:
@@ -774,6 +812,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "scale_out": _scale_out,
     "tensor_parallel": _tensor_parallel,
     "swa_pool": _swa_pool,
+    "moe": _moe,
     "cuda_check": _cuda_check,
 }
 
