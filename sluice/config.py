@@ -464,6 +464,15 @@ class EngineConfig:
         ),
     )
 
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata=doc(
+            "with tensor_parallel_size N, split a Mixture-of-Experts model's experts over the "
+            "N ranks (whole experts each; attention split by heads as without it); the expert "
+            "count must divide by N"
+        ),
+    )
+
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)

@@ -97,7 +97,7 @@ def test_capabilities_come_from_the_registration() -> None:
             with pytest.raises(ConfigError, match="runs on dense Llama-family targets"):
                 check_head(Path("head.safetensors"), {}, config)
     assert not REGISTRY["gemma3"].tensor_parallel and not REGISTRY["gemma3"].eagle_head
-    # Mixtral is a Llama with experts: the experts are what cannot be split or drafted for.
+    # Mixtral is a Llama with experts: split by experts only, and not drafted for.
     mixtral = ModelConfig(
         "llama",
         10,
@@ -111,8 +111,11 @@ def test_capabilities_come_from_the_registration() -> None:
         num_experts_per_tok=2,
         moe_intermediate_size=16,
     )
-    with pytest.raises(ConfigError, match="does not split Mixture-of-Experts models"):
+    with pytest.raises(ConfigError, match="set enable_expert_parallel"):
         check_tensor_parallel(mixtral, 2)
+    check_tensor_parallel(mixtral, 2, expert_parallel=True)  # 4 experts: 2 a rank
+    with pytest.raises(ConfigError, match="must divide the model's 4 experts"):
+        check_tensor_parallel(mixtral, 3, expert_parallel=True)
     with pytest.raises(ConfigError, match="runs on dense Llama-family targets"):
         check_head(Path("head.safetensors"), {}, mixtral)
 

@@ -387,3 +387,36 @@ def test_shard_checkpoint_shapes() -> None:
     local = local_config(mc, 2)
     shapes = (local.num_heads, local.num_kv_heads, local.intermediate_size, local.vocab_size)
     assert shapes == (2, 1, 6, 6)
+
+
+@pytest.mark.parametrize("kind", ["qwen3moe", "qwen2moe"])
+def test_expert_parallel_greedy_equals_one_rank(
+    kind: str, tmp_path: Path, smollm2_path: Path
+) -> None:
+    """`enable_expert_parallel`: each of 2 ranks holds 4 of the 8 experts (attention split
+    by heads as without it); the greedy tokens are one rank's, Qwen2-MoE's replicated
+    shared expert added once; per step still 2 all-reduces a layer."""
+    from benchmarks.random_models import SMALL, build_model
+
+    build_model(kind, SMALL, tmp_path)
+    tokenizer_from_gguf(smollm2_path).save(tmp_path)
+    expected = greedy(engine(tmp_path, 1))
+    with pytest.raises(ConfigError, match="set enable_expert_parallel"):
+        engine(tmp_path, 2)
+    two = LLM(
+        model=str(tmp_path),
+        dtype="float32",
+        kv_cache_memory=0.02,
+        max_num_batched_tokens=32,
+        block_size=8,
+        num_threads=2,
+        tensor_parallel_size=2,
+        enable_expert_parallel=True,
+    )
+    try:
+        assert greedy(two) == expected
+        check_collectives_per_step(two)  # SMALL has LAYERS layers too
+        # Rank 0 reports its own experts' load: 4 of the 8.
+        assert {len(row) for row in two.stats()["moe_expert_tokens"]} == {4}
+    finally:
+        two.shutdown()

@@ -35,6 +35,5 @@ SPEC = ArchitectureSpec(
     gguf_fields=_gguf_fields,
     hf_fields=_hf_fields,
     gguf_layer_names=MOE_LAYER_NAMES,
-    tensor_parallel=False,
     eagle_head=False,
 )

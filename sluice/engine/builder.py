@@ -172,8 +172,10 @@ def _load_target(config: EngineConfig, device: torch.device) -> _Target:
     )
     check_kv_cache_dtype(config.kv_cache_dtype, config.kv_cache_skip_layers, mc)
     if config.tensor_parallel_size > 1:
-        check_tensor_parallel(mc, config.tensor_parallel_size)
-    options = RunnerOptions(dtype, device, quantization, config.compile)
+        check_tensor_parallel(mc, config.tensor_parallel_size, config.enable_expert_parallel)
+    options = RunnerOptions(
+        dtype, device, quantization, config.compile, config.enable_expert_parallel
+    )
     method = METHODS[config.speculative_method] if config.speculative_method else None
     drafter = method.load(DraftLoad(config, loaded, options)) if method else None
     return _Target(loaded, options, method is not None and method.needs_features, drafter)

@@ -171,8 +171,10 @@ class LlamaForCausalLM(nn.Module):
         self.full_vocab_size = full_vocab_size
         for layer in self.layers:
             layer.self_attn.o_proj.reduce = tp.all_reduce
-            assert isinstance(layer.mlp, MLP)  # experts are not split (check_tensor_parallel)
-            layer.mlp.down_proj.reduce = tp.all_reduce
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.split_experts(tp)  # expert parallel
+            else:
+                layer.mlp.down_proj.reduce = tp.all_reduce
 
     def init_rotary(self, max_positions: int) -> None:
         c = self.config

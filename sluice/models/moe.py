@@ -13,6 +13,8 @@ as the reference adds them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,7 @@ from sluice.layers.experts import ExpertGroups, Experts
 from sluice.layers.linear import Linear
 from sluice.models.checkpoint import Checkpoint
 from sluice.models.mlp import MLP
+from sluice.models.tp_shard import Collectives
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,20 +54,49 @@ class SparseMoE(nn.Module):
         shared = config.shared_expert_intermediate_size
         self.shared_expert = MLP(config.hidden_size, shared) if shared else None
         self.shared_expert_gate = Linear(config.hidden_size, 1) if shared else None
+        # Expert parallelism (split_experts): this rank holds experts first_expert ..
+        # first_expert + experts.num_experts of the router's, and `reduce` sums the
+        # ranks' partial outputs.
+        self.first_expert = 0
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.shared_here = True  # the shared expert is added by one rank
+
+    def split_experts(self, tp: Collectives) -> None:
+        """Make this layer one rank's part of an expert-parallel group: 1/N of the
+        experts (E divisible by N, check_tensor_parallel), every token routed over all
+        of them on every rank (the router is replicated), each rank computing its
+        experts' share and an all-reduce summing the shares. Call before loading."""
+        per_rank = self.router.shape[0] // tp.world_size
+        e = self.experts
+        self.experts = Experts(per_rank, e.hidden, e.inter)
+        self.first_expert = tp.rank * per_rank
+        self.reduce = tp.all_reduce
+        self.shared_here = tp.rank == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.router)
         weights, ids = route(logits, self.top_k, self.renormalize)
-        groups = ExpertGroups.of(ids, self.experts.num_experts)
-        tokens = groups.order // self.top_k  # the token of each sorted pair
+        local, pairs = self._local_pairs(ids)
+        groups = ExpertGroups.of(local, self.experts.num_experts)
+        pair = groups.order if pairs is None else pairs[groups.order]
+        tokens = pair // self.top_k  # the token of each sorted pair
         h = fused.silu_and_mul(self.experts.gate_up(x[tokens], groups))
         y = self.experts.down(h, groups)
-        y = y * weights.flatten()[groups.order].to(y.dtype)[:, None]
+        y = y * weights.flatten()[pair].to(y.dtype)[:, None]
         out = torch.zeros_like(x).index_add_(0, tokens, y)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            scale = torch.sigmoid(self.shared_expert_gate(x))
-            out = out + scale * self.shared_expert(x)
-        return out
+        gate = self.shared_expert_gate
+        if self.shared_expert is not None and gate is not None and self.shared_here:
+            out = out + torch.sigmoid(gate(x)) * self.shared_expert(x)
+        return out if self.reduce is None else self.reduce(out)
+
+    def _local_pairs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(this rank's expert of each of its pairs, those pairs' flat indices token * k
+        + slot); (ids, None) when this rank holds every expert."""
+        if self.reduce is None:
+            return ids, None
+        local = ids.flatten() - self.first_expert
+        pairs = ((local >= 0) & (local < self.experts.num_experts)).nonzero().flatten()
+        return local[pairs], pairs
 
     def held(self) -> list[torch.Tensor]:
         """The router (for weight_bytes; the experts and shared expert count themselves)."""

@@ -4,6 +4,8 @@ Column-parallel (outputs split): q/k/v by heads (K/V heads too, so each rank's K
 holds its own heads), gate/up by rows of the intermediate size, and their biases.
 Row-parallel (inputs split): o_proj and down_proj by columns; their partial outputs are
 all-reduced, and a bias on them is kept by rank 0 alone so the sum adds it once.
+Expert-parallel (Mixture-of-Experts layers): each rank keeps whole experts, 1/N of
+them; the router and Qwen2-MoE's shared expert are replicated (sluice/models/moe.py).
 Vocab-parallel: the embedding and the output head by rows of the vocabulary, padded
 to equal slices (the padding rows are zeros: never looked up, and their logits are cut
 off after the gather). A tied head takes the same slice as the embedding.
@@ -130,6 +132,19 @@ def _columns(w: Weight, start: int, stop: int, name: str, dtype: torch.dtype) ->
     )
 
 
+_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\w+_proj\.weight")
+
+
+def _experts(w: Weight, num_experts: int, rank: int, world_size: int) -> Weight:
+    """Expert parallelism: this rank's 1/N of a stacked expert projection ([E, out, in]
+    dense, or [E * out, in] rows in blocks), whole experts each."""
+    per_rank = num_experts // world_size
+    if isinstance(w, QuantizedTensor):
+        rows = w.shape[0] // num_experts * per_rank
+        return _rows(w, rank * rows, (rank + 1) * rows)
+    return w[rank * per_rank : (rank + 1) * per_rank].clone()
+
+
 _LAYER = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)")
 
 
@@ -152,9 +167,12 @@ def shard_checkpoint(
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             tensors[name] = _padded_rows(w, rank * vocab, vocab)
             continue
+        if _EXPERTS.fullmatch(name):
+            tensors[name] = _experts(w, config.num_experts, rank, world_size)
+            continue
         match = _LAYER.fullmatch(name)
         if match is None:
-            continue  # norms (per hidden unit or per head_dim) are replicated
+            continue  # norms, the MoE router and shared expert are replicated
         proj, kind = match.group(2), match.group(3)
         if proj in ("q", "k", "v", "gate", "up"):
             rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}.get(proj, inter)

@@ -40,6 +40,8 @@ class RunnerOptions:
     """The method every Linear gets ("gguf": a GGUF's blocks as stored; CPU only)."""
     compile: bool = False
     """torch.compile the model (dynamic in the number of tokens)."""
+    expert_parallel: bool = False
+    """Tensor-parallel ranks split a Mixture-of-Experts model's experts, whole experts each."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def build_runner(
         # Its routing groups rows by expert on the host: data-dependent, no one graph.
         raise ConfigError("compile", "compile=True does not run Mixture-of-Experts models yet")
     if tp is not None:
-        check_tensor_parallel(config, tp.world_size)
+        check_tensor_parallel(config, tp.world_size, options.expert_parallel)
         shard_checkpoint(tensors, config, tp.rank, tp.world_size, options.dtype)
         config = local_config(config, tp.world_size)
     model = _build_model(config, options, variant)

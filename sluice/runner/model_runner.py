@@ -97,19 +97,42 @@ class StepFollowers(Protocol):
 SMALL_CHUNK_TOKENS = 16
 
 
-def check_tensor_parallel(config: ModelConfig, world_size: int) -> None:
-    """Refuse, naming tensor_parallel_size, a model this many ranks cannot split."""
+def _check_expert_parallel(config: ModelConfig, world_size: int, expert_parallel: bool) -> None:
+    """A Mixture-of-Experts model splits its experts over the ranks (expert parallel),
+    whole experts each; its experts' units are not split."""
+    if not expert_parallel:
+        raise ConfigError(
+            "tensor_parallel_size",
+            "tensor_parallel_size > 1 splits a Mixture-of-Experts model's experts over the "
+            "ranks: set enable_expert_parallel (splitting each expert's units is not "
+            "implemented)",
+        )
+    if config.num_experts % world_size:
+        raise ConfigError(
+            "tensor_parallel_size",
+            f"tensor_parallel_size={world_size} must divide the model's {config.num_experts} "
+            "experts (expert parallel)",
+        )
+    if not config.qk_norm_per_head:
+        raise ConfigError(
+            "tensor_parallel_size",
+            "tensor_parallel_size > 1 does not run OLMoE yet: its QK-norm spans every "
+            "head, which the ranks split",
+        )
+
+
+def check_tensor_parallel(
+    config: ModelConfig, world_size: int, expert_parallel: bool = False
+) -> None:
+    """Refuse, naming tensor_parallel_size, a model this many ranks cannot split
+    (expert_parallel: enable_expert_parallel, how a MoE model is split)."""
     spec = spec_of(config.architecture)
     if not spec.tensor_parallel:
         raise ConfigError(
             "tensor_parallel_size", f"tensor_parallel_size > 1 does not run {spec.title} models yet"
         )
     if config.is_moe:
-        raise ConfigError(
-            "tensor_parallel_size",
-            "tensor_parallel_size > 1 does not split Mixture-of-Experts models yet "
-            "(expert parallelism)",
-        )
+        _check_expert_parallel(config, world_size, expert_parallel)
     for what, count in (
         ("attention heads", config.num_heads),
         ("KV heads", config.num_kv_heads),
