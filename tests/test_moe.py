@@ -185,3 +185,39 @@ def test_compile_is_refused_for_experts(tmp_path: Path, smollm2_path: Path) -> N
     build("qwen3moe", tmp_path, smollm2_path)
     with pytest.raises(ValueError, match="compile=True does not run Mixture-of-Experts"):
         engine(tmp_path, compile=True)
+
+
+def test_the_engine_features_compose_with_experts(tmp_path: Path, smollm2_path: Path) -> None:
+    """Nothing else in the engine knows a layer has experts: int8 KV with suffix
+    speculation is lossless against int8 KV alone (the second time a prompt is asked,
+    the drafts are the first answer's, and verified), a pool too small for the batch
+    preempts and recomputes to the same tokens, and a choice constraint holds."""
+    from sluice.engine.speculative.step_costs import StepCosts
+
+    build("mixtral", tmp_path, smollm2_path)  # head size 32, as int8 KV needs
+    batch = prompts((30, 30, 30, 30))
+    base = engine(tmp_path, kv_cache_dtype="int8", enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in base.generate(batch, GREEDY, use_tqdm=False)]
+    per_block = 0.02 / base.stats()["kv_total_blocks"]  # GiB
+    del base
+    spec = engine(tmp_path, kv_cache_dtype="int8", speculative_method="suffix")
+    assert spec.engine.speculator is not None
+    spec.engine.speculator.costs = StepCosts.uniform(0.0, max_rows=16)  # verify every draft
+    for _ in range(2):
+        got = [o.outputs[0].token_ids for o in spec.generate(batch, GREEDY, use_tqdm=False)]
+        assert got == want
+    assert spec.stats()["spec_accepted_tokens"] > 0
+    del spec
+    # 12 blocks of 8 tokens for four 46-token sequences: they cannot all stay resident.
+    small = engine(
+        tmp_path,
+        kv_cache_dtype="int8",
+        kv_cache_memory=12.5 * per_block,
+        enable_prefix_caching=False,
+    )
+    got = [o.outputs[0].token_ids for o in small.generate(batch, GREEDY, use_tqdm=False)]
+    assert got == want and small.stats()["num_preemptions"] > 0
+    choice = SamplingParams(
+        temperature=0, max_tokens=8, structured_output={"choice": ["yes", "no"]}
+    )
+    assert small.generate(batch[0], choice, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
