@@ -18,11 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.config import ModelConfig
+from sluice.kernels import fused as fused_kernels
 from sluice.layers import fused
 from sluice.layers.experts import ExpertGroups, Experts
 from sluice.layers.linear import Linear
 from sluice.models.checkpoint import Checkpoint
 from sluice.models.mlp import MLP
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,8 +56,7 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = Linear(config.hidden_size, 1) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.router)
-        weights, ids = route(logits, self.top_k, self.renormalize)
+        weights, ids = self.route(x)
         groups = ExpertGroups.of(ids, self.experts.num_experts)
         tokens = groups.order // self.top_k  # the token of each sorted pair
         h = fused.silu_and_mul(self.experts.gate_up(x[tokens], groups))
@@ -65,6 +67,16 @@ class SparseMoE(nn.Module):
             scale = torch.sigmoid(self.shared_expert_gate(x))
             out = out + scale * self.shared_expert(x)
         return out
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] fp32, expert ids [T, k]) of x's rows. Experts on our kernels
+        route with our kernel, which the one-call decode stack
+        (sluice/models/llama_decode_stack.py) shares: its steps then pick and weigh the
+        experts exactly as this layer does."""
+        lib, k = self.experts.lib, self.top_k
+        if lib is not None and x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES:
+            return fused_kernels.moe_route(lib, x.contiguous(), self.router, k, self.renormalize)
+        return route(F.linear(x.float(), self.router), self.top_k, self.renormalize)
 
     def held(self) -> list[torch.Tensor]:
         """The router (for weight_bytes; the experts and shared expert count themselves)."""
