@@ -1,8 +1,10 @@
 """The one-call decoder stack for small CPU decode steps returns exactly what the
 Python model returns: the same tokens and bit-identical logprobs, whether it runs or
 not, with int4 and int8 weights, on the real model and on random Llama (head size 32,
-generic attention math) and Qwen2 (QKV biases) models, and with the formats mixed per
-linear as GGUF files mix them (qblock layouts beside int4 and int8)."""
+generic attention math) and Qwen2 (QKV biases) models, with the formats mixed per
+linear as GGUF files mix them (qblock layouts beside int4 and int8), and on random
+GGUF files of the QK-norm (Qwen3) and Mixture-of-Experts families (Qwen3-MoE, OLMoE,
+Mixtral: routing, grouped experts and their weighted sum in the stack)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+from benchmarks.random_gguf import hf_to_gguf
+from benchmarks.random_models import SMALL, build_model
 from sluice import LLM, SamplingParams, kernels
 from sluice.attention.backend import AttentionMetadata
 from sluice.core.quantized_tensor import QuantizedTensor, pack, unpack_values
@@ -24,6 +28,9 @@ from sluice.models import llama_decode_stack
 from sluice.models.llama_decode_stack import LlamaDecodeStack
 from tests.conftest import kernels_at
 from tests.test_architectures import build
+from tests.test_moe_gguf import VOCAB, tokenizer
+
+__all__ = ["tokenizer"]  # a fixture, used by name
 
 
 @pytest.fixture
@@ -186,9 +193,9 @@ def test_stack_is_built_only_where_every_kernel_is_ours(
 ) -> None:
     assert LLM(quantization="int4", kv_cache_memory=0.05).engine.runner.decode_stack is not None
     assert LLM(quantization="none", kv_cache_memory=0.05).engine.runner.decode_stack is None
-    build("qwen3", tmp_path, smollm2_path)  # QK-norm: not in the stack
+    build("qwen3", tmp_path, smollm2_path)  # QK-norm: in the stack
     llm = LLM(model=str(tmp_path), quantization="int4", kv_cache_memory=0.02)
-    assert llm.engine.runner.decode_stack is None
+    assert llm.engine.runner.decode_stack is not None
     monkeypatch.setattr(llama_decode_stack.kernels, "load", lambda: None)
     assert LLM(quantization="int4", kv_cache_memory=0.05).engine.runner.decode_stack is None
 
@@ -281,3 +288,82 @@ def test_stack_equals_model_with_mixed_weight_formats(
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 9, 17)]
     assert_stack_equals_model(llm, prompts)
+
+
+# A 512-token vocabulary keeps writing and loading the GGUF files fast.
+GGUF_SHAPE = {**SMALL, "vocab_size": VOCAB}
+
+
+def random_gguf(kind: str, tensor_type: str, directory: Path, vocab: Path) -> Path:
+    """A random-weight model of `kind` (benchmarks/random_models.py) as a GGUF file."""
+    build_model(kind, GGUF_SHAPE, directory / "hf")
+    path = directory / f"{kind}-{tensor_type}.gguf"
+    hf_to_gguf(directory / "hf", path, tensor_type=tensor_type, tokenizer_gguf=vocab)
+    return path
+
+
+def random_prompts(seed: int, count: int = 3) -> list[list[int]]:
+    """`count` prompts of 5, 9, 17, 5, ... tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [(5, 9, 17)[i % 3] for i in range(count)]
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize(
+    ("kind", "tensor_type", "dtype"),
+    [
+        ("qwen3", "Q8_0", "float32"),  # QK-norm per head
+        ("qwen3", "Q4_0", "bfloat16"),
+        ("qwen3moe", "Q8_0", "float32"),  # QK-norm per head, top 3 renormalized
+        ("qwen3moe", "Q8_0", "bfloat16"),
+        ("olmoe", "Q8_0", "float32"),  # QK-norm over the whole projections, top 2 as is
+        ("olmoe", "Q4_0", "bfloat16"),
+        ("mixtral", "Q8_0", "bfloat16"),  # no QK-norm, top 2 renormalized
+    ],
+)
+def test_stack_equals_model_on_random_gguf_models(
+    kind: str,
+    tensor_type: str,
+    dtype: str,
+    tmp_path: Path,
+    tokenizer: Path,
+    kernel_level: str,
+) -> None:
+    path = random_gguf(kind, tensor_type, tmp_path, tokenizer)
+    llm = LLM(model=str(path), quantization="gguf", dtype=dtype, kv_cache_memory=0.02)
+    stack = built_stack(llm)
+    config = llm.engine.model_config
+    assert stack.shape.experts == config.num_experts
+    assert stack.shape.qk_norm == (0 if kind == "mixtral" else 1 if "qwen" in kind else 2)
+    assert stack.max_rows == stack_rows("gguf")
+    experts = [layer.mlp.experts for layer in llm.engine.runner.model.layers if config.is_moe]
+    # Decode steps of as many rows as the stack takes (an expert may get every row), and
+    # a 5-token prompt alone: its prefill is a 5-row step of the stack.
+    prompts = random_prompts(3, stack_rows("gguf"))
+    for batch in (prompts, prompts[:1]):
+        counts = []
+        outputs = []
+        for use_stack in (False, True):
+            start = [e.tokens.clone() for e in experts]
+            out, calls = run(llm, batch, use_stack)
+            assert (calls > 0) == use_stack
+            outputs.append(out)
+            counts.append([e.tokens - s for e, s in zip(experts, start, strict=True)])
+        assert outputs[1] == outputs[0]  # token ids and logprob floats, exactly
+        for eager, fused in zip(*counts, strict=True):  # the stack counts experts' rows
+            assert torch.equal(fused, eager) and int(eager.sum()) > 0
+
+
+def test_stack_is_not_built_for_a_shared_expert_or_dense_experts(
+    tmp_path: Path, tokenizer: Path, active_kernels: str
+) -> None:
+    path = random_gguf("qwen2moe", "Q8_0", tmp_path, tokenizer)  # its shared expert
+    llm = LLM(model=str(path), quantization="gguf", dtype="float32", kv_cache_memory=0.02)
+    assert llm.engine.runner.decode_stack is None
+    path = random_gguf("olmoe", "Q8_0", tmp_path, tokenizer)
+    llm = LLM(model=str(path), quantization="gguf", dtype="float32", kv_cache_memory=0.02)
+    runner = llm.engine.runner
+    assert LlamaDecodeStack.build(runner.model, runner.backend, runner.kv_caches) is not None
+    experts = runner.model.layers[1].mlp.experts  # dense in one layer
+    experts.gate_up_weight = torch.zeros(experts.num_experts, 2 * experts.inter, experts.hidden)
+    assert LlamaDecodeStack.build(runner.model, runner.backend, runner.kv_caches) is None

@@ -43,6 +43,8 @@ _DECODE_STACK = c_function(
     *(POINTER, POINTER, POINTER, INT),
     # slots, block tables, max_blocks, query_start, ctx_end, seqs, kv_int8
     *(POINTER, POINTER, INT64, POINTER, POINTER, INT, INT),
+    # qk_norm, experts, top_k, moe_inter, renormalize
+    *(INT, INT, INT, INT, INT),
 )
 
 
@@ -52,6 +54,11 @@ Field: TypeAlias = torch.Tensor | int | None
 # A linear's format field (csrc/decode_stack_fields.h): which kernel reads its weight.
 FORMAT_INT4 = 4  # the int4 kernel (q4_matmul)
 FORMAT_INT8 = 8  # the per-channel int8 kernel (q8_matmul)
+
+# The stack's qk_norm argument (csrc/decode_stack.cpp's QkNorm).
+QK_NORM_NONE = 0
+QK_NORM_PER_HEAD = 1  # each q and k head (Qwen3)
+QK_NORM_WHOLE = 2  # the whole q and the whole k projection (OLMoE)
 
 
 def qblock_format(bits: int, group: int) -> int:
@@ -105,6 +112,13 @@ class StackShape:
     eps: float
     scale: float  # of the attention scores
     kv_int8: bool = False  # the K/V pools hold int8 rows (sluice/attention/kv_int8.py)
+    qk_norm: int = QK_NORM_NONE
+    # Mixture-of-Experts layers (a router in their fields): experts (0: none), chosen
+    # per row, each expert's intermediate size, the top k's weights renormalized.
+    experts: int = 0
+    top_k: int = 0
+    moe_inter: int = 0
+    renormalize: bool = False
 
 
 def decode_stack(
@@ -145,5 +159,10 @@ def decode_stack(
         ptr(ctx_end),
         block_tables.shape[0],
         int(shape.kv_int8),
+        shape.qk_norm,
+        shape.experts,
+        shape.top_k,
+        shape.moe_inter,
+        int(shape.renormalize),
     )
     return h

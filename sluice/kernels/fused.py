@@ -1,5 +1,6 @@
 """Bindings of the fused elementwise ops (csrc/fused_ops.cpp): RMSNorm with the residual
-add, rotary embedding, SiLU-and-multiply. fp32 or bf16, one C++ call each.
+add, rotary embedding, SiLU-and-multiply, Mixture-of-Experts routing. fp32 or bf16, one
+C++ call each.
 
 The layout checks (contiguity, dtypes, the row limit) are the caller's, in
 `sluice.layers.fused`, which falls back to torch where they fail.
@@ -30,6 +31,10 @@ _ADD_RMS_NORM = c_function(
 _ROTARY = c_function("sluice_rotary", None, INT, POINTER, INT64, INT64, INT, INT, POINTER, POINTER)
 # bf16, gate_up, out, rows, inter
 _SILU_AND_MUL = c_function("sluice_silu_and_mul", None, INT, POINTER, POINTER, INT64, INT)
+# bf16, x, rows, hidden, router, experts, k, renormalize, weights, ids
+_MOE_ROUTE = c_function(
+    "sluice_moe_route", None, INT, POINTER, INT, INT, POINTER, INT, INT, INT, POINTER, POINTER
+)
 
 
 def max_dim(lib: Library) -> int:
@@ -81,3 +86,32 @@ def silu_and_mul(lib: Library, gate_up: torch.Tensor) -> torch.Tensor:
         lib, is_bf16(gate_up), ptr(gate_up), ptr(out), gate_up.numel() // (2 * inter), inter
     )
     return out
+
+
+def moe_route(
+    lib: Library,
+    x: torch.Tensor,  # [T, hidden] contiguous, fp32 or bf16
+    router: torch.Tensor,  # [E, hidden] fp32 contiguous
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k] int64): a softmax of x @ router.T (in fp32)
+    over the experts, its k largest (largest first), renormalized to sum 1 where asked;
+    the decode stack routes with the same compiled code."""
+    t, hidden = x.shape
+    weights = torch.empty(t, top_k, dtype=torch.float32)
+    ids = torch.empty(t, top_k, dtype=torch.int64)
+    _MOE_ROUTE(
+        lib,
+        is_bf16(x),
+        ptr(x),
+        t,
+        hidden,
+        ptr(router),
+        router.shape[0],
+        top_k,
+        int(renormalize),
+        ptr(weights),
+        ptr(ids),
+    )
+    return weights, ids

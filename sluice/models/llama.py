@@ -84,12 +84,15 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
+            # Contiguous copies: the fused norm then runs at every row count, as in the
+            # one-call decode stack (sluice/models/llama_decode_stack.py).
             if self.qk_norm_per_head:
                 q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-                qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+                qk = torch.cat([self.q_norm(q.contiguous()), self.k_norm(k.contiguous())], dim=1)
             else:
                 q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
-                qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1).view(t, -1, self.head_dim)
+                normed = [self.q_norm(q.contiguous()), self.k_norm(k.contiguous())]
+                qk = torch.cat(normed, dim=1).view(t, -1, self.head_dim)
         # q and k heads rotate together, in place where fused.
         q, k = fused.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = attend(q, k, v, self.layer_index, self.window, self.scale)

@@ -8,8 +8,10 @@ one parallel region with the same kernels, so it returns exactly what the model'
 forward would. It applies where every one of those kernels is ours: CPU, every linear on one of our
 weight kernels (int4, per-channel int8, or a GGUF weight kept in a qblock layout; each
 linear has its own format, as GGUF files mix them per layer), the paged attention
-kernel, no QK-norm; and to steps whose every token is a short-chunk query with fewer
-rows than any of those linears hands to its dense path.
+kernel; QK-norm (per head or over the whole projections) and Mixture-of-Experts MLPs
+whose expert stacks stay in GGUF blocks (no shared expert); and to steps whose every
+token is a short-chunk query with fewer rows than any of those linears (or experts)
+hands to its dense path.
 Anything else goes through the model as usual.
 
 Each layer's pointers are filled by field name (`layer_fields`); the binding orders them
@@ -25,14 +27,17 @@ import torch
 
 from sluice import kernels
 from sluice.attention.backend import AttentionBackend, AttentionMetadata
+from sluice.config import ModelConfig
+from sluice.core.quantized_tensor import QuantizedTensor
 from sluice.kernels import Library, decode_stack, qblock
 from sluice.kernels import fused as fused_kernels
 from sluice.kernels.decode_stack import Field
-from sluice.layers.block_quant import BlockQuantized
+from sluice.layers.block_quant import DENSE_MIN_ROWS, BlockQuantized
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import Int4WeightOnly, Int8WeightOnly
 from sluice.models.llama import DecoderLayer, LlamaForCausalLM
 from sluice.models.mlp import MLP
+from sluice.models.moe import SparseMoE
 
 STACK_MAX_ROWS = 3
 QBLOCK_FORMATS = frozenset(
@@ -111,21 +116,56 @@ def _linear_fields(name: str, layer: Linear, bias_allowed: bool) -> tuple[int, F
     return fmt, fields
 
 
+def _expert_fields(name: str, w: object) -> tuple[int, Fields] | None:
+    """(format, the fields `name`_packed.._format) of an expert stack kept in qblock
+    layouts; None for dense experts or a format the kernel lacks."""
+    if not isinstance(w, QuantizedTensor) or (w.bits, w.group) not in qblock.FORMATS:
+        return None
+    parts = w.parts()
+    if not all(t.is_contiguous() for t in parts if t.numel()):
+        return None
+    names = [f"{name}_{field}" for field in ("packed", "hbits", "scale", "min", "super")]
+    fields: Fields = {n: t if t.numel() else None for n, t in zip(names, parts, strict=True)}
+    fmt = decode_stack.qblock_format(w.bits, w.group)
+    fields[f"{name}_format"] = fmt
+    return fmt, fields
+
+
+def _mlp_fields(mlp: MLP | SparseMoE) -> tuple[list[tuple[int, Fields] | None], Fields] | None:
+    """(the gate_up and down weights' (format, fields), the MLP's other fields)."""
+    if isinstance(mlp, MLP):
+        linears = [
+            _linear_fields("gate_up", mlp.gate_up_proj, bias_allowed=False),
+            _linear_fields("down", mlp.down_proj, bias_allowed=False),
+        ]
+        return linears, {"router": None, "expert_tokens": None}
+    experts = mlp.experts
+    if mlp.shared_expert is not None or experts.lib is None:
+        return None
+    stacks = [
+        _expert_fields("gate_up", experts.gate_up_weight),
+        _expert_fields("down", experts.down_weight),
+    ]
+    return stacks, {"router": mlp.router.contiguous(), "expert_tokens": experts.tokens}
+
+
 def layer_fields(
     layer: DecoderLayer, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype
 ) -> tuple[set[int], Fields] | None:
     """(the formats of its linears, the layer's fields by name) where every part of the
     layer runs on our kernels in `dtype`; None otherwise."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if not isinstance(mlp, MLP):  # a Mixture-of-Experts layer
+    attn = layer.self_attn
+    mlp = _mlp_fields(layer.mlp)
+    if mlp is None:
         return None
     linears = [
         _linear_fields("qkv", attn.qkv_proj, bias_allowed=True),
         _linear_fields("o", attn.o_proj, bias_allowed=False),
-        _linear_fields("gate_up", mlp.gate_up_proj, bias_allowed=False),
-        _linear_fields("down", mlp.down_proj, bias_allowed=False),
+        *mlp[0],
     ]
-    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    qk = (attn.q_norm, attn.k_norm)
+    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    norms += [n.weight for n in qk if n is not None]
     found = [f for f in linears if f is not None]
     if len(found) < len(linears):
         return None
@@ -138,13 +178,40 @@ def layer_fields(
     fields: Fields = {
         "input_norm": norms[0],
         "qkv_bias": bias,
+        "q_norm": None if qk[0] is None else qk[0].weight,
+        "k_norm": None if qk[1] is None else qk[1].weight,
         "post_norm": norms[1],
         "k_cache": k_cache,
         "v_cache": v_cache,
+        **mlp[1],
     }
     for _, linear in found:
         fields.update(linear)
     return {fmt for fmt, _ in found}, fields
+
+
+def _max_rows_eager(layer: DecoderLayer) -> int:
+    """The most rows a step may have for the layer's eager forward to run our weight
+    kernels throughout (each linear's, and the experts', dense crossover less one)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [attn.qkv_proj, attn.o_proj]
+    if isinstance(mlp, MLP):
+        linears += [mlp.gate_up_proj, mlp.down_proj]
+    # layer_fields returned fields, so every linear runs one of our kernels.
+    rows = [cast(_KernelMethod, linear.method).dense_min_rows - 1 for linear in linears]
+    if isinstance(mlp, SparseMoE):
+        # An expert gets at most one pair of each row: fewer rows than the experts'
+        # crossover keep every expert on the grouped kernel, as eager runs them.
+        rows.append(DENSE_MIN_ROWS.get(kernels.variant(), 4) - 1)
+    return min(rows)
+
+
+def _qk_norm_mode(c: ModelConfig) -> int:
+    if not c.qk_norm:
+        return decode_stack.QK_NORM_NONE
+    if c.qk_norm_per_head:
+        return decode_stack.QK_NORM_PER_HEAD
+    return decode_stack.QK_NORM_WHOLE
 
 
 class LlamaDecodeStack:
@@ -177,6 +244,11 @@ class LlamaDecodeStack:
             eps=c.rms_norm_eps,
             scale=c.head_dim**-0.5,
             kv_int8=kv_int8,
+            qk_norm=_qk_norm_mode(c),
+            experts=c.num_experts,
+            top_k=c.num_experts_per_tok,
+            moe_inter=c.moe_intermediate_size,
+            renormalize=c.norm_topk_prob,
         )
 
     @classmethod
@@ -199,12 +271,10 @@ class LlamaDecodeStack:
             return None
         dtype = model.embed_tokens.weight.dtype
         if (
-            c.qk_norm
-            or c.is_moe  # its C++ layer has a dense MLP only
-            or getattr(backend, "kernel", None) is None
+            getattr(backend, "kernel", None) is None
             or model.embed_tokens.weight.device.type != "cpu"
             or dtype not in (torch.float32, torch.bfloat16)
-            or c.hidden_size > fused_kernels.max_dim(lib)
+            or max(c.hidden_size, c.num_heads * c.head_dim) > fused_kernels.max_dim(lib)
         ):
             return None
         rows: list[Fields] = []
@@ -216,12 +286,7 @@ class LlamaDecodeStack:
                 return None
             formats |= found[0]
             rows.append(found[1])
-            attn, mlp = layer.self_attn, layer.mlp
-            assert isinstance(mlp, MLP)  # layer_fields returned fields
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                # layer_fields returned fields, so every linear runs one of our kernels.
-                method = cast(_KernelMethod, linear.method)
-                max_rows_eager = min(max_rows_eager, method.dense_min_rows - 1)
+            max_rows_eager = min(max_rows_eager, _max_rows_eager(layer))
         # On qblock weights, at most the rows one pass of its kernel serves
         # (qblock.row_block: 12 at AVX-512, 4 below); else 3, the decode regime the int4
         # and int8 kernels (a weight read per row) are for. (A cap of 3 for every format

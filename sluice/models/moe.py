@@ -20,12 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.config import ModelConfig
+from sluice.kernels import fused as fused_kernels
 from sluice.layers import fused
 from sluice.layers.experts import ExpertGroups, Experts
 from sluice.layers.linear import Linear
 from sluice.models.checkpoint import Checkpoint
 from sluice.models.mlp import MLP
 from sluice.models.tp_shard import Collectives
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +77,7 @@ class SparseMoE(nn.Module):
         self.shared_here = tp.rank == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.router)
-        weights, ids = route(logits, self.top_k, self.renormalize)
+        weights, ids = self.route(x)
         local, pairs = self._local_pairs(ids)
         groups = ExpertGroups.of(local, self.experts.num_experts)
         pair = groups.order if pairs is None else pairs[groups.order]
@@ -97,6 +99,16 @@ class SparseMoE(nn.Module):
         local = ids.flatten() - self.first_expert
         pairs = ((local >= 0) & (local < self.experts.num_experts)).nonzero().flatten()
         return local[pairs], pairs
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] fp32, expert ids [T, k]) of x's rows. Experts on our kernels
+        route with our kernel, which the one-call decode stack
+        (sluice/models/llama_decode_stack.py) shares: its steps then pick and weigh the
+        experts exactly as this layer does."""
+        lib, k = self.experts.lib, self.top_k
+        if lib is not None and x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES:
+            return fused_kernels.moe_route(lib, x.contiguous(), self.router, k, self.renormalize)
+        return route(F.linear(x.float(), self.router), self.top_k, self.renormalize)
 
     def held(self) -> list[torch.Tensor]:
         """The router (for weight_bytes; the experts and shared expert count themselves)."""

@@ -10,6 +10,12 @@
 // eager model with its weights on our kernels (int4, int8, or GGUF blocks kept in
 // qblock layouts, each linear in its own format; sluice/models/llama.py), so its output
 // is bit-identical to that path (tests/test_decode_stack.py checks it).
+//
+// QK-norm (Qwen3 per head, OLMoE over the whole projections) and Mixture-of-Experts
+// MLPs (sluice/models/moe.py: the router, its top k, each chosen expert's gate/up and
+// down in one grouped qblock pass over the step's (row, expert) pairs, the weighted sum
+// in expert order) run here too, with the eager layers' kernels and roundings.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -53,10 +59,19 @@ constexpr const char* kFieldNames[] = {SLUICE_DECODE_STACK_FIELDS(SLUICE_FIELD_N
 #undef SLUICE_FIELD_NAME
 static_assert(sizeof(kFieldNames) / sizeof(kFieldNames[0]) == kLayerFields, "field names");
 
+// QK-norm: none, an RMSNorm of each q and k head (Qwen3), or of the whole q and whole k
+// projections (OLMoE).
+enum QkNorm { kNoQkNorm = 0, kQkNormPerHead = 1, kQkNormWhole = 2 };
+
 struct Shape {
   int layers, hidden, heads, kv_heads, head_dim, inter, block_size;
   float eps, scale;
   bool kv_int8;  // the K/V pools are int8 rows (kv_int8.h), else the activations' type
+  int qk_norm;   // QkNorm
+  // Mixture-of-Experts layers (those with a router): experts, chosen per row, each
+  // expert's intermediate size, whether the top k's weights are renormalized to sum 1.
+  int experts, top_k, moe_inter;
+  bool renormalize;
 };
 
 struct Batch {
@@ -107,6 +122,138 @@ void quantize_for(sluice::QBlockActivations& xa, const int64_t* layer, Field pac
               qblock && layer[packed + 4] != 0);
 }
 
+// The QK-norm of M rows of qkv (row stride qkv_n), in place, as the eager layer's fused
+// RMSNorm over contiguous copies computes it.
+template <typename T>
+void qk_norm(const Shape& s, const int64_t* L, T* qkv, int M, int qkv_n) {
+  const T* qw = at<T>(L, kQNorm);
+  const T* kw = at<T>(L, kKNorm);
+  const int q_size = s.heads * s.head_dim;
+  for (int r = 0; r < M; ++r) {
+    T* q = qkv + static_cast<int64_t>(r) * qkv_n;
+    if (s.qk_norm == kQkNormPerHead) {
+      sluice::add_rms_norm<T>(nullptr, q, qw, q, s.heads, s.head_dim, s.eps);
+      sluice::add_rms_norm<T>(nullptr, q + q_size, kw, q + q_size, s.kv_heads, s.head_dim, s.eps);
+    } else {
+      sluice::add_rms_norm<T>(nullptr, q, qw, q, 1, q_size, s.eps);
+      sluice::add_rms_norm<T>(nullptr, q + q_size, kw, q + q_size, 1, s.kv_heads * s.head_dim,
+                              s.eps);
+    }
+  }
+}
+
+// A Mixture-of-Experts step's scratch, sized for M rows.
+template <typename T>
+struct MoeScratch {
+  std::vector<float> logits, weights, sums;
+  std::vector<int64_t> ids, start, expert;
+  std::vector<int> order;  // the (row, slot) pairs (row * k + slot) by expert, stably
+  std::vector<T> xs, gate_up, act, y;
+  int groups = 0;
+
+  MoeScratch(const Shape& s, int M) {
+    if (s.experts == 0) return;
+    const size_t pairs = static_cast<size_t>(M) * s.top_k;
+    logits.resize(static_cast<size_t>(M) * s.experts);
+    weights.resize(pairs);
+    ids.resize(pairs);
+    order.resize(pairs);
+    start.resize(s.experts + 1);
+    expert.resize(s.experts);
+    xs.resize(pairs * s.hidden);
+    gate_up.resize(pairs * 2 * s.moe_inter);
+    act.resize(pairs * s.moe_inter);
+    y.resize(pairs * s.hidden);
+    sums.resize(static_cast<size_t>(M) * s.hidden);
+  }
+
+  // Route (weights, ids), group the pairs by expert, count each expert's rows.
+  void group(const Shape& s, int M, int64_t* tokens) {
+    const int pairs = M * s.top_k;
+    sluice::route_top_k(logits.data(), M, s.experts, s.top_k, s.renormalize, weights.data(),
+                        ids.data());
+    int n = 0;
+    groups = 0;
+    start[0] = 0;
+    for (int e = 0; e < s.experts; ++e) {
+      const int first = n;
+      for (int p = 0; p < pairs; ++p)
+        if (ids[p] == e) order[n++] = p;
+      if (n == first) continue;
+      tokens[e] += n - first;
+      expert[groups++] = e;
+      start[groups] = n;
+    }
+  }
+};
+
+// The weight of the linear (or stacked experts) whose fields start at `packed`.
+inline sluice::QbWeight qb_weight(const int64_t* L, Field packed) {
+  return sluice::QbWeight{at<uint8_t>(L, packed), at<uint8_t>(L, Field(packed + 1)),
+                          at<void>(L, Field(packed + 2)), at<void>(L, Field(packed + 3)),
+                          at<uint16_t>(L, Field(packed + 4))};
+}
+
+// The experts of stacked weight `packed` over the grouped rows xa holds (K values each,
+// N outputs per expert), into y; ends with a barrier.
+template <typename T>
+void experts(const int64_t* L, Field packed, const sluice::QBlockActivations& xa,
+             const MoeScratch<T>& m, int K, int N, T* y) {
+  const int64_t format = L[packed + 5];
+  sluice::qblock_experts(xa, K, static_cast<int>(format / 100), static_cast<int>(format % 100),
+                         qb_weight(L, packed), N, m.groups, m.start.data(), m.expert.data(), y);
+#pragma omp barrier
+}
+
+// out [M, H] = each row's expert outputs y times their weights, summed in expert order,
+// as the eager layer's `y * weight.to(T)` then `zeros.index_add_`: torch's index_add_
+// sums a row's terms in fp32 in source order and rounds to T once (its scatter-add
+// path), and each term is rounded to T first. The terms go through memory (m.y) before
+// they are summed: -ffast-math would otherwise fuse product and sum into one FMA in fp32.
+template <typename T>
+void weighted_sum(int M, int H, int k, MoeScratch<T>& m, T* out) {
+  const int pairs = M * k;
+  for (int i = 0; i < pairs; ++i) {
+    const float w = sluice::to_float(sluice::round_to(out, m.weights[m.order[i]]));
+    T* yi = m.y.data() + static_cast<int64_t>(i) * H;
+    for (int j = 0; j < H; ++j) yi[j] = sluice::round_to(yi, sluice::to_float(yi[j]) * w);
+  }
+  std::vector<float>& acc = m.sums;
+  std::fill(acc.begin(), acc.end(), 0.f);
+  for (int i = 0; i < pairs; ++i) {
+    const T* yi = m.y.data() + static_cast<int64_t>(i) * H;
+    float* a = acc.data() + static_cast<int64_t>(m.order[i] / k) * H;
+    for (int j = 0; j < H; ++j) a[j] += sluice::to_float(yi[j]);
+  }
+  for (int64_t i = 0; i < static_cast<int64_t>(M) * H; ++i) out[i] = sluice::round_to(out, acc[i]);
+}
+
+// out [M, H] = the Mixture-of-Experts MLP of x [M, H] (every thread calls it), as
+// sluice/models/moe.py's SparseMoE.forward.
+template <typename T>
+void moe(const Shape& s, const int64_t* L, int M, const T* x, T* out, MoeScratch<T>& m,
+         sluice::QBlockActivations& xa) {
+  const int H = s.hidden, I = s.moe_inter, k = s.top_k, pairs = M * k;
+  sluice::router_logits(x, M, H, at<float>(L, kRouter), s.experts, m.logits.data());
+#pragma omp single
+  {
+    m.group(s, M, reinterpret_cast<int64_t*>(L[kExpertTokens]));
+    for (int i = 0; i < pairs; ++i)
+      std::memcpy(m.xs.data() + static_cast<int64_t>(i) * H,
+                  x + static_cast<int64_t>(m.order[i] / k) * H, H * sizeof(T));
+    quantize_for(xa, L, kGateUpPacked, m.xs.data(), pairs, H);
+  }
+  experts(L, kGateUpPacked, xa, m, H, 2 * I, m.gate_up.data());
+#pragma omp single
+  {
+    sluice::silu_and_mul(m.gate_up.data(), m.act.data(), pairs, I);
+    quantize_for(xa, L, kDownPacked, m.act.data(), pairs, I);
+  }
+  experts(L, kDownPacked, xa, m, I, H, m.y.data());
+#pragma omp single
+  weighted_sum(M, H, k, m, out);
+}
+
 // This step's new K/V rows (token stride `stride`) into layer L's pools.
 template <typename T>
 void write_kv(const Shape& s, const int64_t* L, const Batch& b, const T* k, const T* v,
@@ -132,6 +279,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
   std::vector<T> qkv(static_cast<size_t>(M) * qkv_n), attn(static_cast<size_t>(M) * q_size);
   std::vector<T> gate_up(static_cast<size_t>(M) * 2 * s.inter), act(static_cast<size_t>(M) * s.inter);
   sluice::QBlockActivations xa;
+  MoeScratch<T> moe_scratch(s, M);
 #pragma omp parallel
   for (int l = 0; l < s.layers; ++l) {
     const int64_t* L = fields + static_cast<int64_t>(l) * kLayerFields;
@@ -155,6 +303,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
             T* p = qkv.data() + static_cast<int64_t>(r) * qkv_n + i;
             *p = sluice::round_to(p, sluice::to_float(*p) + sluice::to_float(bias[i]));
           }
+      if (s.qk_norm != kNoQkNorm) qk_norm(s, L, qkv.data(), M, qkv_n);
       // q and k heads rotate together; then k and v go to the cache before attention.
       sluice::rotary(qkv.data(), M, qkv_n, s.heads + s.kv_heads, s.head_dim, cos, sin);
       write_kv<T>(s, L, b, qkv.data() + q_size, qkv.data() + q_size + kv_size, qkv_n, M);
@@ -172,10 +321,15 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
 #pragma omp single
     quantize_for(xa, L, kOPacked, attn.data(), M, q_size);
     linear(L, kOPacked, xa, M, q_size, H, h);
+    const bool sparse = L[kRouter] != 0;  // a Mixture-of-Experts layer
 #pragma omp single
     {
       sluice::add_rms_norm<T>(h, residual.data(), at<T>(L, kPostNorm), x.data(), M, H, s.eps);
-      quantize_for(xa, L, kGateUpPacked, x.data(), M, H);
+      if (!sparse) quantize_for(xa, L, kGateUpPacked, x.data(), M, H);
+    }
+    if (sparse) {
+      moe(s, L, M, x.data(), h, moe_scratch, xa);
+      continue;
     }
     linear(L, kGateUpPacked, xa, M, H, 2 * s.inter, gate_up.data());
 #pragma omp single
@@ -203,15 +357,19 @@ const char* sluice_decode_stack_field(int i) {
 
 // h [rows, hidden]: the embeddings in, the stack's output (before the final norm) out.
 // cos/sin [rows, head_dim / 2]; slots, tables, q_start, ctx_end as for the paged kernel;
-// kv_int8: the layers' K/V pools are int8 rows (kv_int8.h).
+// kv_int8: the layers' K/V pools are int8 rows (kv_int8.h). qk_norm: QkNorm; experts,
+// top_k, moe_inter, renormalize: the Mixture-of-Experts layers' routing and sizes (0
+// experts in a dense model).
 void sluice_decode_stack(int bf16, const int64_t* fields, int layers, int hidden, int heads,
                          int kv_heads, int head_dim, int inter, int block_size, float eps,
                          float scale, void* h, const void* cos, const void* sin, int rows,
                          const int64_t* slots, const int64_t* tables, int64_t max_blocks,
                          const int64_t* q_start, const int64_t* ctx_end, int seqs,
-                         int kv_int8) {
-  const Shape s{layers,     hidden, heads, kv_heads,     head_dim,
-                inter,      block_size, eps, scale, kv_int8 != 0};
+                         int kv_int8, int qk_norm, int experts, int top_k, int moe_inter,
+                         int renormalize) {
+  const Shape s{layers, hidden,     heads, kv_heads, head_dim,         inter,
+                block_size, eps,    scale, kv_int8 != 0, qk_norm,   experts,
+                top_k,  moe_inter, renormalize != 0};
   const Batch b{rows, slots, tables, max_blocks, q_start, ctx_end, seqs};
   if (bf16)
     run(s, fields, b, static_cast<uint16_t*>(h), static_cast<const uint16_t*>(cos),

@@ -17,7 +17,12 @@
 // super is null for the int4 and int8 kernels.
 // The format is an integer stored in the table, not a pointer. GGUF files mix formats
 // per linear (Q4_K_M: Q6_K ffn_down in some layers), so each linear carries its own.
-// The QKV bias may be null.
+// The QKV bias may be null; so are the QK-norm weights (q_norm, k_norm) of a model
+// without one (the stack's qk_norm argument says which shape they have).
+// A Mixture-of-Experts layer has a router (fp32 [experts, hidden]; null in a dense
+// layer) and its gate_up and down fields hold every expert's stacked weight (qblock
+// formats only: expert e is rows e * 2 * inter .. and e * hidden ..), expert_tokens an
+// int64 [experts] counter of the rows each expert has been given (it is added to).
 #pragma once
 
 // X(enum suffix, field name)
@@ -30,6 +35,8 @@
   X(QkvSuper, qkv_super)              \
   X(QkvFormat, qkv_format)            \
   X(QkvBias, qkv_bias)                \
+  X(QNorm, q_norm)                    \
+  X(KNorm, k_norm)                    \
   X(OPacked, o_packed)                \
   X(OHbits, o_hbits)                  \
   X(OScale, o_scale)                  \
@@ -37,6 +44,8 @@
   X(OSuper, o_super)                  \
   X(OFormat, o_format)                \
   X(PostNorm, post_norm)              \
+  X(Router, router)                   \
+  X(ExpertTokens, expert_tokens)      \
   X(GateUpPacked, gate_up_packed)     \
   X(GateUpHbits, gate_up_hbits)       \
   X(GateUpScale, gate_up_scale)       \

@@ -75,4 +75,15 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int inter) {
   }
 }
 
+// Mixture-of-Experts routing, compiled once (fused_ops.cpp) so the eager layer and the
+// decode stack take the same instructions, hence the same bits.
+// logits [M, E] = x (fp32 or bf16, as float) @ router.T, router [E, H] fp32; the (row,
+// expert) dot products shared out by an orphaned `omp for` (barrier at the end).
+template <typename T>
+void router_logits(const T* x, int M, int H, const float* router, int E, float* logits);
+// weights, ids [M, k] from logits [M, E]: a softmax over E in fp32, the k largest
+// (largest first, the lower expert on a tie), renormalized to sum 1 where `renormalize`.
+void route_top_k(const float* logits, int M, int E, int k, bool renormalize, float* weights,
+                 int64_t* ids);
+
 }  // namespace sluice

@@ -204,33 +204,6 @@ void matmul_float(const T* x, int M, int K, int bits, int group, const QbWeight&
                      (sluice::qblock_float_rows_t<B, G, IQ>(xf.data(), M, K, w, N, y)))
 }
 
-// Expert e's weight in one stacked from experts of N rows each: rows e * N .. (e + 1) * N,
-// its pointers (the integer scales' multipliers s too) moved to row e * N, no copy.
-template <int BITS, int G, bool IQ>
-QbWeight expert_weight(const QbWeight& w, int K, int64_t first_row) {
-  const sluice::QbRow r = w.row<BITS, G, IQ>(K, first_row);
-  return {r.w, r.h, r.d, r.m, r.sd};
-}
-
-// Group j's rows start[j] .. start[j + 1] of y times expert[j]'s weight, each group as
-// qblock_matmul on those rows alone (the same passes, so the same results); an empty
-// group is skipped (by every thread alike: they meet the same worksharing loops). No
-// barrier between passes: they write disjoint rows of y and read only what was there
-// before the region, so a thread goes on to the next expert's rows. A decode step's
-// top-8 on 2 cores (Qwen3-30B-A3B's shapes, paired runs against the barriers): 0-2%
-// faster on a quiet machine, up to 2x where another process took a core and every
-// barrier waited for the preempted thread.
-template <int BITS, int G, bool IQ, typename T>
-void experts_t(const sluice::QBlockActivations& xa, int K, const QbWeight& w, int N,
-               int num_groups, const int64_t* start, const int64_t* expert, T* y) {
-  for (int j = 0; j < num_groups; ++j) {
-    const int r0 = static_cast<int>(start[j]), rows = static_cast<int>(start[j + 1] - start[j]);
-    if (rows == 0) continue;
-    const QbWeight we = expert_weight<BITS, G, IQ>(w, K, expert[j] * N);
-    sluice::qblock_rows_t<BITS, G, IQ>(xa, rows, K, we, N, y, r0, /*wait=*/false);
-  }
-}
-
 // The activations quantized once for all M rows, then one parallel region over the groups.
 template <typename T>
 void matmul_experts(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N,
@@ -239,8 +212,7 @@ void matmul_experts(const T* x, int M, int K, int bits, int group, const QbWeigh
   sluice::QBlockActivations xa;
   xa.quantize(x, M, K, group, integer);
 #pragma omp parallel
-  SLUICE_QB_DISPATCH(bits, group, integer,
-                     (experts_t<B, G, IQ>(xa, K, w, N, num_groups, start, expert, y)))
+  sluice::qblock_experts(xa, K, bits, group, w, N, num_groups, start, expert, y);
 }
 
 template <typename T>
