@@ -2,7 +2,10 @@
 
 Routing is the reference's (transformers' Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE
 blocks): router logits, a softmax over all experts in fp32, the top k (torch.topk's
-order for ties), renormalized to sum to 1 where the model says. A step's (token,
+order for ties), renormalized to sum to 1 where the model says. With the experts on
+our CPU kernels (a GGUF's blocks) the same steps run in one compiled function
+(`SparseMoE.route`), which the fused decode stack shares, so a step routes alike
+whichever path runs it. A step's (token,
 expert) pairs are then sorted by expert (stably: tokens in order within an expert)
 into groups, so each chosen expert runs once over all its rows and reads its weights
 once a step; experts nobody chose are never read. Each projection of all experts is
