@@ -247,7 +247,7 @@ def _add_hf_metadata(
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     elif kind not in ("default", "llama3"):  # llama3: the rope_freqs tensor
-        raise NotImplementedError(f"rope_type {kind!r}")
+        raise ValueError(f"rope_type {kind!r}: this writer knows default, linear, yarn and llama3")
     w.add_rope_freq_base(rope["rope_theta"])
     # OlmoeModel overwrites the epsilon with 1e-5 whatever config.json says.
     w.add_layer_norm_rms_eps(1e-5 if arch == A.OLMOE else config["rms_norm_eps"])
