@@ -149,11 +149,16 @@ def _quantized(
     """x's sorted rows through their experts' blocks: the grouped kernel for the experts
     with few rows, dequantized tiles and a GEMM for those with many (or everywhere
     without our kernels)."""
+    dense_min_rows = DENSE_MIN_ROWS.get(kernels.variant(), 4) if lib is not None else 0
+    spans = groups.spans()
+    if lib is not None and all(hi - lo < dense_min_rows for _, lo, hi in spans):
+        # Every chosen expert has few rows (a decode step, a few streams): one call.
+        args = (w.bits, w.group, num_experts, groups.start, groups.expert)
+        return qblock.qblock_matmul_experts(lib, x.contiguous(), *w.parts(), *args)
     out = w.shape[0] // num_experts
     y = x.new_empty(x.shape[0], out)
     few: list[tuple[int, int, int]] = []
-    dense_min_rows = DENSE_MIN_ROWS.get(kernels.variant(), 4) if lib is not None else 0
-    for e, lo, hi in groups.spans():
+    for e, lo, hi in spans:
         if hi - lo < dense_min_rows:
             few.append((e, lo, hi))
         else:
@@ -173,18 +178,13 @@ def _grouped(
     few: list[tuple[int, int, int]],
     y: torch.Tensor,
 ) -> None:
-    """The groups `few` in one grouped kernel call, written into their rows of y."""
+    """The groups `few` (beside experts that took the GEMM) in one grouped kernel call
+    over their rows, gathered, written back into their rows of y."""
     sizes = [hi - lo for _, lo, hi in few]
     start = torch.zeros(len(few) + 1, dtype=torch.int64)
     torch.cumsum(torch.tensor(sizes, dtype=torch.int64), 0, out=start[1:])
     expert = torch.tensor([e for e, _, _ in few], dtype=torch.int64)
-    whole = sum(sizes) == x.shape[0]  # every group (a decode step): no gather
-    rows = None if whole else torch.cat([torch.arange(lo, hi) for _, lo, hi in few])
-    xs = x if rows is None else x[rows]
-    ys = qblock.qblock_matmul_experts(
-        lib, xs.contiguous(), *w.parts(), w.bits, w.group, num_experts, start, expert
+    rows = torch.cat([torch.arange(lo, hi) for _, lo, hi in few])
+    y[rows] = qblock.qblock_matmul_experts(
+        lib, x[rows].contiguous(), *w.parts(), w.bits, w.group, num_experts, start, expert
     )
-    if rows is None:
-        y.copy_(ys)
-    else:
-        y[rows] = ys
