@@ -36,6 +36,8 @@ class ExpertGroups:
     start: torch.Tensor  # [G + 1] int64, CPU: group g is sorted rows start[g] .. start[g + 1]
     expert: torch.Tensor  # [G] int64, CPU: the expert of each group (only chosen ones)
     counts: torch.Tensor  # [E] int64: rows each expert got (the routing's load)
+    # (expert, first row, end row) of each group: read once, by both projections.
+    spans: tuple[tuple[int, int, int], ...]
 
     @classmethod
     def of(cls, ids: torch.Tensor, num_experts: int) -> ExpertGroups:
@@ -47,12 +49,9 @@ class ExpertGroups:
         expert = on_cpu.nonzero().flatten()
         start = torch.zeros(len(expert) + 1, dtype=torch.int64)
         torch.cumsum(on_cpu[expert], 0, out=start[1:])
-        return cls(order, start, expert, counts)
-
-    def spans(self) -> list[tuple[int, int, int]]:
-        """(expert, first row, end row) of each group."""
-        bounds = self.start.tolist()
-        return [(e, bounds[g], bounds[g + 1]) for g, e in enumerate(self.expert.tolist())]
+        bounds = start.tolist()
+        spans = tuple((e, bounds[g], bounds[g + 1]) for g, e in enumerate(expert.tolist()))
+        return cls(order, start, expert, counts, spans)
 
 
 class Experts(nn.Module):
@@ -112,7 +111,7 @@ class Experts(nn.Module):
         if isinstance(w, QuantizedTensor):
             return _quantized(self.lib, w, self.num_experts, x, groups)
         y = x.new_empty(x.shape[0], w.shape[1])
-        for e, lo, hi in groups.spans():
+        for e, lo, hi in groups.spans:
             y[lo:hi] = F.linear(x[lo:hi], w[e])
         return y
 
@@ -150,7 +149,7 @@ def _quantized(
     with few rows, dequantized tiles and a GEMM for those with many (or everywhere
     without our kernels)."""
     dense_min_rows = DENSE_MIN_ROWS.get(kernels.variant(), 4) if lib is not None else 0
-    spans = groups.spans()
+    spans = groups.spans
     if lib is not None and all(hi - lo < dense_min_rows for _, lo, hi in spans):
         # Every chosen expert has few rows (a decode step, a few streams): one call.
         args = (w.bits, w.group, num_experts, groups.start, groups.expert)
