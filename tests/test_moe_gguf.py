@@ -2,7 +2,9 @@
 them (benchmarks/random_gguf.py): in F32, greedy output equals transformers' on the
 same weights token for token; in Q8_0, the experts stay in their blocks (never a dense
 copy: the weight bytes are the file's) and agree with the F32 file; files whose expert
-tensors disagree with their metadata are refused before any weight is read."""
+tensors disagree with their metadata are refused before any weight is read. Llama 3's
+rope scaling, which the converter writes as the rope_freqs.weight tensor, rides along:
+the same F32 check, and a file whose factors are malformed is refused by name."""
 
 from __future__ import annotations
 
@@ -83,6 +85,44 @@ def test_f32_gguf_equals_transformers(kind: str, tmp_path: Path, tokenizer: Path
     assert llm.engine.model_config.num_experts == 8
     outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [_reference(model, p) for p in _prompts()]
+
+
+def test_llama3_rope_freqs_gguf_equals_transformers(tmp_path: Path, tokenizer: Path) -> None:
+    # Positions past original_max_position_embeddings (64) and inside it: the 33-token
+    # prompt and 12 new tokens cross where llama3's scaled and unscaled bands differ.
+    model = build_model("llama-rope3", SHAPE, tmp_path / "hf")
+    path = tmp_path / "llama3.gguf"
+    hf_to_gguf(tmp_path / "hf", path, tokenizer_gguf=tokenizer)
+    llm = _llm(path, dtype="float32", quantization="none")
+    assert llm.engine.model_config.rope_scaling["rope_type"] == "freq_factors"
+    prompts = [*_prompts(), list(range(3, 90))]  # 87 tokens: beyond the original context
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(model, p) for p in prompts]
+
+
+@pytest.mark.parametrize(
+    ("factors", "message"),
+    [
+        (np.ones(3, dtype=np.float32), "F32 of 16 values"),
+        (np.array([1] * 15 + [-2], dtype=np.float32), "finite positive"),
+        (np.array([1] * 15 + [np.nan], dtype=np.float32), "finite positive"),
+        (np.ones(16, dtype=np.float16), "F32 of 16 values"),
+    ],
+)
+def test_malformed_rope_freqs_are_refused(
+    factors: np.ndarray, message: str, tmp_path: Path, tokenizer: Path
+) -> None:
+    build_model("llama-rope3", SHAPE, tmp_path / "hf")
+    good = tmp_path / "good.gguf"
+    hf_to_gguf(tmp_path / "hf", good, tokenizer_gguf=tokenizer)
+    bad = tmp_path / "bad.gguf"
+
+    def change(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        tensors["rope_freqs.weight"] = factors
+
+    _rewrite(good, bad, change)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(bad), dtype="float32", quantization="none")
 
 
 def test_q8_0_experts_stay_quantized_and_agree_with_their_dense_selves(

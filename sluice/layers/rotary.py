@@ -17,6 +17,13 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "freq_factors":  # a GGUF's rope_freqs.weight: each pair's divisor
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"rope frequency factors: {factors.numel()} for {inv_freq.numel()} rotary pairs"
+            )
+        return inv_freq / factors
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -28,7 +35,9 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+    raise ValueError(
+        f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, freq_factors)"
+    )
 
 
 class RotaryEmbedding:

@@ -50,11 +50,6 @@ def config_from_gguf(meta: GGUFMetadata, name: str = "model") -> ModelConfig:
     hidden = int(keys.require("embedding_length"))
     heads = int(keys.require("attention.head_count"))
     tensor_names = {t.name: t for t in meta.reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        raise ValueError(
-            "GGUF with per-dimension rope frequency factors (rope_freqs.weight, "
-            "Llama-3.1 style rope scaling) is not supported"
-        )
     head_count_kv = keys.get("attention.head_count_kv")
     key_length = keys.get("attention.key_length")
     fields: dict[str, Any] = dict(
@@ -67,7 +62,8 @@ def config_from_gguf(meta: GGUFMetadata, name: str = "model") -> ModelConfig:
         head_dim=int(key_length) if key_length is not None else hidden // heads,
         rms_norm_eps=float(keys.get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(keys.get("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(keys),
+        rope_scaling=_rope_freq_factors(tensor_names, key_length, hidden // heads)
+        or _rope_scaling(keys),
         max_position_embeddings=int(keys.get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         name=str(meta.get("general.name") or name),
@@ -84,6 +80,29 @@ def _vocab_size(meta: GGUFMetadata, tensor_names: dict[str, Any]) -> int:
         # The embedding defines the logits' width; a padded or short token list must not.
         vocab = int(embd.shape[-1])
     return vocab
+
+
+def _rope_freq_factors(
+    tensor_names: dict[str, Any], key_length: Any, default_head_dim: int
+) -> dict[str, Any] | None:
+    """Llama 3.x rope scaling as llama.cpp's converter writes it: no scaling keys, but a
+    `rope_freqs.weight` tensor of one factor per rotary pair that divides that pair's
+    frequency (llama.cpp's freq_factors). The factors are read as stored, so any
+    scaling the converter baked in is reproduced exactly."""
+    tensor = tensor_names.get("rope_freqs.weight")
+    if tensor is None:
+        return None
+    head_dim = int(key_length) if key_length is not None else default_head_dim
+    shape = tuple(int(d) for d in tensor.shape)
+    if tensor.tensor_type.name != "F32" or shape != (head_dim // 2,):
+        raise ValueError(
+            f"rope_freqs.weight must be F32 of {head_dim // 2} values (one per rotary "
+            f"pair of head_dim {head_dim}); the file has {tensor.tensor_type.name} {list(shape)}"
+        )
+    factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+    if factors.size != head_dim // 2 or not bool(np.all(np.isfinite(factors) & (factors > 0))):
+        raise ValueError("rope_freqs.weight holds a factor that is not a finite positive number")
+    return {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
 
 
 def _rope_scaling(keys: GGUFKeys) -> dict[str, Any] | None:
@@ -160,6 +179,8 @@ def _to_weight(f: io.BufferedReader, entry: TensorEntry, keep_quantized: bool) -
     return torch.from_numpy(arr.reshape(shape))
 
 
+# Tensors that hold hyper-parameters, not weights: config_from_gguf reads them.
+CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -173,6 +194,8 @@ def tensors_from_gguf(
     spec = spec_of(config.architecture)
     with open(path, "rb") as f:
         for entry in entries:
+            if entry.name in CONFIG_TENSORS:  # read into the config (config_from_gguf)
+                continue
             name = spec.hf_tensor_name(entry.name)
             if name is None:
                 raise ValueError(
@@ -245,7 +268,7 @@ def _remove_legacy_cache() -> None:
 
 
 # Bump when the header cache's layout or the config/tokenizer conversion changes.
-HEADER_FORMAT = 2
+HEADER_FORMAT = 3
 
 
 def _header_entry(path: Path) -> Path:
