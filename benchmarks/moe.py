@@ -1,5 +1,7 @@
-"""Mixture-of-Experts models beside llama.cpp on the same GGUF (issue 35): prompt
-processing, single-stream decode against the machine's read bandwidth, and memory.
+"""GGUF models beside llama.cpp on the same file: Mixture-of-Experts (issue 35) and the
+3B-8B dense shapes (issue 34). Prompt processing (a long prompt, and a short one: a
+chat turn after a cached system prompt, a handful of streams), single-stream decode
+against the machine's read bandwidth, and memory.
 
 No MoE model is packaged; the files are random-weight GGUFs in real models' shapes
 (benchmarks/random_gguf.py: OLMoE-1B-7B whole, Qwen3-30B-A3B's layers), which
@@ -9,13 +11,14 @@ which goes first (benchmarks/common.py's interleave), 2 threads each:
 
 * sluice: a fresh process loads the file (quantization auto: the blocks as stored),
   warms up, then times a --prompt-token prompt (max_tokens=1: prompt tokens / time to
-  the first token) and --gen greedy tokens after a 16-token prompt (decode tok/s from
-  the first to the last token); peak RSS at the end;
-* llama.cpp: `llama-bench -p PROMPT -n GEN -t 2 -r 1` (its pp and tg rates; tg decodes
-  from an empty context, sluice's after 16 tokens: the same bytes per token).
+  the first token), the median of 5 --short-prompt prompts (0: none) the same way,
+  and --gen greedy tokens after a 16-token prompt (decode tok/s from the first to the
+  last token); peak RSS at the end;
+* llama.cpp: `llama-bench -p SHORT,PROMPT -n GEN -t 2 -r 1` (its pp and tg rates; tg
+  decodes from an empty context, sluice's after 16 tokens: the same bytes per token).
 
-The bytes a decode step reads: each layer's attention, norms and router, k/E of its
-expert stacks (the experts a token picks; all different for one token) and the
+The bytes a decode step reads: each layer's attention, MLP, norms and router, k/E of
+its expert stacks (the experts a token picks; all different for one token) and the
 output head, from the file's tensor table (the embedding row lookup is left out).
 Read bandwidth is measured in the same run: torch's sum over a 1 GiB fp32 tensor on
 2 threads, the best of 5 (memory, not arithmetic, bounds it). decode tok/s x bytes /
@@ -41,6 +44,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -59,7 +63,7 @@ LLAMA_BENCH = (
     REPO_ROOT
     / ".venv/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build-bench/bin/llama-bench"
 )
-METRICS = ("pp_tok_s", "tg_tok_s")
+METRICS = ("pp_tok_s", "pp_short_tok_s", "tg_tok_s")
 
 
 def decode_bytes(path: Path) -> dict[str, int]:
@@ -68,8 +72,9 @@ def decode_bytes(path: Path) -> dict[str, int]:
 
     reader = gguf.GGUFReader(path)
     arch = str(reader.fields["general.architecture"].contents())
-    experts = int(reader.fields[f"{arch}.expert_count"].contents())
-    used = int(reader.fields[f"{arch}.expert_used_count"].contents())
+    moe = f"{arch}.expert_count" in reader.fields
+    experts = int(reader.fields[f"{arch}.expert_count"].contents()) if moe else 1
+    used = int(reader.fields[f"{arch}.expert_used_count"].contents()) if moe else 1
     total = step = 0
     for t in reader.tensors:
         n = int(t.n_bytes)
@@ -126,12 +131,19 @@ def _sluice_worker(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm.generate([prompt], one, use_tqdm=False)
     pp_s = time.perf_counter() - t0
+    short_s = []
+    for _ in range(5 if args.short_prompt else 0):  # distinct prompts: no cache to hit
+        ids = torch.randint(100, vocab, (args.short_prompt,), generator=gen).tolist()
+        t0 = time.perf_counter()
+        llm.generate([ids], one, use_tqdm=False)
+        short_s.append(time.perf_counter() - t0)
     out = llm.generate([short], decode, use_tqdm=False)[0]
     m = out.metrics
     assert m is not None and m.first_token_time is not None and m.finished_time is not None
     tg = (len(out.outputs[0].token_ids) - 1) / (m.finished_time - m.first_token_time)
     return {
         "pp_tok_s": args.prompt_tokens / pp_s,
+        "pp_short_tok_s": args.short_prompt / statistics.median(short_s) if short_s else None,
         "tg_tok_s": tg,
         "load_s": load_s,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -143,6 +155,7 @@ def _sluice_worker(args: argparse.Namespace) -> dict[str, Any]:
 def _run_sluice(args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", "--model", args.model]
     cmd += ["--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens)]
+    cmd += ["--short-prompt", str(args.short_prompt)]
     cmd += ["--gen", str(args.gen), "--kv-cache-memory", str(args.kv_cache_memory)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
@@ -151,11 +164,18 @@ def _run_sluice(args: argparse.Namespace) -> dict[str, Any]:
 
 def _run_llama_cpp(args: argparse.Namespace) -> dict[str, Any]:
     cmd = [str(args.llama_bench), "-m", args.model, "-t", str(args.threads), "-r", "1"]
-    cmd += ["-p", str(args.prompt_tokens), "-n", str(args.gen), "-o", "json"]
+    prompts = [args.short_prompt] if args.short_prompt else []
+    cmd += ["-p", ",".join(map(str, [*prompts, args.prompt_tokens]))]
+    cmd += ["-n", str(args.gen), "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     rows = json.loads(done.stdout)
-    rate = {("pp" if r["n_prompt"] else "tg"): float(r["avg_ts"]) for r in rows}
-    return {"pp_tok_s": rate["pp"], "tg_tok_s": rate["tg"], "build": rows[0].get("build_commit")}
+    rate = {int(r["n_prompt"]): float(r["avg_ts"]) for r in rows}  # 0: the decode row
+    return {
+        "pp_tok_s": rate[args.prompt_tokens],
+        "pp_short_tok_s": rate.get(args.short_prompt) if args.short_prompt else None,
+        "tg_tok_s": rate[0],
+        "build": rows[0].get("build_commit"),
+    }
 
 
 def _report(result: dict[str, Any]) -> str:
@@ -164,15 +184,14 @@ def _report(result: dict[str, Any]) -> str:
     rows = []
     for side in ("sluice", "llama.cpp"):
         tg = stats[side]["tg_tok_s"]["median"]
-        pp = stats[side]["pp_tok_s"]["median"]
-        rows.append(
-            [side, f"{pp:.1f}", f"{tg:.2f}", f"{tg * b['decode_step_bytes'] / 1e9 / bw:.2f}"]
-        )
-    ratios = result["comparison"]["ratio_of_medians"]["sluice"]
-    rows.append(
-        ["sluice / llama.cpp", f"{ratios['pp_tok_s']:.2f}", f"{ratios['tg_tok_s']:.2f}", ""]
-    )
-    return format_table(["", "prompt tok/s", "decode tok/s", "of read bandwidth"], rows)
+        pp, short = stats[side]["pp_tok_s"]["median"], stats[side]["pp_short_tok_s"]["median"]
+        share = tg * b["decode_step_bytes"] / 1e9 / bw
+        rows.append([side, f"{pp:.1f}", f"{short:.1f}", f"{tg:.2f}", f"{share:.2f}"])
+    r = result["comparison"]["ratio_of_medians"]["sluice"]
+    ratios = [f"{r[m]:.2f}" for m in ("pp_tok_s", "pp_short_tok_s", "tg_tok_s")]
+    rows.append(["sluice / llama.cpp", *ratios, ""])
+    headers = ["", "prompt tok/s", "short prompt tok/s", "decode tok/s", "of read bandwidth"]
+    return format_table(headers, rows)
 
 
 def main() -> None:
@@ -180,6 +199,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--short-prompt", type=int, default=16, help="tokens; 0: not measured")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--kv-cache-memory", type=float, default=0.5, help="GiB")
     ap.add_argument("--llama-bench", type=Path, default=LLAMA_BENCH)
@@ -194,6 +214,8 @@ def main() -> None:
     runs = interleave(list(run), args.rounds, lambda side: run[side](args), label="moe")
     result = {
         "model": Path(args.model).name,
+        "prompt_tokens": args.prompt_tokens,
+        "short_prompt_tokens": args.short_prompt,
         "bytes": decode_bytes(Path(args.model)),
         "read_bandwidth_gb_s": read_bandwidth(args.threads),
         "comparison": compare(runs, [*METRICS], baseline="llama.cpp"),

@@ -693,6 +693,16 @@ def _tensor_parallel(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _short_prompt(d: Result) -> list[str]:
+    """moe.py's short-prompt cells (results from before it measured one: none)."""
+    cmp = d["comparison"]
+    if "pp_short_tok_s" not in cmp["summary"]["sluice"]:
+        return ["–", "–"]
+    tokens = d.get("short_prompt_tokens", "")
+    pair = _pair(cmp, "sluice", "llama.cpp", "pp_short_tok_s", 1)
+    return [f"{tokens}: {pair}", _ratio(_rmed(cmp, "sluice", "pp_short_tok_s"))]
+
+
 def _moe(results: Sequence[Result]) -> str:
     rows = []
     for name, d in results:
@@ -711,6 +721,7 @@ def _moe(results: Sequence[Result]) -> str:
                 d["model"],
                 _pair(cmp, "sluice", "llama.cpp", "pp_tok_s", 1),
                 _ratio(_rmed(cmp, "sluice", "pp_tok_s")),
+                *_short_prompt(d),
                 _pair(cmp, "sluice", "llama.cpp", "tg_tok_s", 1),
                 _ratio(_rmed(cmp, "sluice", "tg_tok_s")),
                 f"{b['decode_step_bytes'] / 1e9:.2f} GB, {bw:.1f} GB/s: " + " / ".join(share),
@@ -721,6 +732,8 @@ def _moe(results: Sequence[Result]) -> str:
     headers = [
         "model (random weights)",
         "prompt tok/s sluice / llama.cpp",
+        "ratio",
+        "short prompt: tokens, tok/s sluice / llama.cpp",
         "ratio",
         "decode tok/s sluice / llama.cpp",
         "ratio",

@@ -43,8 +43,23 @@ from sluice.layers.linear import Linear, LinearMethod
 # at every size measured (1.5B prefill: 506 against 886 ms at 39 tokens, 5.97 against
 # 8.09 s at 512), but its int8 activations in every layer of a prefill changed the
 # bundled model's answer to a plain question (tests/test_quantization.py), so prompts
-# keep the unquantized GEMM.
+# keep the unquantized GEMM. These hold for fp16 scales (Q4_0, Q4_1, Q5_x, Q8_0: four
+# vector steps a 64-value pair and row) and for the output head (two kernel rows a row).
 DENSE_MIN_ROWS = {"avx512": 16, "avx2": 16, "generic": 4}
+# Integer scales (the K-quants: two steps a pair and row, maddubs + vpdpwssd) stay on
+# the block kernel to 32 rows: benchmarks/few_rows.py puts the crossover at 28-32 rows
+# on Qwen2.5-7B's shapes and ~48 on the 1.5B's, at both levels; 16-row steps on the
+# dense path (short prompts, a few streams, verification) took 1.4-1.6x as long.
+DENSE_MIN_ROWS_INTEGER = {"avx512": 32, "avx2": 32, "generic": 4}
+
+
+def dense_min_rows(weight: QuantizedTensor, output_head: bool = False) -> int:
+    """The row count from which `weight` takes dequantized tiles + GEMM on the active
+    kernels (DENSE_MIN_ROWS, DENSE_MIN_ROWS_INTEGER)."""
+    integer = weight.integer_scales and not output_head
+    return (DENSE_MIN_ROWS_INTEGER if integer else DENSE_MIN_ROWS).get(kernels.variant(), 4)
+
+
 # Elements of a dequantized tile: 4M (8 MB in bf16) stays in L3 and holds every
 # decoder weight of the packaged models' smaller layers in one tile.
 TILE_ELEMENTS = 1 << 22
@@ -152,7 +167,7 @@ class BlockQuantized(LinearMethod):
         )
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
         # Without our kernels the dense path is the only one.
-        self.dense_min_rows = DENSE_MIN_ROWS.get(kernels.variant(), 4) if self.lib else 1
+        self.dense_min_rows = dense_min_rows(weight, self.output_head) if self.lib else 1
 
     def process_weight(self, layer: Linear) -> None:
         if self.weight is None:

@@ -8,7 +8,7 @@ one matmul gives an expert's both). Dense weights (a safetensors checkpoint, or 
 device without our kernels) are [E, out, in] tensors.
 
 With our kernels, the experts that got fewer rows than the block kernel's crossover
-(`DENSE_MIN_ROWS` of sluice/layers/block_quant.py) run in one grouped kernel call
+(`dense_min_rows` of sluice/layers/block_quant.py) run in one grouped kernel call
 (csrc/qblock.cpp's sluice_qblock_matmul_experts: activations quantized once, each
 chosen expert's blocks read once for all its rows); an expert with more rows (a
 prefill) runs as a dense layer does, dequantized tiles and a GEMM.
@@ -22,10 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice import kernels
 from sluice.core.quantized_tensor import QuantizedTensor, Weight, concat_rows, dequantize
 from sluice.kernels import Library, qblock
-from sluice.layers.block_quant import DENSE_MIN_ROWS, cpu_kernels, quantized_linear
+from sluice.layers.block_quant import cpu_kernels, dense_min_rows, quantized_linear
 
 
 @dataclass(frozen=True)
@@ -148,9 +147,9 @@ def _quantized(
     """x's sorted rows through their experts' blocks: the grouped kernel for the experts
     with few rows, dequantized tiles and a GEMM for those with many (or everywhere
     without our kernels)."""
-    dense_min_rows = DENSE_MIN_ROWS.get(kernels.variant(), 4) if lib is not None else 0
+    few_rows = dense_min_rows(w) if lib is not None else 0
     spans = groups.spans
-    if lib is not None and all(hi - lo < dense_min_rows for _, lo, hi in spans):
+    if lib is not None and all(hi - lo < few_rows for _, lo, hi in spans):
         # Every chosen expert has few rows (a decode step, a few streams): one call.
         args = (w.bits, w.group, num_experts, groups.start, groups.expert)
         return qblock.qblock_matmul_experts(lib, x.contiguous(), *w.parts(), *args)
@@ -158,11 +157,11 @@ def _quantized(
     y = x.new_empty(x.shape[0], out)
     few: list[tuple[int, int, int]] = []
     for e, lo, hi in spans:
-        if hi - lo < dense_min_rows:
+        if hi - lo < few_rows:
             few.append((e, lo, hi))
         else:
             expert = w.row_slice(e * out, (e + 1) * out)
-            y[lo:hi] = quantized_linear(lib, expert, x[lo:hi], dense_min_rows)
+            y[lo:hi] = quantized_linear(lib, expert, x[lo:hi], few_rows)
     if few:
         assert lib is not None
         _grouped(lib, w, num_experts, x, few, y)

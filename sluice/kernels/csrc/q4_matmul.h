@@ -70,8 +70,12 @@ void quantize_rows(const T* x, int M, int K, int8_t* xq, float* dx, float* sx, i
 struct Q4Activations {
   std::vector<int8_t> q;
   std::vector<float> dx, sx;
+  // Bytes from one row of q to the next (K; QBlockActivations may pad it).
+  int64_t stride = 0;
+  const int8_t* row(int r) const { return q.data() + stride * r; }
   template <typename T>
   void quantize(const T* x, int M, int K, int span = 32) {
+    stride = K;
     q.resize(static_cast<size_t>(M) * K);
     dx.resize(static_cast<size_t>(M) * (K / 32));
     sx.resize(dx.size());
@@ -190,7 +194,7 @@ void q4_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const uin
     const uint16_t* dr = d + static_cast<int64_t>(n) * nb;
     const uint16_t* mr = m + static_cast<int64_t>(n) * nb;
     for (int r = 0; r < M; ++r) {
-      const float v = q4_row_dot(wr, dr, mr, xa.q.data() + static_cast<int64_t>(r) * K,
+      const float v = q4_row_dot(wr, dr, mr, xa.row(r),
                                  xa.dx.data() + static_cast<int64_t>(r) * nb,
                                  xa.sx.data() + static_cast<int64_t>(r) * nb, nb);
       T* dst = y + static_cast<int64_t>(r) * N + n;

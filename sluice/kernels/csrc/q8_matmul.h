@@ -95,7 +95,7 @@ void q8_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const flo
   for (int n = 0; n < N; ++n) {
     const uint8_t* wr = qw + static_cast<int64_t>(n) * K;
     for (int r = 0; r < M; ++r) {
-      const float sum = q8_row_dot(wr, xa.q.data() + static_cast<int64_t>(r) * K,
+      const float sum = q8_row_dot(wr, xa.row(r),
                                    xa.dx.data() + static_cast<int64_t>(r) * nb, nb, offset[r]);
       T* dst = y + static_cast<int64_t>(r) * N + n;
       *dst = sluice::round_to(dst, scale[n] * sum);

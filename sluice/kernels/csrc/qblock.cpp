@@ -31,7 +31,7 @@ void residual_rows(const T* x, const sluice::QBlockActivations& coarse, int M, i
   for (int r = 0; r < M; ++r) {
     const T* xr = x + static_cast<int64_t>(r) * K;
     float* rest = out + r * stride;
-    const int8_t* q = coarse.q.data() + static_cast<int64_t>(r) * K;  // pair positions
+    const int8_t* q = coarse.row(r);  // pair positions
     const float* dx = coarse.dx.data() + static_cast<int64_t>(r) * (K / 32);
     for (int p = 0; p < K / 64; ++p)
       for (int j = 0; j < 4; ++j)
@@ -137,7 +137,7 @@ void head_refine_t(const float* coarse, const sluice::QBlockActivations& rest, i
 std::vector<float> residual_mass(const sluice::QBlockActivations& rest, int M, int K) {
   std::vector<float> s(M, 0.f);
   for (int r = 0; r < M; ++r) {
-    const int8_t* q = rest.q.data() + static_cast<int64_t>(r) * K;
+    const int8_t* q = rest.row(r);
     const float* dx = rest.dx.data() + static_cast<int64_t>(r) * (K / 32);
     double sum = 0;  // (positions are pair-ordered, but dx holds one scale per 32 of them)
     for (int k = 0; k < K; ++k) sum += std::abs(static_cast<double>(dx[k / 32]) * q[k]);

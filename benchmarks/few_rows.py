@@ -1,0 +1,126 @@
+"""Where a quantized GGUF layer's few-row path should hand over to the compute-bound one.
+
+A step of M rows (a short prompt, M streams decoding, a verifying step) multiplies
+each weight by M activation rows. sluice has two paths for a weight kept in its GGUF
+blocks (sluice/layers/block_quant.py): the block kernel (int8 activations, each
+unpacked weight pair applied to up to 12 rows) and dequantized tiles + the dense GEMM.
+The row count where the second starts winning (`dense_min_rows`) depends on the
+format (integer K-quant scales or fp16 ones) and the instruction-set level, so this
+times one layer's linears (q, k, v, o, gate, up, down as the file stores them) on both
+paths at each M, alternating the paths (block, dense; dense, block) and keeping the
+median of --rounds, in one process on --threads threads. The weights come from the
+file's layer 0, read into the same layouts the engine uses.
+
+Run from the repo root (a quiet machine):
+    .venv/bin/python benchmarks/few_rows.py --model /work/models/qwen2.5-7b-Q4_K_M.gguf \\
+        --output docs/results/few_rows-qwen2.5-7b.json
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from benchmarks.common import add_output_arg, add_rounds_arg, format_table, write_result  # noqa: E402
+from sluice import kernels  # noqa: E402
+from sluice.core.quantized_tensor import QuantizedTensor  # noqa: E402
+from sluice.layers.block_quant import dense_min_rows, quantized_linear  # noqa: E402
+from sluice.loader.gguf_loader import _to_weight, tensor_entries  # noqa: E402
+
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+PATHS = ("block", "dense")
+
+
+def layer_weights(path: Path) -> dict[str, QuantizedTensor]:
+    """Layer 0's linears as the loader keeps them (quantized layouts only)."""
+    from gguf import GGUFReader
+
+    entries = {e.name: e for e in tensor_entries(GGUFReader(path))}
+    out: dict[str, QuantizedTensor] = {}
+    with open(path, "rb") as f:
+        for name in LINEARS:
+            entry = entries.get(f"blk.0.{name}.weight")
+            weight = _to_weight(f, entry, True) if entry is not None else None
+            if isinstance(weight, QuantizedTensor):
+                out[name] = weight
+    return out
+
+
+def _time(fn: Callable[[], Any], reps: int) -> float:
+    """Median seconds of reps calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _call(lib: Any, w: QuantizedTensor, x: torch.Tensor, crossover: int) -> Callable[[], Any]:
+    return lambda: quantized_linear(lib, w, x, crossover)
+
+
+def measure(
+    weights: dict[str, QuantizedTensor], rows: list[int], rounds: int, dtype: torch.dtype
+) -> dict[str, dict[str, list[float]]]:
+    """{M: {path: [ms of the layer's linears, a round each]}}, paths alternating."""
+    lib = kernels.load()
+    out: dict[str, dict[str, list[float]]] = {}
+    for m in rows:
+        xs = {n: torch.randn(m, w.shape[1]).to(dtype) for n, w in weights.items()}
+        cell: dict[str, list[float]] = {p: [] for p in PATHS}
+        for r in range(rounds):
+            for p in PATHS if r % 2 == 0 else PATHS[::-1]:
+                crossover = 1 << 30 if p == "block" else 0
+                total = sum(_time(_call(lib, w, xs[n], crossover), 5) for n, w in weights.items())
+                cell[p].append(total * 1e3)
+        out[str(m)] = cell
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, type=Path)
+    ap.add_argument("--rows", default="1,4,8,12,16,24,32,48,64")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    add_rounds_arg(ap, default=3)
+    add_output_arg(ap, "few_rows")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    weights = layer_weights(args.model)
+    rows = [int(m) for m in args.rows.split(",")]
+    times = measure(weights, rows, args.rounds, getattr(torch, args.dtype))
+    medians = {m: {p: statistics.median(v) for p, v in c.items()} for m, c in times.items()}
+    table = [
+        [m, f"{c['block']:.2f}", f"{c['dense']:.2f}", f"{c['block'] / c['dense']:.2f}"]
+        for m, c in medians.items()
+    ]
+    print(format_table(["rows", "block ms", "dense ms", "block / dense"], table))
+    result = {
+        "model": args.model.name,
+        "kernels": kernels.variant(),
+        "dtype": args.dtype,
+        "formats": {n: w.source for n, w in weights.items()},
+        "dense_min_rows": {n: dense_min_rows(w) for n, w in weights.items()},
+        "median_ms": medians,
+        "runs_ms": times,
+    }
+    print("wrote", write_result("few_rows", result, args.output, threads=args.threads))
+
+
+if __name__ == "__main__":
+    main()
