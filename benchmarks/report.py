@@ -744,6 +744,34 @@ def _moe(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _few_rows(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        for m, cell in d["median_ms"].items():
+            block, dense = cell["block"], cell["dense"]
+            crossover = sorted(set(d["dense_min_rows"].values()))
+            rows.append(
+                [
+                    *_run_cells(name, d),
+                    d["model"],
+                    m,
+                    f"{block:.2f}",
+                    f"{dense:.2f}",
+                    f"{block / dense:.2f}",
+                    "/".join(map(str, crossover)),
+                ]
+            )
+    headers = [
+        "model",
+        "rows",
+        "block kernel ms",
+        "dequantized tiles + GEMM ms",
+        "block / dense",
+        "dense_min_rows",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
 def _swa_pool(results: Sequence[Result]) -> str:
     rows = []
     for name, d in results:
@@ -826,6 +854,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "tensor_parallel": _tensor_parallel,
     "swa_pool": _swa_pool,
     "moe": _moe,
+    "few_rows": _few_rows,
     "cuda_check": _cuda_check,
 }
 
