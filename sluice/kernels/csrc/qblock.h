@@ -133,15 +133,6 @@ struct QbRow {
   const void* m;       // [K / G] as d; null for a symmetric weight
   const uint16_t* sd;  // integer scales: [K / 256] fp16 multipliers of d
   const uint16_t* sm;  // ... and of m (null for a symmetric weight)
-
-  // The same row from value k0 on (k0 a multiple of 256).
-  template <int BITS, int G, bool IQ>
-  QbRow from(int k0) const {
-    const int64_t off = (k0 / G) * (IQ ? 1 : 2);  // bytes into d and m
-    return {w + qb_row_bytes(BITS, k0), h ? h + qb_hbits_row_bytes(BITS, k0) : nullptr,
-            static_cast<const uint8_t*>(d) + off, m ? static_cast<const uint8_t*>(m) + off : nullptr,
-            sd ? sd + k0 / kQbSuper : nullptr, sm ? sm + k0 / kQbSuper : nullptr};
-  }
 };
 
 // A weight's pointers as the kernels take them: packed, hbits, d, m (see QbRow) and s,
@@ -235,19 +226,6 @@ struct QbActRows {
   const float* dx[R];
   const float* dx8[R];
   const float* sx[R];
-
-  // The same rows from value k0 on (k0 a multiple of 256).
-  template <int G>
-  QbActRows from(int k0) const {
-    QbActRows a = *this;
-    SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
-      a.x[r] += k0;
-      a.dx[r] += k0 / 32;
-      a.dx8[r] += k0 / 8;
-      a.sx[r] += k0 / G;
-    }
-    return a;
-  }
 };
 
 #if defined(SLUICE_ISA_AVX512)
@@ -737,36 +715,17 @@ QbActRows<R> qb_act_rows(const QBlockActivations& xa, int r0, int K) {
   return a;
 }
 
-// Long rows are summed in chunks of kQbChunk values, in order, on every path (a row's
-// result must not depend on the batch): R rows of a chunk (8 KiB at 4 rows) stay in
-// L1 while consecutive weight rows pass over them, where a whole 8960-value row of
-// the 1.5B model's down projection took each of 4 rows from L2 for every weight row
-// (that layer's verifying step of 3 drafts: ~2x a decode step against ~1.1x for the
-// short-row layers).
-constexpr int kQbChunk = 2048;
-
-// out[r] += part[r], out of line: fast-math may not fold a chunk's sum into the row's
-// running one (it did so in some inlined contexts and not others at the portable level).
-template <int R>
-__attribute__((noinline)) void qb_add_rows(float* out, const float* part) {
-  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) out[r] += part[r];
-}
-
-template <int BITS, int G, bool IQ, int R, bool PREFETCH = false>
-SLUICE_INLINE void qb_dot_chunk(const QbRow& w, const QbActRows<R>& a, int k0, int K, float* out) {
-  const int kc = std::min(kQbChunk, K - k0);
-  float part[R];
-  qb_dot_rows<BITS, G, IQ, R, PREFETCH>(w.from<BITS, G, IQ>(k0), a.template from<G>(k0), kc / 64,
-                                        kc / G, part);
-  qb_add_rows<R>(out, part);
-}
-
-// out[r] = row w . activation row r, over the whole of K.
+// out[r] = row w . activation row r, over the whole of K, in one run of pairs on every
+// path (a row's result must not depend on the batch: a verifying step's rows equal the
+// decode steps they replace). Long rows were once summed in chunks of 2048 values, each
+// reduced and added, so R rows of a chunk stayed in L1 across weight rows; the chunks'
+// reductions and partial sums cost more than L2 reads of the rows do now. Unchunked,
+// Qwen2.5-7B's down projection (Q6_K, 3584 x 18944) took 18% fewer cycles at 8 and 16
+// rows, 10-16% at 3-5, 1-5% at one, and its Q4_K gate (K = 3584) 25% fewer at one row
+// (2 cores of Zen 4, avx512; at avx2 20-35% at 3-16 rows, one and two rows alike).
 template <int BITS, int G, bool IQ, int R, bool PREFETCH = false>
 SLUICE_INLINE void qb_dot_row(const QbRow& w, const QbActRows<R>& a, int K, float* out) {
-  if (K <= kQbChunk) return qb_dot_rows<BITS, G, IQ, R, PREFETCH>(w, a, K / 64, K / G, out);
-  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) out[r] = 0.f;
-  for (int k0 = 0; k0 < K; k0 += kQbChunk) qb_dot_chunk<BITS, G, IQ, R, PREFETCH>(w, a, k0, K, out);
+  qb_dot_rows<BITS, G, IQ, R, PREFETCH>(w, a, K / 64, K / G, out);
 }
 
 template <typename T, int R>
@@ -778,34 +737,19 @@ SLUICE_INLINE void qb_store(T* y, int N, int64_t n, const float* out) {
 }
 
 // Rows r0 .. r0 + R (R <= kQbRowBlock) of y: every weight row times all R rows, in one
-// orphaned `omp for`; long rows go chunk by chunk over blocks of kQbChunkRows weight rows.
-// `wait` false leaves out the barrier at the end (every thread must pass the same), where
-// no thread reads what another writes before the region's end: the experts' groups
-// write disjoint rows of y.
-constexpr int kQbChunkRows = 8;
+// orphaned `omp for`. `wait` false leaves out the barrier at the end (every thread must
+// pass the same), where no thread reads what another writes before the region's end:
+// the experts' groups write disjoint rows of y.
 template <int BITS, int G, bool IQ, int R, typename T>
 void qb_rows_pass(const QBlockActivations& xa, int r0, int K, const QbWeight& wt, int N, T* y,
                   bool wait = true) {
   const QbActRows<R> a = qb_act_rows<G, R>(xa, r0, K);
   y += static_cast<int64_t>(r0) * N;
-  if (K <= kQbChunk || R <= 2) {  // (1-2 rows: bandwidth-bound, weights best read in order)
 #pragma omp for schedule(static) nowait
-    for (int n = 0; n < N; ++n) {
-      float out[R];
-      qb_dot_row<BITS, G, IQ, R, true>(wt.row<BITS, G, IQ>(K, n), a, K, out);
-      qb_store<T, R>(y, N, n, out);
-    }
-  } else {
-    const int blocks = (N + kQbChunkRows - 1) / kQbChunkRows;
-#pragma omp for schedule(static) nowait
-    for (int b = 0; b < blocks; ++b) {
-      const int n0 = b * kQbChunkRows, n1 = std::min(N, n0 + kQbChunkRows);
-      float out[kQbChunkRows][R] = {};
-      for (int k0 = 0; k0 < K; k0 += kQbChunk)
-        for (int n = n0; n < n1; ++n)
-          qb_dot_chunk<BITS, G, IQ, R, true>(wt.row<BITS, G, IQ>(K, n), a, k0, K, out[n - n0]);
-      for (int n = n0; n < n1; ++n) qb_store<T, R>(y, N, n, out[n - n0]);
-    }
+  for (int n = 0; n < N; ++n) {
+    float out[R];
+    qb_dot_row<BITS, G, IQ, R, true>(wt.row<BITS, G, IQ>(K, n), a, K, out);
+    qb_store<T, R>(y, N, n, out);
   }
   if (wait) {
 #pragma omp barrier
