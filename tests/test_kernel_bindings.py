@@ -230,3 +230,19 @@ def test_layer_table_rejects_unknown_and_missing_fields(active_kernels: kernels.
         decode_stack.LayerTable(active_kernels, [{n: t for n in names if n != "qkv_bias"}])
     with pytest.raises(ValueError, match="qkv_gate"):
         decode_stack.LayerTable(active_kernels, [{**full, "qkv_gate": t}])
+
+
+def test_a_compiler_that_fails_leaves_torch_ops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failed compile of any source (the sources compile in parallel, then link) is a
+    warning with the compiler's message and no library, never a half-built one cached."""
+    cxx = tmp_path / "cxx"
+    cxx.write_text("#!/bin/sh\necho 'cc1plus: error: out of tea' >&2\nexit 1\n")
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+    with caplog.at_level("WARNING", logger="sluice"):
+        assert kernels._build("generic") is None
+    assert "out of tea" in caplog.text
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))
