@@ -78,10 +78,6 @@ inline float qb_half(uint16_t h) {
 // activations, one scale per 256, for the same reason.
 struct QBlockActivations : Q4Activations {
   std::vector<float> dx8, sx16;
-  // The row stride is padded to K + 64 where K is a multiple of 512: rows 4 KiB apart
-  // (K = 4096: Llama-3-8B's, Mistral-7B's hidden size) map to the same L1 sets, and a
-  // pass of R rows evicted its own rows (8 rows over 18944 x 4096 Q4_K weights: 4%
-  // fewer cycles a pair with the padding, 2 cores of Zen 4).
   // group: that of the qblock weight these rows meet (16 or 32), which of the extras
   // to make: sx16 only for 16, dx8 for several rows of float scales, and for one only
   // at AVX2, whose one-row step loads it (spreading dx cost a permute a pair; AVX-512
@@ -117,6 +113,9 @@ struct QBlockActivations : Q4Activations {
   }
 
  private:
+  // Row stride K + 64: rows 4 KiB apart (K = 4096: Llama-3-8B's, Mistral-7B's hidden
+  // size) map to the same L1 sets, and a pass of R rows evicted its own rows (8 rows
+  // over 18944 x 4096 Q4_K weights: 4% fewer cycles a pair padded, 2 cores of Zen 4).
   void pad_rows(int M, int K) {
     stride = K + 64;
     q.resize(static_cast<size_t>(M) * stride);
