@@ -143,13 +143,13 @@ def test_prefix_cache_hits_and_preemption() -> None:
     llm = _engine(
         speculative_method="eagle",
         enable_prefix_caching=True,
-        kv_cache_memory=20 * 30 * 2 * 3 * 16 * 64 * 4 / 2**30,  # ~20 blocks of 16 tokens
+        kv_cache_memory=12 * 30 * 2 * 3 * 16 * 64 * 4 / 2**30,  # ~12 blocks of 16 tokens
         block_size=16,
     )
     assert llm.engine.speculator is not None
     llm.engine.speculator.costs = ALWAYS
     ps = chat(llm, PROMPTS)
-    long = SamplingParams(temperature=0, max_tokens=120, min_tokens=120)  # 10 blocks each
+    long = SamplingParams(temperature=0, max_tokens=64, min_tokens=64)  # ~7 blocks each
     ref = without_speculation(llm, ps, long)
     hits = llm.stats()["prefix_cache_hit_tokens"]
     assert token_ids(llm, ps[:1], long) == ref[:1]
