@@ -48,8 +48,8 @@ from sluice.layers.linear import Linear, LinearMethod
 DENSE_MIN_ROWS = {"avx512": 16, "avx2": 16, "generic": 4}
 # Integer scales (the K-quants: two steps a pair and row, maddubs + vpdpwssd) stay on
 # the block kernel to 32 rows: on Qwen2.5-7B's layer the block kernel costs 0.60x the
-# dense path at 16 rows, 0.87x at 32, 1.14x at 64 (docs/results/few_rows-qwen2.5-7b.json,
-# avx512); the 1.5B's and the avx2 level's crossovers measured at 32-48 rows.
+# dense path at 16 rows and 0.94x at 32 (docs/results/few_rows-qwen2.5-7b.json, avx512);
+# the 1.5B's and the avx2 level's crossovers measured at 32-48 rows.
 DENSE_MIN_ROWS_INTEGER = {"avx512": 32, "avx2": 32, "generic": 4}
 
 
