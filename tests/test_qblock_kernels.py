@@ -326,3 +326,39 @@ def test_bad_formats_and_shapes_are_refused(kernel_level: str) -> None:
     w8 = random_weight(4, 256, 8, 32, seed=0, integer=False)
     with pytest.raises(ValueError, match="integer scales at 8/32"):
         qblock.qblock_matmul(lib, xi, w8.packed, w8.hbits, wi.d, wi.m, wi.s, 8, 32)
+
+
+@pytest.mark.parametrize(("type_name", "block_rows"), [("Q4_K", 32), ("Q4_0", 16)])
+def test_few_rows_take_the_block_kernel_up_to_the_crossover(
+    type_name: str, block_rows: int, kernel_level: str
+) -> None:
+    """A GGUF linear runs M rows on the block kernel (int8 activations, bit for bit the
+    kernel's output) below dense_min_rows and on dequantized tiles + GEMM from there:
+    32 rows for the K-quants' integer scales, 16 for fp16 scales (avx2 and avx512)."""
+    from sluice.core.quantized_tensor import dequantize
+    from sluice.layers.block_quant import BlockQuantized, dense_min_rows
+    from sluice.layers.linear import Linear
+    from sluice.loader.gguf_blocks import repack
+    from tests.test_gguf_blocks import random_blocks
+
+    raw = torch.from_numpy(random_blocks(type_name, 64, 512, seed=5))
+    weight = repack(raw, type_name, 64, 512)
+    if kernel_level == "generic":
+        assert dense_min_rows(weight) == 4
+        return
+    assert dense_min_rows(weight) == block_rows
+    layer = Linear(512, 64, bias=False, method=BlockQuantized())
+    layer.method.load_quantized(layer, weight)
+    gen = torch.Generator().manual_seed(0)
+    lib = kernels.load()
+    assert lib is not None
+    for rows in (block_rows - 1, block_rows):
+        x = torch.randn(rows, 512, generator=gen)
+        y = layer(x)
+        on_blocks = qblock.qblock_matmul(lib, x, *weight.parts(), weight.bits, weight.group)
+        dense = x @ dequantize(weight, torch.float32).T
+        if rows < block_rows:
+            assert torch.equal(y, on_blocks)
+        else:
+            torch.testing.assert_close(y, dense, rtol=1e-4, atol=1e-4)
+            assert not torch.equal(y, on_blocks)
