@@ -35,26 +35,33 @@ import torch  # noqa: E402
 
 from benchmarks.common import add_output_arg, add_rounds_arg, format_table, write_result  # noqa: E402
 from sluice import kernels  # noqa: E402
+from sluice.architectures import spec_of  # noqa: E402
 from sluice.core.quantized_tensor import QuantizedTensor  # noqa: E402
 from sluice.layers.block_quant import dense_min_rows, quantized_linear  # noqa: E402
-from sluice.loader.gguf_loader import _to_weight, tensor_entries  # noqa: E402
+from sluice.loader.gguf_loader import (  # noqa: E402
+    load_gguf_header,
+    tensor_entries,
+    tensors_from_gguf,
+)
 
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 PATHS = ("block", "dense")
 
 
 def layer_weights(path: Path) -> dict[str, QuantizedTensor]:
-    """Layer 0's linears as the loader keeps them (quantized layouts only)."""
+    """Layer 0's linears as the loader keeps them (quantized layouts only), under the
+    file's names."""
     from gguf import GGUFReader
 
-    entries = {e.name: e for e in tensor_entries(GGUFReader(path))}
+    config, _ = load_gguf_header(path)
+    entries = [e for e in tensor_entries(GGUFReader(path)) if e.name.startswith("blk.0.")]
+    by_hf_name = tensors_from_gguf(path, entries, config)
+    spec = spec_of(config.architecture)
     out: dict[str, QuantizedTensor] = {}
-    with open(path, "rb") as f:
-        for name in LINEARS:
-            entry = entries.get(f"blk.0.{name}.weight")
-            weight = _to_weight(f, entry, True) if entry is not None else None
-            if isinstance(weight, QuantizedTensor):
-                out[name] = weight
+    for name in LINEARS:
+        weight = by_hf_name.get(spec.hf_tensor_name(f"blk.0.{name}.weight") or "")
+        if isinstance(weight, QuantizedTensor):
+            out[name] = weight
     return out
 
 

@@ -64,6 +64,9 @@ class Experts(nn.Module):
         self.gate_up_weight: Weight = torch.empty(0)
         self.down_weight: Weight = torch.empty(0)
         self.lib: Library | None = None
+        # Rows from which an expert runs dequantized tiles + GEMM (block_quant's
+        # crossover for each stack's format; 0 without our kernels: always).
+        self.gate_up_dense_rows = self.down_dense_rows = 0
         # Rows each expert has been given since load (sluice_moe_expert_tokens_total).
         self.tokens = torch.zeros(num_experts, dtype=torch.int64)
 
@@ -84,6 +87,9 @@ class Experts(nn.Module):
             self.gate_up_weight = both.rows(_interleave(e, i))
             self.down_weight = down
             self.lib = cpu_kernels(torch.empty(0, dtype=dtype))
+            if self.lib is not None:
+                self.gate_up_dense_rows = dense_min_rows(self.gate_up_weight)
+                self.down_dense_rows = dense_min_rows(down)
             return
         # On the model's device (the checkpoint's tensors are on the CPU).
         dense = [_dense(w, shape, dtype).to(self.tokens.device) for _, w, shape in parts]
@@ -100,15 +106,17 @@ class Experts(nn.Module):
     def gate_up(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """[rows, 2I]: each sorted row through its expert's gate and up projections."""
         self.tokens += groups.counts.to(self.tokens.device)
-        return self._run(self.gate_up_weight, x, groups)
+        return self._run(self.gate_up_weight, x, groups, self.gate_up_dense_rows)
 
     def down(self, h: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """[rows, H]: each sorted row through its expert's down projection."""
-        return self._run(self.down_weight, h, groups)
+        return self._run(self.down_weight, h, groups, self.down_dense_rows)
 
-    def _run(self, w: Weight, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    def _run(
+        self, w: Weight, x: torch.Tensor, groups: ExpertGroups, dense_rows: int
+    ) -> torch.Tensor:
         if isinstance(w, QuantizedTensor):
-            return _quantized(self.lib, w, self.num_experts, x, groups)
+            return _quantized(self.lib, w, self.num_experts, x, groups, dense_rows)
         y = x.new_empty(x.shape[0], w.shape[1])
         for e, lo, hi in groups.spans:
             y[lo:hi] = F.linear(x[lo:hi], w[e])
@@ -142,12 +150,16 @@ def _dense(w: Weight, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.
 
 
 def _quantized(
-    lib: Library | None, w: QuantizedTensor, num_experts: int, x: torch.Tensor, groups: ExpertGroups
+    lib: Library | None,
+    w: QuantizedTensor,
+    num_experts: int,
+    x: torch.Tensor,
+    groups: ExpertGroups,
+    few_rows: int,
 ) -> torch.Tensor:
     """x's sorted rows through their experts' blocks: the grouped kernel for the experts
-    with few rows, dequantized tiles and a GEMM for those with many (or everywhere
-    without our kernels)."""
-    few_rows = dense_min_rows(w) if lib is not None else 0
+    with fewer than `few_rows` rows, dequantized tiles and a GEMM for those with more (or
+    everywhere without our kernels, where few_rows is 0)."""
     spans = groups.spans
     if lib is not None and all(hi - lo < few_rows for _, lo, hi in spans):
         # Every chosen expert has few rows (a decode step, a few streams): one call.

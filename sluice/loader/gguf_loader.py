@@ -82,6 +82,10 @@ def _vocab_size(meta: GGUFMetadata, tensor_names: dict[str, Any]) -> int:
     return vocab
 
 
+# Llama 3's rope scaling as llama.cpp's converter writes it (_rope_freq_factors).
+ROPE_FREQS = "rope_freqs.weight"
+
+
 def _rope_freq_factors(
     tensor_names: dict[str, Any], key_length: Any, default_head_dim: int
 ) -> dict[str, Any] | None:
@@ -89,19 +93,19 @@ def _rope_freq_factors(
     `rope_freqs.weight` tensor of one factor per rotary pair that divides that pair's
     frequency (llama.cpp's freq_factors). The factors are read as stored, so any
     scaling the converter baked in is reproduced exactly."""
-    tensor = tensor_names.get("rope_freqs.weight")
+    tensor = tensor_names.get(ROPE_FREQS)
     if tensor is None:
         return None
     head_dim = int(key_length) if key_length is not None else default_head_dim
     shape = tuple(int(d) for d in tensor.shape)
     if tensor.tensor_type.name != "F32" or shape != (head_dim // 2,):
         raise ValueError(
-            f"rope_freqs.weight must be F32 of {head_dim // 2} values (one per rotary "
+            f"{ROPE_FREQS} must be F32 of {head_dim // 2} values (one per rotary "
             f"pair of head_dim {head_dim}); the file has {tensor.tensor_type.name} {list(shape)}"
         )
     factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
     if factors.size != head_dim // 2 or not bool(np.all(np.isfinite(factors) & (factors > 0))):
-        raise ValueError("rope_freqs.weight holds a factor that is not a finite positive number")
+        raise ValueError(f"{ROPE_FREQS} holds a factor that is not a finite positive number")
     return {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
 
 
@@ -180,7 +184,7 @@ def _to_weight(f: io.BufferedReader, entry: TensorEntry, keep_quantized: bool) -
 
 
 # Tensors that hold hyper-parameters, not weights: config_from_gguf reads them.
-CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
+CONFIG_TENSORS = frozenset({ROPE_FREQS})
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
