@@ -33,7 +33,13 @@ from sluice.loader.chat_template import resolve_chat_template
 from sluice.loader.gguf_metadata import GGUFMetadata
 from sluice.loader.tokenizer import Tokenizer
 from sluice.server.app import build_app
-from sluice.server.tool_calls import FunctionSpec, HermesFormat, HermesParser, parse_all
+from sluice.server.tool_calls import (
+    FunctionSpec,
+    HermesFormat,
+    HermesParser,
+    lark_text,
+    parse_all,
+)
 
 MODEL = "smollm2-135m"
 WEATHER = {
@@ -330,6 +336,13 @@ PARSER_CASES = [
     ('{"name": "other", "arguments": {}}', '{"name": "other", "arguments": {}}', []),
     ('{"answer": {"name": "f"}}', '{"answer": {"name": "f"}}', []),
     ('Sure: {"name": "f", "arguments": {}}', 'Sure: {"name": "f", "arguments": {}}', []),
+    # ... or in a Markdown code block (Qwen2.5-Coder-0.5B on "auto"), fenced or not.
+    ('```json\n{"name": "f", "arguments": {"x": "`"}}\n```\n```\n{"name": "g", "arguments": {}}```'
+     " done", "done", [("f", '{"x": "`"}'), ("g", "{}")]),
+    ('```json\n{"name": "other", "arguments": {}}\n```',
+     '```json\n{"name": "other", "arguments": {}}\n```', []),
+    ("```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
+    ('```json\n{"name": "f", "arguments": {}}\n`` tail', "`` tail", [("f", "{}")]),
 ]  # fmt: skip
 NAMES = frozenset({"f", "g", "get_weather", "add"})
 
@@ -380,12 +393,41 @@ def test_parser_keeps_max_calls() -> None:
     assert parse_all(HermesParser(), bare) == (bare, [])
 
 
+def test_grammar_names_added_tokens_by_id() -> None:
+    # Qwen2.5's <tool_call> and </tool_call> are added tokens (not "special" in the
+    # tokenizer), which llguidance matches only by id: written as text, the grammar
+    # refused the model's own token and the forced call ended after "<tool_call>".
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())  # one token a byte
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.BPE({c: i for i, c in enumerate(alphabet)}, [])
+    )
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    backend.add_tokens(["<tool_call>", "</tool_call>"])  # plain added tokens, as in the GGUF
+    tokenizer = Tokenizer(backend, bos_token_id=None, eos_token_ids=[])
+    added = tokenizer.added_tokens
+    start, end = added["<tool_call>"], added["</tool_call>"]
+    assert lark_text("a<tool_call>\n", added) == f'"a" <[{start}]> "\\n"'
+    assert lark_text("plain", added) == '"plain"'
+    grammar = HermesFormat().grammar([FunctionSpec("f", ADD)], False, added)
+    lltok = llguidance.LLTokenizer(backend.to_str(), n_vocab=backend.get_vocab_size())
+    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+    ids = tokenizer.encode(call)
+    assert ids[0] == start and end in ids
+    assert matcher.consume_tokens(ids), matcher.get_error()
+    assert matcher.is_accepting()
+    # The grammar without the ids (the old one) refuses the same tokens.
+    old = llguidance.LLMatcher(lltok, HermesFormat().grammar([FunctionSpec("f", ADD)], False, {}))
+    assert not old.consume_tokens(ids[:1])
+
+
 def test_grammar_compiles_with_refs_in_parameters() -> None:
     # Each function's schema is its own %json root, so its $refs resolve.
     params = {"$defs": {"N": {"type": "integer"}}, "type": "object",
               "properties": {"n": {"$ref": "#/$defs/N"}}}  # fmt: skip
     for parallel in (True, False):
-        grammar = HermesFormat().grammar([FunctionSpec("f", params)], parallel)
+        grammar = HermesFormat().grammar([FunctionSpec("f", params)], parallel, {})
         lark = llguidance.LLMatcher.grammar_from_lark(grammar)
         assert llguidance.LLMatcher.validate_grammar(lark) == ""
 

@@ -6,6 +6,7 @@ metadata of a GGUF file by `gguf_tokenizer.tokenizer_from_gguf`.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -150,6 +151,13 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[str, int]:
+        """Each added token's text and id (special or not): the tokenizer never splits
+        these texts, and a grammar library treats them as single special tokens, so a
+        grammar that must produce one names it by id (see ``tool_calls.lark_text``)."""
+        return {t.content: i for i, t in self._backend.get_added_tokens_decoder().items()}
 
     def _token_text(self, i: int | None) -> str:
         return "" if i is None else self._backend.decode([i], skip_special_tokens=False)

@@ -19,10 +19,11 @@ caveat too). With ``tool_choice`` ``required`` or a named function the grammar m
 every call complete and its arguments valid against the function's schema.
 
 Some models drop the tags: Qwen2.5-Coder answers a weather question with a bare
-``{"name": "get_weather", "arguments": {...}}``. A reply that *opens* with such an
-object, naming one of the request's functions, is read as calls too (so a reply that
-opens with ``{`` waits until it is known not to be one); JSON later in a reply, or with
-another name, stays content.
+``{"name": "get_weather", "arguments": {...}}``, or the same object in a Markdown
+code block (```` ```json ````). A reply that *opens* with such an object, fenced or
+not, naming one of the request's functions, is read as calls too (so a reply that
+opens with ``{`` or a backtick waits until it is known not to be one); JSON later in
+a reply, or with another name, stays content.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Set
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -85,10 +86,27 @@ class ToolCallFormat(Protocol):
         request's functions (a format may use them to recognise calls)."""
         ...
 
-    def grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
+    def grammar(
+        self, functions: list[FunctionSpec], parallel: bool, added: Mapping[str, int]
+    ) -> str:
         """A Lark grammar (llguidance's dialect) for one call of one of `functions`, or
-        one or more calls if `parallel`."""
+        one or more calls if `parallel`; `added` is the tokenizer's added tokens (text
+        to id), which the grammar's literals name by id (``lark_text``)."""
         ...
+
+
+def lark_text(text: str, added: Mapping[str, int]) -> str:
+    """`text` as a sequence of Lark terms that a tokenizer with the `added` tokens can
+    produce: plain pieces as string literals, each added token's text as that token by
+    id (``<[151657]>``). llguidance treats every added token as special, matched only
+    by id: Qwen2.5's ``<tool_call>`` is one, so a literal "<tool_call>" would forbid
+    the very token the model was trained to write (and reject it when forced)."""
+    present = sorted((t for t in added if t and t in text), key=len, reverse=True)
+    if not present:
+        return json.dumps(text)
+    pieces = re.split("(" + "|".join(re.escape(t) for t in present) + ")", text)
+    terms = [f"<[{added[p]}]>" if i % 2 else json.dumps(p) for i, p in enumerate(pieces) if p]
+    return " ".join(terms)
 
 
 def new_call_id() -> str:
@@ -225,6 +243,12 @@ def _prefixes(parts: list[str]) -> str:
     return f"(?:{_partial(parts[0])}|{_full(parts[0])}{_prefixes(parts[1:])})"
 
 
+# A Markdown code block around a bare call: its opening line, every text that may still
+# become one, its closing backticks and every text that may still become them.
+_FENCE = re.compile(r"\s*```(?:json)?[ \t]*\n")
+_FENCE_START = re.compile(r"\s*`{1,3}(?:j|js|jso|json)?[ \t]*")
+_FENCE_CLOSE = re.compile(r"\s*```")
+_FENCE_CLOSE_START = re.compile(r"\s*`{0,2}")
 _HEADER = re.compile("".join(_full(p) if p != _STRING else f"({p})" for p in _PARTS) + _WS)
 _HEADER_START = re.compile(_prefixes(_PARTS))
 
@@ -262,8 +286,8 @@ class HermesParser:
     \\n</tool_call>`` blocks among plain text (see the module's docstring).
 
     With `names`, a reply may also open with calls written without the tags (bare
-    ``{"name": ..., "arguments": ...}`` objects, name first, one of `names`):
-    Qwen2.5-Coder writes its calls that way.
+    ``{"name": ..., "arguments": ...}`` objects, name first, one of `names`, each
+    maybe in a ```` ```json ```` code block): Qwen2.5-Coder writes its calls that way.
     """
 
     def __init__(self, max_calls: int | None = None, names: Set[str] = frozenset()) -> None:
@@ -272,6 +296,7 @@ class HermesParser:
         self._body: int | None = None  # where the open block's body starts
         self._args: _JsonValue | None = None  # the open block's arguments, once committed
         self._bare = False  # the open call has no tags
+        self._fenced = False  # ... and sits in a Markdown code block
         self._index = -1  # the open call's index (-1: dropped, past max_calls)
         self._content = _Content()
         self._calls = 0
@@ -314,17 +339,21 @@ class HermesParser:
         return True
 
     def _bare_call(self, out: ParsedDelta, final: bool) -> bool | None:
-        """A call without tags at the reply's start: committed (True), undecided (False:
-        wait for more text), or not one (None: the text is content)."""
-        m = _HEADER.match(self._text, self._pos)
+        """A call without tags at the reply's start, maybe in a code block: committed
+        (True), undecided (False: wait for more text), or not one (None: content)."""
+        text, pos = self._text, self._pos
+        fence = _FENCE.match(text, pos)
+        start = fence.end() if fence else pos
+        m = _HEADER.match(text, start)
         if m is None:
-            undecided = not final and _HEADER_START.fullmatch(self._text, self._pos)
+            maybe_fence = fence is None and _FENCE_START.fullmatch(text, pos)
+            undecided = not final and (_HEADER_START.fullmatch(text, start) or maybe_fence)
             return False if undecided else None
         name = _json_string(m.group(1))
         if name not in self._names:
             return None
         assert name is not None
-        self._body, self._bare = self._pos, True
+        self._body, self._bare, self._fenced = pos, True, fence is not None
         self._open(out, name, m.end())
         return True
 
@@ -373,7 +402,7 @@ class HermesParser:
         if close is None:
             return False
         self._pos = close
-        self._body, self._args, self._bare = None, None, False
+        self._body, self._args, self._bare, self._fenced = None, None, False, False
         return True
 
     def _block_end(self, i: int, final: bool) -> int | None:
@@ -388,13 +417,21 @@ class HermesParser:
         return len(text) if final else None
 
     def _bare_end(self, i: int, final: bool) -> int | None:
-        """Past the "}" that closes a bare call (None: not known yet)."""
+        """Past the "}" that closes a bare call and its code block's closing backticks
+        (None: not known yet)."""
         text = self._text
         while i < len(text) and text[i].isspace():
             i += 1
         if i == len(text):
             return i if final else None
-        return i + 1 if text[i] == "}" else i
+        if text[i] != "}":
+            return i
+        if not self._fenced:
+            return i + 1
+        close = _FENCE_CLOSE.match(text, i + 1)
+        if close is not None:
+            return close.end()
+        return None if not final and _FENCE_CLOSE_START.fullmatch(text, i + 1) else i + 1
 
     def _new_call(self, out: ParsedDelta, name: str) -> int:
         if self._max_calls is not None and self._calls >= self._max_calls:
@@ -419,16 +456,22 @@ class HermesFormat:
     def parser(self, max_calls: int | None, names: Set[str]) -> HermesParser:
         return HermesParser(max_calls, names)
 
-    def grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
+    def grammar(
+        self, functions: list[FunctionSpec], parallel: bool, added: Mapping[str, int]
+    ) -> str:
         """Each call's text as the template renders it, its arguments the function's
-        JSON Schema (its own root, so its ``$ref``s resolve), calls one per line."""
+        JSON Schema (its own root, so its ``$ref``s resolve), calls one per line. A
+        newline may end the reply: Qwen2.5 writes one before it ends a turn, and without
+        it a model that wants to stop after a call would be pushed into another one."""
         rules = [
-            "start: call" + (' ("\\n" call)*' if parallel else ""),
+            "start: call" + (' ("\\n" call)*' if parallel else "") + ' "\\n"?',
             "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
         ]
-        tail = json.dumps("}\n" + HERMES_END)
+        tail = lark_text("}\n" + HERMES_END, added)
         for i, fn in enumerate(functions):
-            head = json.dumps(f'{HERMES_START}\n{{"name": {json.dumps(fn.name)}, "arguments": ')
+            head = lark_text(
+                f'{HERMES_START}\n{{"name": {json.dumps(fn.name)}, "arguments": ', added
+            )
             rules.append(f"call_{i}: {head} args_{i} {tail}")
             rules.append(f"args_{i}: %json {json.dumps(with_json_format(fn.parameters))}")
         return "\n".join(rules) + "\n"

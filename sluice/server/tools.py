@@ -150,10 +150,13 @@ def _named_choice(value: Any, functions: list[FunctionSpec]) -> str:
     return name
 
 
-def _grammar(functions: list[FunctionSpec], choice: str, parallel: bool) -> StructuredOutput:
+def _grammar(
+    ctx: ServerContext, functions: list[FunctionSpec], choice: str, parallel: bool
+) -> StructuredOutput:
     if choice.startswith(":"):
         functions, parallel = [f for f in functions if f.name == choice[1:]], False
-    return StructuredOutput(grammar=FORMAT.grammar(functions, parallel))
+    grammar = FORMAT.grammar(functions, parallel, ctx.tokenizer.added_tokens)
+    return StructuredOutput(grammar=grammar)
 
 
 async def with_tool_constraint(
@@ -193,5 +196,5 @@ def tool_plan(ctx: ServerContext, req: ChatCompletionRequest) -> ToolPlan:
         new_parser=functools.partial(
             FORMAT.parser, None if parallel else 1, frozenset(f.name for f in functions)
         ),
-        constraint=None if choice == "auto" else _grammar(functions, choice, parallel),
+        constraint=None if choice == "auto" else _grammar(ctx, functions, choice, parallel),
     )
