@@ -1,6 +1,7 @@
 """The API key check, in front of every route.
 
-Deny by default: a request needs ``Authorization: Bearer <key>`` unless its path is on
+Deny by default: a request needs ``Authorization: Bearer <key>`` (or ``x-api-key:
+<key>``, which Anthropic's clients send) unless its path is on
 a short public list (``/health``, the static playground page and its assets, and
 ``/metrics`` only when the operator asks for it). A route added later is therefore
 protected without anyone remembering to protect it. Pure ASGI, so it does not get in
@@ -14,7 +15,7 @@ import hmac
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sluice.server.errors import error_body
+from sluice.server.errors import anthropic_error_body, error_body, is_anthropic
 
 # Probes must work without a secret; the playground page is static and holds no data
 # (every API call it makes sends the key the user typed).
@@ -35,28 +36,28 @@ class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str, metrics_public: bool = False) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_key = api_key.encode()
         self.metrics_public = metrics_public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or is_public(scope["path"], metrics_public=self.metrics_public):
             await self.app(scope, receive, send)
             return
-        auth = b""
+        auth = key = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 auth = value
+            elif name == b"x-api-key":
+                key = value
         # Constant-time: the comparison must not leak how much of the key matched.
-        if hmac.compare_digest(auth, self.expected):
+        if hmac.compare_digest(auth, self.expected) or hmac.compare_digest(key, self.expected_key):
             await self.app(scope, receive, send)
             return
-        response = JSONResponse(
-            error_body(
-                "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                "invalid_request_error",
-                None,
-                "invalid_api_key",
-            ),
-            status_code=401,
-            headers={"WWW-Authenticate": "Bearer"},
+        message = "missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key'"
+        body = (
+            anthropic_error_body(401, message)
+            if is_anthropic(scope["path"])
+            else error_body(message, "invalid_request_error", None, "invalid_api_key")
         )
+        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)

@@ -1,7 +1,9 @@
-"""Every failure the server answers, in OpenAI's error shape.
+"""Every failure the server answers, in OpenAI's error shape, or Anthropic's on the
+Messages API's paths.
 
 One place decides how an error looks on the wire (``{"error": {"message", "type",
-"param", "code"}}``) and which status an engine exception becomes, so endpoints only
+"param", "code"}}``, or ``{"type": "error", "error": {"type", "message"}}`` under
+``/v1/messages``) and which status an engine exception becomes, so endpoints only
 raise; they never build error responses themselves.
 """
 
@@ -123,6 +125,41 @@ def engine_errors(prompt_param: str) -> Iterator[None]:
         raise OpenAIError(500, str(exc), type="server_error", code="engine_error") from None
 
 
+# Anthropic's error type for each status (its API reference, "Errors").
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _response(
+    request: Request,
+    status: int,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """`body` (OpenAI's shape) as the response, in Anthropic's shape on its paths."""
+    if is_anthropic(request.url.path):
+        body = anthropic_error_body(status, body["error"]["message"])
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def error_type(status: int) -> str:
     if status == 401:
         return "authentication_error"
@@ -133,16 +170,13 @@ def error_type(status: int) -> str:
 
 async def _openai_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, OpenAIError)
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return _response(request, exc.status, exc.body(), exc.headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return JSONResponse(
-        error_body(str(exc.detail), error_type(exc.status_code)),
-        status_code=exc.status_code,
-        headers=getattr(exc, "headers", None),
-    )
+    body = error_body(str(exc.detail), error_type(exc.status_code))
+    return _response(request, exc.status_code, body, getattr(exc, "headers", None))
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -151,15 +185,13 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     loc = errors[0].get("loc", ()) if errors else ()
     param = str(loc[-1]) if loc else None
     message = str(errors[0].get("msg")) if errors else "invalid request"
-    return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+    return _response(request, 400, error_body(message, "invalid_request_error", param))
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error in %s", request.url.path)
-    return JSONResponse(
-        error_body(f"internal server error: {type(exc).__name__}", "server_error"),
-        status_code=500,
-    )
+    body = error_body(f"internal server error: {type(exc).__name__}", "server_error")
+    return _response(request, 500, body)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,12 +1,13 @@
 """The server's endpoints, one module per group; ``app.py`` includes their routers."""
 
-from sluice.server.routes import chat, completions, health, models, playground
+from sluice.server.routes import chat, completions, health, messages, models, playground
 
 ROUTERS = [
     health.router,
     models.router,
     completions.router,
     chat.router,
+    messages.router,
     playground.router,
 ]
 

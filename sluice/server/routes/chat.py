@@ -36,9 +36,12 @@ from sluice.server.validation import (
 router = APIRouter()
 
 
-def _validate(
-    ctx: ServerContext, req: ChatCompletionRequest
+def validate_chat(
+    ctx: ServerContext, req: ChatCompletionRequest, *, stop_param: str = "stop"
 ) -> tuple[SamplingParams, list[int], ToolPlan]:
+    """A chat request's sampling parameters, prompt ids and tool plan, every field
+    checked (also the Messages API's, which arrives as a chat request; its stop
+    strings are `stop_param`)."""
     check_model(ctx, req.model)
     check_chat_unsupported(req)
     plan = tool_plan(ctx, req)
@@ -58,6 +61,7 @@ def _validate(
         max_tokens_param=mt_param,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         logprobs_param="top_logprobs",
+        stop_param=stop_param,
     )
     ids = render_chat(ctx, req.messages, req.add_generation_prompt, plan.tools)
     check_length(ctx, len(ids), params.max_tokens, "messages", mt_param)
@@ -101,7 +105,7 @@ def _response(
 async def chat_completions(request: Request) -> Response | dict[str, Any]:
     ctx = server_context(request)
     req = await parse(request, ChatCompletionRequest)
-    params, ids, plan = _validate(ctx, req)
+    params, ids, plan = validate_chat(ctx, req)
     params = await with_tool_constraint(ctx, await constrained(ctx, req, params), plan)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tracked = await submit(
