@@ -16,6 +16,7 @@ from sluice.core.choices import (
     KV_CACHE_DTYPES,
     KV_ROLES,
     QUANTIZATIONS,
+    REASONING_PARSERS,
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     Architecture,
@@ -24,6 +25,7 @@ from sluice.core.choices import (
     KVCacheDType,
     KVRole,
     Quantization,
+    ReasoningParserName,
     SchedulingPolicy,
     SpeculativeMethod,
     WeightQuantization,
@@ -358,6 +360,15 @@ class EngineConfig:
             default_text="the model's own",
         ),
     )
+    reasoning_parser: ReasoningParserName | None = field(
+        default=None,
+        metadata=doc(
+            "split a reasoning model's thinking (<think>...</think>) from its answer in the "
+            "server's replies: reasoning_content in chat completions, thinking blocks in "
+            "the Messages API; tool calls are parsed from the answer only",
+            default_text="off: the thinking stays in the reply's text",
+        ),
+    )
     speculative_method: SpeculativeMethod | None = field(
         default=None,
         metadata=doc(
@@ -512,6 +523,10 @@ class EngineConfig:
             DISTRIBUTED_EXECUTOR_BACKENDS,
             ConfigError,
         )
+        if self.reasoning_parser is not None:
+            self.reasoning_parser = parse_choice(
+                "reasoning_parser", self.reasoning_parser, REASONING_PARSERS, ConfigError
+            )
         self._check_speculation()
         self._check_offload()
         self._check_kv_transfer()

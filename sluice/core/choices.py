@@ -60,6 +60,11 @@ CPU_ISAS: tuple[CpuIsa, ...] = get_args(CpuIsa)
 SpeculativeMethod = Literal["ngram", "suffix", "draft", "eagle"]
 SPECULATIVE_METHODS: tuple[SpeculativeMethod, ...] = get_args(SpeculativeMethod)
 
+# How a reasoning model marks its thinking (sluice/server/reasoning.py): "qwen3" and
+# "deepseek_r1" both write <think>...</think>; R1's output may lack the opening tag.
+ReasoningParserName = Literal["qwen3", "deepseek_r1"]
+REASONING_PARSERS: tuple[ReasoningParserName, ...] = get_args(ReasoningParserName)
+
 # How data-parallel replicas run: "mp", processes on this machine; "ray", Ray actors
 # placed by a Ray cluster (several machines).
 # A prefill/decode split: "prefill" computes prompts and holds their KV blocks for a

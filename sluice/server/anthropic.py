@@ -206,6 +206,9 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletion
         "tool_choice": tool_choice,
         "parallel_tool_calls": parallel,
     }
+    thinking = thinking_enabled(req.thinking)
+    if thinking is not None:  # Qwen3's templates read it
+        body["chat_template_kwargs"] = {"enable_thinking": thinking}
     if isinstance(req, MessagesRequest):
         body |= {
             "max_tokens": req.max_tokens,

@@ -20,12 +20,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from sluice.core.choices import ReasoningParserName
 from sluice.engine.async_engine import EngineClient
 from sluice.loader.tokenizer import Tokenizer
 from sluice.server.auth import ApiKeyMiddleware
 from sluice.server.context import ServerContext
 from sluice.server.errors import install_error_handlers
 from sluice.server.metrics import ServerMetrics
+from sluice.server.reasoning import REASONING_FORMATS
 from sluice.server.routes import ROUTERS
 from sluice.server.routes.playground import static_files
 
@@ -38,6 +40,7 @@ def build_app(
     vocab_size: int | None = None,
     api_key: str | None = None,
     metrics_without_auth: bool = False,
+    reasoning_parser: ReasoningParserName | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `llm` under the name `model_name`. With `api_key`, every
     route but /health and the static playground needs it (/metrics too unless
@@ -59,6 +62,7 @@ def build_app(
         max_model_len=llm.max_model_len,
         metrics=ServerMetrics(model_name),
         created=int(time.time()),
+        reasoning=None if reasoning_parser is None else REASONING_FORMATS[reasoning_parser],
     )
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, metrics_public=metrics_without_auth)

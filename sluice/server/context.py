@@ -14,6 +14,7 @@ from fastapi import Request
 from sluice.engine.async_engine import EngineClient
 from sluice.loader.tokenizer import Tokenizer
 from sluice.server.metrics import ServerMetrics
+from sluice.server.reasoning import ReasoningFormat
 
 
 @dataclass
@@ -25,6 +26,8 @@ class ServerContext:
     max_model_len: int
     metrics: ServerMetrics
     created: int
+    # --reasoning-parser: how the model marks its thinking (None: not split).
+    reasoning: ReasoningFormat | None = None
     # Set on SIGTERM/SIGINT: in-flight requests finish, new ones get a 503.
     draining: bool = False
 

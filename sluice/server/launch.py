@@ -108,6 +108,7 @@ def run_server(
         vocab_size=vocab,
         api_key=api_key,
         metrics_without_auth=metrics_without_auth,
+        reasoning_parser=config.reasoning_parser,
     )
     uv_config = uvicorn.Config(
         app,

@@ -114,18 +114,34 @@ def _message(i: int, msg: dict[str, Any]) -> dict[str, Any]:
     return message | _tool_fields(i, role, msg)
 
 
+# Template variables the server sets itself, which chat_template_kwargs may not replace.
+_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    for key in kwargs or {}:
+        if key in _RESERVED:
+            where = f"chat_template_kwargs.{key}"
+            raise bad_request(where, f"{where}: '{key}' is set by the server, not by a request")
+    return dict(kwargs or {})
+
+
 def render_chat(
     ctx: ServerContext,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The prompt ids of `messages` (and `tools`, given only to a template that reads
-    them: tools.tool_plan checks that)."""
+    them: tools.tool_plan checks that; `template_kwargs` are more template variables,
+    such as enable_thinking)."""
     if not messages:
         raise bad_request("messages", "messages must be a non-empty list")
     conv = [_message(i, msg) for i, msg in enumerate(messages)]
-    extra = {} if tools is None else {"tools": tools}
+    extra = _template_kwargs(template_kwargs)
+    if tools is not None:
+        extra["tools"] = tools
     try:
         rendered = ctx.tokenizer.apply_chat_template(
             conv, add_generation_prompt=add_generation_prompt, **extra

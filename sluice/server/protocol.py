@@ -91,6 +91,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # Extra variables for the chat template (vLLM's name), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
     # Accepted only at their "off" values; anything else is a 400 that says so.
     functions: Any = None
     function_call: Any = None

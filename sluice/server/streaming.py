@@ -24,6 +24,7 @@ from sluice.server.errors import error_body
 from sluice.server.generation import Tracked, merge, usage
 from sluice.server.logprobs import chat_logprobs, completion_logprobs
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
+from sluice.server.reasoning import ReasoningParser
 from sluice.server.tool_calls import ToolCallParser, stream_delta
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -53,6 +54,8 @@ class StreamSpec:
     top_n: int | None
     # Chat with tools: each choice's text goes through its own parser (tool_calls.py).
     tool_parser: Callable[[], ToolCallParser] | None = None
+    # --reasoning-parser: each choice's thinking is split off first (reasoning.py).
+    reasoning_parser: Callable[[], ReasoningParser] | None = None
 
 
 class _Chunks:
@@ -69,6 +72,8 @@ class _Chunks:
         self.finals: list[CompletionOutput | None] = [None] * n_choices
         new_parser = spec.tool_parser
         self.parsers = [new_parser() for _ in range(n_choices)] if new_parser else None
+        new_reasoning = spec.reasoning_parser
+        self.thinking = [new_reasoning() for _ in range(n_choices)] if new_reasoning else None
 
     def event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         body: dict[str, Any] = {
@@ -114,10 +119,20 @@ class _Chunks:
 
     def _delta(self, idx: int, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
         """A chat chunk's delta and finish_reason: the new text, or with tools what it
-        adds to the content and the calls (text that may start a call waits)."""
+        adds to the content and the calls (text that may start a call waits); with a
+        reasoning parser, the thinking goes to reasoning_content first."""
+        text, thought = c.delta_text, ""
+        if self.thinking is not None:
+            thought, text = self.thinking[idx].feed(text, final=c.finish_reason is not None)
+        delta: dict[str, Any]
+        reason: str | None
         if self.parsers is None:
-            return ({"content": c.delta_text} if c.delta_text else {}), c.finish_reason
-        return stream_delta(self.parsers[idx], c.delta_text, c.finish_reason)
+            delta, reason = ({"content": text} if text else {}), c.finish_reason
+        else:
+            delta, reason = stream_delta(self.parsers[idx], text, c.finish_reason)
+        if thought:
+            delta["reasoning_content"] = delta["reasoning"] = thought
+        return delta, reason
 
     def _logprobs(self, idx: int, c: CompletionOutput) -> tuple[dict[str, Any] | None, int]:
         """Logprobs of the tokens this choice was not sent yet (None if not asked for), and
@@ -176,6 +191,7 @@ def streamed_response(
     tracked: list[Tracked],
     prompts: list[list[int]],
     tool_parser: Callable[[], ToolCallParser] | None = None,
+    reasoning_parser: Callable[[], ReasoningParser] | None = None,
 ) -> StreamingResponse:
     """The streamed answer to a submitted completion or chat request (with tools, parsed
     for calls by `tool_parser`'s parsers)."""
@@ -186,5 +202,6 @@ def streamed_response(
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         top_n=params.logprobs,
         tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
     )
     return event_stream(stream_events(ctx, tracked, prompts, spec))

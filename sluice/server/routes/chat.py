@@ -7,13 +7,15 @@ enforces, and ``tool_calls`` turns each choice's text into content and tool_call
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from sluice.outputs import RequestOutput
+from sluice.outputs import CompletionOutput, RequestOutput
 from sluice.sampling_params import SamplingParams
 from sluice.server.context import ServerContext, server_context
 from sluice.server.errors import bad_request
@@ -21,6 +23,7 @@ from sluice.server.generation import collect, submit, until_disconnected, usage
 from sluice.server.logprobs import chat_logprobs
 from sluice.server.messages import check_chat_unsupported, render_chat
 from sluice.server.protocol import ChatCompletionRequest
+from sluice.server.reasoning import ReasoningParser
 from sluice.server.streaming import streamed_response
 from sluice.server.structured import constrained
 from sluice.server.tool_calls import message_fields
@@ -63,9 +66,37 @@ def validate_chat(
         logprobs_param="top_logprobs",
         stop_param=stop_param,
     )
-    ids = render_chat(ctx, req.messages, req.add_generation_prompt, plan.tools)
+    ids = render_chat(
+        ctx, req.messages, req.add_generation_prompt, plan.tools, req.chat_template_kwargs
+    )
     check_length(ctx, len(ids), params.max_tokens, "messages", mt_param)
     return params, ids, plan
+
+
+def reasoning_for(ctx: ServerContext, ids: list[int]) -> Callable[[], ReasoningParser] | None:
+    """A new reasoning parser for each output of the prompt `ids` (None: not split).
+    The prompt's end says whether the template already opened the thinking."""
+    if ctx.reasoning is None:
+        return None
+    tail = ctx.tokenizer.decode(ids[-16:], skip_special_tokens=False)
+    return functools.partial(ctx.reasoning.parser, tail)
+
+
+def _message(
+    c: CompletionOutput, plan: ToolPlan, reasoning: Callable[[], ReasoningParser] | None
+) -> tuple[dict[str, Any], str | None]:
+    """One choice's message and finish_reason: the thinking split off first, then the
+    answer parsed for tool calls (each choice on its own)."""
+    text, thought = c.text, None
+    if reasoning is not None:
+        thought, text = reasoning().feed(c.text, final=True)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    reason: str | None = c.finish_reason
+    if plan.new_parser is not None:
+        message, reason = message_fields(plan.new_parser(), text, reason)
+    if reasoning is not None:  # both names: vLLM's older and newer
+        message["reasoning_content"] = message["reasoning"] = thought or None
+    return message, reason
 
 
 def _response(
@@ -77,14 +108,12 @@ def _response(
     plan: ToolPlan,
 ) -> dict[str, Any]:
     choices = []
+    reasoning = reasoning_for(ctx, ids)
     for c in final.outputs:
         lp_obj = None
         if params.logprobs is not None and c.logprobs is not None:
             lp_obj = chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, params.logprobs)
-        message: dict[str, Any] = {"role": "assistant", "content": c.text}
-        reason: str | None = c.finish_reason
-        if plan.new_parser is not None:  # each choice parsed on its own
-            message, reason = message_fields(plan.new_parser(), c.text, reason)
+        message, reason = _message(c, plan, reasoning)
         choices.append(
             {"index": c.index, "message": message, "logprobs": lp_obj, "finish_reason": reason}
         )
@@ -112,6 +141,8 @@ async def chat_completions(request: Request) -> Response | dict[str, Any]:
         ctx, [ids], params, rid, req.priority, "messages", streamed=bool(req.stream)
     )
     if req.stream:
-        return streamed_response(ctx, req, rid, params, tracked, [ids], plan.new_parser)
+        return streamed_response(
+            ctx, req, rid, params, tracked, [ids], plan.new_parser, reasoning_for(ctx, ids)
+        )
     (final,) = await until_disconnected(request, collect(tracked))
     return _response(ctx, rid, ids, final, params, plan)

@@ -31,7 +31,8 @@ from sluice.server.context import ServerContext, server_context
 from sluice.server.errors import anthropic_error_body
 from sluice.server.generation import Tracked, collect, submit, until_disconnected
 from sluice.server.messages import render_chat
-from sluice.server.routes.chat import validate_chat
+from sluice.server.reasoning import ReasoningParser
+from sluice.server.routes.chat import reasoning_for, validate_chat
 from sluice.server.streaming import event_stream
 from sluice.server.tool_calls import ToolCallParser, parse_all
 from sluice.server.tools import tool_plan, with_tool_constraint
@@ -50,11 +51,23 @@ def _usage(ctx_prompt: int, cached: int, output: int) -> dict[str, int]:
     }
 
 
-def _content(c: CompletionOutput, new_parser: Callable[[], ToolCallParser] | None) -> list[Any]:
+def _content(
+    c: CompletionOutput,
+    new_parser: Callable[[], ToolCallParser] | None,
+    reasoning: Callable[[], ReasoningParser] | None,
+) -> list[Any]:
+    """The reply's blocks: its thinking, its text, its calls (found in the answer only)."""
+    answer, thought = c.text, ""
+    if reasoning is not None:
+        thought, answer = reasoning().feed(c.text, final=True)
+    blocks: list[dict[str, Any]] = []
+    if thought:  # no signature: nothing to verify against on a local server
+        blocks.append({"type": "thinking", "thinking": thought, "signature": ""})
     if new_parser is None:
-        return [{"type": "text", "text": c.text}] if c.text else []
-    text, calls = parse_all(new_parser(), c.text)
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+        return blocks + ([{"type": "text", "text": answer}] if answer else [])
+    text, calls = parse_all(new_parser(), answer)
+    if text:
+        blocks.append({"type": "text", "text": text})
     for call in calls:
         fn = call["function"]
         blocks.append(
@@ -68,9 +81,15 @@ def _content(c: CompletionOutput, new_parser: Callable[[], ToolCallParser] | Non
     return blocks
 
 
-def _message(ctx: ServerContext, rid: str, final: RequestOutput, new_parser: Any) -> dict[str, Any]:
+def _message(
+    ctx: ServerContext,
+    rid: str,
+    final: RequestOutput,
+    new_parser: Callable[[], ToolCallParser] | None,
+    reasoning: Callable[[], ReasoningParser] | None,
+) -> dict[str, Any]:
     (c,) = final.outputs
-    content = _content(c, new_parser)
+    content = _content(c, new_parser, reasoning)
     called = any(b["type"] == "tool_use" for b in content)
     reason, sequence = stop_reason(c.finish_reason, c.stop_reason, called)
     return {
@@ -117,6 +136,14 @@ class _Blocks:
         events = [] if self.open == "text" else self._start({"type": "text", "text": ""})
         return [*events, self._delta({"type": "text_delta", "text": text})]
 
+    def thinking(self, text: str) -> list[str]:
+        if not text:
+            return []
+        events = []
+        if self.open != "thinking":
+            events = self._start({"type": "thinking", "thinking": "", "signature": ""})
+        return [*events, self._delta({"type": "thinking_delta", "thinking": text})]
+
     def call(self, call_id: str | None, name: str | None, arguments: str) -> list[str]:
         events: list[str] = []
         if call_id is not None:
@@ -139,12 +166,22 @@ class _Blocks:
         return [_event("content_block_stop", {"index": self.index})]
 
 
-def _pieces(c: CompletionOutput, parser: ToolCallParser | None, blocks: _Blocks) -> list[str]:
+def _pieces(
+    c: CompletionOutput,
+    parser: ToolCallParser | None,
+    thinking: ReasoningParser | None,
+    blocks: _Blocks,
+) -> list[str]:
     """The events for what this output of the reply adds."""
+    final = c.finish_reason is not None
+    text, events = c.delta_text, []
+    if thinking is not None:
+        thought, text = thinking.feed(text, final)
+        events = blocks.thinking(thought)
     if parser is None:
-        return blocks.text(c.delta_text)
-    parsed = parser.feed(c.delta_text, final=c.finish_reason is not None)
-    events = blocks.text(parsed.content)
+        return events + blocks.text(text)
+    parsed = parser.feed(text, final)
+    events += blocks.text(parsed.content)
     for piece in parsed.calls:
         events += blocks.call(piece.id, piece.name, piece.arguments)
     return events
@@ -156,8 +193,10 @@ async def _events(
     prompt_len: int,
     tracked: Tracked,
     new_parser: Callable[[], ToolCallParser] | None,
+    reasoning: Callable[[], ReasoningParser] | None,
 ) -> AsyncIterator[str]:
     parser = new_parser() if new_parser else None
+    thinking = reasoning() if reasoning else None
     blocks = _Blocks()
     start: dict[str, Any] = {
         "id": rid, "type": "message", "role": "assistant", "model": ctx.model_name,
@@ -169,7 +208,7 @@ async def _events(
         yield _event("ping", {})
         async for out in tracked:
             (c,) = out.outputs
-            for event in _pieces(c, parser, blocks):
+            for event in _pieces(c, parser, thinking, blocks):
                 yield event
             if c.finish_reason is not None:
                 for event in blocks.close():
@@ -196,10 +235,11 @@ async def messages(request: Request) -> Response | dict[str, Any]:
     params = await with_tool_constraint(ctx, params, plan)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     (tracked,) = await submit(ctx, [ids], params, rid, 0, "messages", streamed=req.stream)
+    reasoning = reasoning_for(ctx, ids)
     if req.stream:
-        return event_stream(_events(ctx, rid, len(ids), tracked, plan.new_parser))
+        return event_stream(_events(ctx, rid, len(ids), tracked, plan.new_parser, reasoning))
     (final,) = await until_disconnected(request, collect([tracked]))
-    return _message(ctx, rid, final, plan.new_parser)
+    return _message(ctx, rid, final, plan.new_parser, reasoning)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -209,4 +249,5 @@ async def count_tokens(request: Request) -> dict[str, Any]:
     chat = to_chat_request(req)
     check_model(ctx, chat.model)
     plan = tool_plan(ctx, chat)
-    return {"input_tokens": len(render_chat(ctx, chat.messages, True, plan.tools))}
+    ids = render_chat(ctx, chat.messages, True, plan.tools, chat.chat_template_kwargs)
+    return {"input_tokens": len(ids)}

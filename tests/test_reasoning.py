@@ -1,0 +1,204 @@
+"""--reasoning-parser: a reasoning model's <think>...</think> split from its answer.
+
+The parser on whole and streamed text (any cut gives the same split); a real `sluice
+serve` of the bundled SmolLM2 with `--reasoning-parser qwen3`, made to think by a
+regex constraint, answering /v1/chat/completions with reasoning_content streamed and
+not (a call written inside the thinking is not made); and the Messages API's thinking
+blocks as the official `anthropic` SDK reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import httpx2
+import pytest
+from serving import API_KEY, Server, serve
+
+from sluice.outputs import CompletionOutput, RequestOutput
+from sluice.server.reasoning import REASONING_FORMATS
+from sluice.server.routes import messages as messages_route
+
+QWEN3, R1 = REASONING_FORMATS["qwen3"], REASONING_FORMATS["deepseek_r1"]
+
+CASES = [
+    # (format, prompt's end, output, reasoning, content)
+    (QWEN3, "assistant\n", "<think>\nLet me see.\n</think>\n\nParis.", "Let me see.", "Paris."),
+    (QWEN3, "assistant\n", "  <think>a</think>b", "a", "b"),
+    (QWEN3, "assistant\n", "No thinking here.", "", "No thinking here."),
+    (QWEN3, "assistant\n", "<thin", "", "<thin"),  # not the tag after all
+    (QWEN3, "assistant\n", "<think>cut off while thi", "cut off while thi", ""),
+    (QWEN3, "assistant\n<think>\n", "opened by the template</think>ok", "opened by the template",
+     "ok"),
+    (QWEN3, "", "a </think> in the answer", "", "a </think> in the answer"),
+    (R1, "", "thinking without the tag</think>\n\nanswer", "thinking without the tag", "answer"),
+    (R1, "", "<think>with it</think>answer", "with it", "answer"),
+    (R1, "", "never closed", "never closed", ""),
+]  # fmt: skip
+
+
+def _split(fmt: Any, prompt: str, pieces: list[str]) -> tuple[str, str]:
+    parser = fmt.parser(prompt)
+    reasoning = content = ""
+    for i, piece in enumerate(pieces):
+        r, c = parser.feed(piece, final=i == len(pieces) - 1)
+        reasoning, content = reasoning + r, content + c
+    return reasoning, content
+
+
+@pytest.mark.parametrize(("fmt", "prompt", "text", "reasoning", "content"), CASES)
+def test_parser_on_whole_and_streamed_text(
+    fmt: Any, prompt: str, text: str, reasoning: str, content: str
+) -> None:
+    assert _split(fmt, prompt, [text]) == (reasoning, content)
+    assert _split(fmt, prompt, list(text)) == (reasoning, content)
+    rng = random.Random(0)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert _split(fmt, prompt, pieces) == (reasoning, content), pieces
+
+
+# ---- a real server -----------------------------------------------------------------------
+
+# The constraint makes SmolLM2 think (a few words), write a call inside its thinking,
+# then answer: what a reasoning model's reply looks like.
+THINKING = (
+    r"<think>\n[a-z]{1,8}( [a-z]{1,8}){2,5}\.\n"
+    r'<tool_call>\n\{"name": "add", "arguments": \{"a": 1, "b": 2\}\}\n</tool_call>\n</think>\n\n'
+    r"The answer is [a-z]{1,8}( [a-z]{1,8}){0,3}\."
+)
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": ADD}}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with serve(
+        "--chat-template", "hermes_tools",
+        "--reasoning-parser", "qwen3",
+        "--max-model-len", "1024",
+        "--kv-cache-memory", "0.25",
+        "--dtype", "float32",
+    ) as srv:  # fmt: skip
+        yield srv
+
+
+def _body(**changes: Any) -> dict[str, Any]:
+    body = {
+        "messages": [{"role": "user", "content": "What is one plus two?"}],
+        "tools": TOOLS,
+        "temperature": 0,
+        "max_tokens": 120,
+        "structured_outputs": {"regex": THINKING},
+    }
+    return body | changes
+
+
+def test_chat_reply_splits_thinking_from_answer(server: Server) -> None:
+    r = server.post("/v1/chat/completions", _body())
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    message = choice["message"]
+    assert message["reasoning_content"] == message["reasoning"]
+    assert message["reasoning_content"].endswith("</tool_call>")
+    assert "<think>" not in message["content"] and message["content"].startswith("The answer is")
+    # The call written while thinking was not made.
+    assert "tool_calls" not in message and choice["finish_reason"] == "stop"
+    streamed = _streamed(server)
+    assert streamed == (message["reasoning_content"], message["content"])
+
+
+def _streamed(server: Server) -> tuple[str, str]:
+    reasoning = content = ""
+    body = json.dumps(_body(stream=True))
+    headers = {**server.headers, "Content-Type": "application/json"}
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", content=body, headers=headers, timeout=60
+    ) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            delta = json.loads(line[6:])["choices"][0]["delta"]
+            assert "tool_calls" not in delta
+            reasoning += delta.get("reasoning_content") or ""
+            content += delta.get("content") or ""
+    return reasoning, content
+
+
+def test_a_reply_without_thinking_is_unchanged(server: Server) -> None:
+    r = server.post("/v1/chat/completions", _body(structured_outputs=None, tools=None))
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] and message["reasoning_content"] is None
+
+
+def test_template_kwargs_pass_through_and_reserved_names_are_refused(server: Server) -> None:
+    r = server.post("/v1/chat/completions", _body(chat_template_kwargs={"enable_thinking": False}))
+    assert r.status_code == 200
+    r = server.post("/v1/chat/completions", _body(chat_template_kwargs={"messages": []}))
+    assert r.status_code == 400 and "chat_template_kwargs.messages" in r.json()["error"]["param"]
+
+
+# ---- the Messages API's thinking blocks, as the SDK reads them -----------------------------
+
+
+class _Outputs:
+    """A finished request's outputs, piece by piece, as the engine streams them."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.outs = []
+        text = ""
+        for i, piece in enumerate(pieces):
+            text += piece
+            last = i == len(pieces) - 1
+            c = CompletionOutput(0, text, list(range(i + 1)), delta_text=piece,
+                                 finish_reason="stop" if last else None, stop_reason=2)  # fmt: skip
+            self.outs.append(RequestOutput("r", None, [1, 2, 3], [c], last))
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        async def gen() -> AsyncIterator[RequestOutput]:
+            for out in self.outs:
+                yield out
+
+        return gen()
+
+    def close(self) -> None:
+        pass
+
+
+def test_messages_stream_thinking_blocks_for_the_sdk() -> None:
+    pieces = ["<th", "ink>\nhm", "m, two", " and one</th", "ink>\n\nThree", "."]
+    ctx: Any = type("Ctx", (), {"model_name": "m"})()
+    reasoning = lambda: QWEN3.parser("assistant\n")  # noqa: E731
+
+    async def events() -> bytes:
+        stream = messages_route._events(ctx, "msg_1", 3, _Outputs(pieces), None, reasoning)  # type: ignore[arg-type]
+        return "".join([e async for e in stream]).encode()
+
+    sse = asyncio.run(events())
+
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(200, content=sse, headers={"content-type": "text/event-stream"})
+
+    client = anthropic.Anthropic(
+        api_key=API_KEY,
+        base_url="http://local",
+        http_client=httpx2.Client(transport=httpx2.MockTransport(handler)),
+    )
+    with client.messages.stream(
+        model="m", max_tokens=8, messages=[{"role": "user", "content": "1+2?"}]
+    ) as s:
+        final = s.get_final_message()
+    thinking, text = final.content
+    assert thinking.type == "thinking" and thinking.thinking == "hmm, two and one"
+    assert text.type == "text" and text.text == "Three."
+    assert final.stop_reason == "end_turn"
+    # The whole reply, not streamed, has the same blocks.
+    whole = messages_route._content(_Outputs(["".join(pieces)]).outs[0].outputs[0], None, reasoning)
+    assert whole == [b.model_dump(exclude_none=True) for b in final.content]
