@@ -187,3 +187,24 @@ def test_auth_model_and_metadata(server: Server) -> None:
     assert r.status_code == 200, r.text
     stats = wait_idle(server)
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+
+
+def test_prompt_cache_hits_are_reported(client: anthropic.Anthropic, server: Server) -> None:
+    # The same long prompt twice: the second reads its full blocks from the prefix cache,
+    # which usage says in both APIs (clients show and price prompt caching by it).
+    long_ask: Any = [{"role": "user", "content": "Tell me about rivers. " * 40}]
+    first = client.messages.create(model=MODEL, max_tokens=2, messages=long_ask)
+    again = client.messages.create(model=MODEL, max_tokens=2, messages=long_ask)
+    assert (first.usage.cache_read_input_tokens or 0) < (again.usage.cache_read_input_tokens or 0)
+    total = again.usage.input_tokens + (again.usage.cache_read_input_tokens or 0)
+    assert total == first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
+    chat = server.client().chat.completions.create(model=MODEL, messages=long_ask, max_tokens=2)
+    assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
+    assert chat.usage.prompt_tokens_details.cached_tokens == again.usage.cache_read_input_tokens
+
+
+def test_one_model_card(server: Server) -> None:
+    card = server.client().models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_extra and card.model_extra["max_model_len"] == 1024
+    r = httpx.get(f"{server.url}/v1/models/org/other", headers=server.headers)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

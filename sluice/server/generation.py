@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -169,7 +169,16 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def usage(prompts: list[list[int]], outputs: list[CompletionOutput]) -> dict[str, int]:
+def usage(
+    prompts: list[list[int]], outputs: list[CompletionOutput], cached: int = 0
+) -> dict[str, Any]:
+    """OpenAI's usage; `cached` prompt tokens came from the prefix cache or the disk
+    tier (clients show and price prompt caching by it)."""
     p = sum(len(ids) for ids in prompts)
     c = sum(len(o.token_ids) for o in outputs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

@@ -70,12 +70,13 @@ class _Chunks:
         self.lp_sent = [0] * n_choices
         self.offsets = [0] * n_choices
         self.finals: list[CompletionOutput | None] = [None] * n_choices
+        self.cached: dict[int, int] = {}  # prompt index -> its prefix-cache hit
         new_parser = spec.tool_parser
         self.parsers = [new_parser() for _ in range(n_choices)] if new_parser else None
         new_reasoning = spec.reasoning_parser
         self.thinking = [new_reasoning() for _ in range(n_choices)] if new_reasoning else None
 
-    def event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+    def event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         body: dict[str, Any] = {
             "id": self.spec.request_id,
             "object": self.object,
@@ -153,7 +154,7 @@ class _Chunks:
 
     def usage_event(self, prompts: list[list[int]]) -> str:
         outs = [f for f in self.finals if f is not None]
-        return self.event([], usage(prompts, outs))
+        return self.event([], usage(prompts, outs, sum(self.cached.values())))
 
 
 async def stream_events(
@@ -167,6 +168,7 @@ async def stream_events(
             for i in range(len(chunks.done)):
                 yield chunks.role(i)
         async for pi, out in merged:
+            chunks.cached[pi] = out.num_cached_tokens
             for c in out.outputs:
                 if (event := chunks.choice(pi, c)) is not None:
                     yield event

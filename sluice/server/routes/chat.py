@@ -123,7 +123,7 @@ def _response(
         "created": int(time.time()),
         "model": ctx.model_name,
         "choices": choices,
-        "usage": usage([ids], list(final.outputs)),
+        "usage": usage([ids], list(final.outputs), final.num_cached_tokens),
     }
     if final.kv_transfer_params is not None:  # a prefill instance's
         body["kv_transfer_params"] = final.kv_transfer_params

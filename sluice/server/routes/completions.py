@@ -89,7 +89,7 @@ def _response(
         "created": int(time.time()),
         "model": ctx.model_name,
         "choices": choices,
-        "usage": usage(prompts, outs),
+        "usage": usage(prompts, outs, sum(f.num_cached_tokens for f in finals)),
     }
     if finals and finals[0].kv_transfer_params is not None:  # a prefill instance's
         body["kv_transfer_params"] = finals[0].kv_transfer_params

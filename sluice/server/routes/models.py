@@ -1,4 +1,5 @@
-"""GET /v1/models, POST /tokenize and /detokenize: what is served and how it tokenizes."""
+"""GET /v1/models (and /v1/models/{id}), POST /tokenize and /detokenize: what is
+served and how it tokenizes."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from sluice.server.context import server_context
+from sluice.server.context import ServerContext, server_context
 from sluice.server.errors import bad_request
 from sluice.server.messages import render_chat
 from sluice.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -15,10 +16,8 @@ from sluice.server.validation import check_model, check_token_ids, parse
 router = APIRouter()
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> dict[str, Any]:
-    ctx = server_context(request)
-    card = {
+def _card(ctx: ServerContext) -> dict[str, Any]:
+    return {
         "id": ctx.model_name,
         "object": "model",
         "created": ctx.created,
@@ -26,7 +25,19 @@ async def models(request: Request) -> dict[str, Any]:
         "root": ctx.model_name,
         "max_model_len": ctx.max_model_len,
     }
-    return {"object": "list", "data": [card]}
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_card(server_context(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str) -> dict[str, Any]:
+    """One model's card; ids may hold a slash (org/name), hence the path converter."""
+    ctx = server_context(request)
+    check_model(ctx, model_id)
+    return _card(ctx)
 
 
 @router.post("/tokenize")
