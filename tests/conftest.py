@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model's path, and transformers' reference model loaded once."""
+"""Shared fixtures: the default model's path, transformers' reference model loaded once,
+and one `sluice serve` of it for the API tests."""
 
 from __future__ import annotations
 
@@ -11,6 +12,24 @@ from typing import Any
 import pytest
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def hermes_server() -> Iterator[Any]:
+    """`sluice serve` of the bundled SmolLM2 with the shipped Hermes tool template and
+    the qwen3 reasoning parser (a reply without <think> passes through unchanged), in
+    fp32 so a greedy or seeded reply is the same streamed or not. Shared by the tool,
+    Messages, Responses and reasoning tests: one start instead of four."""
+    from serving import serve
+
+    with serve(
+        "--chat-template", "hermes_tools",
+        "--reasoning-parser", "qwen3",
+        "--max-model-len", "1024",
+        "--kv-cache-memory", "0.25",
+        "--dtype", "float32",
+    ) as srv:  # fmt: skip
+        yield srv
 
 
 @pytest.fixture(scope="session")

@@ -5,14 +5,13 @@ a tool-result turn, stop sequences, count_tokens, and errors in Anthropic's shap
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
 import httpx
 import jsonschema
 import pytest
-from serving import API_KEY, Server, serve, wait_idle
+from serving import API_KEY, Server, wait_idle
 
 MODEL = "smollm2-135m"
 WEATHER = {
@@ -33,14 +32,8 @@ ASK: Any = [{"role": "user", "content": "What is the weather like in Paris today
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with serve(
-        "--chat-template", "hermes_tools",
-        "--max-model-len", "1024",
-        "--kv-cache-memory", "0.25",
-        "--dtype", "float32",  # greedy output is the same streamed or not
-    ) as srv:  # fmt: skip
-        yield srv
+def server(hermes_server: Server) -> Server:
+    return hermes_server  # conftest.py: one server for the API tests
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anthropic
 import httpx
 import httpx2
 import pytest
-from serving import API_KEY, Server, serve
+from serving import API_KEY, Server
 
 from sluice.outputs import CompletionOutput, RequestOutput
 from sluice.server.reasoning import REASONING_FORMATS
@@ -79,15 +79,8 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": ADD}}]
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with serve(
-        "--chat-template", "hermes_tools",
-        "--reasoning-parser", "qwen3",
-        "--max-model-len", "1024",
-        "--kv-cache-memory", "0.25",
-        "--dtype", "float32",
-    ) as srv:  # fmt: skip
-        yield srv
+def server(hermes_server: Server) -> Server:
+    return hermes_server  # conftest.py: one server for the API tests
 
 
 def _body(**changes: Any) -> dict[str, Any]:

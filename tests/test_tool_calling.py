@@ -72,14 +72,8 @@ MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with serve(
-        "--chat-template", "hermes_tools",
-        "--max-model-len", "1024",
-        "--kv-cache-memory", "0.25",
-        "--dtype", "float32",  # a seeded request gives the same text streamed or not
-    ) as srv:  # fmt: skip
-        yield srv
+def server(hermes_server: Server) -> Server:
+    return hermes_server  # conftest.py: one server for the API tests
 
 
 def _request(**changes: Any) -> dict[str, Any]:

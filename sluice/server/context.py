@@ -7,7 +7,7 @@ shrink to assembling the app.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -15,6 +15,7 @@ from sluice.engine.async_engine import EngineClient
 from sluice.loader.tokenizer import Tokenizer
 from sluice.server.metrics import ServerMetrics
 from sluice.server.reasoning import ReasoningFormat
+from sluice.server.responses import ResponseStore
 
 
 @dataclass
@@ -28,6 +29,8 @@ class ServerContext:
     created: int
     # --reasoning-parser: how the model marks its thinking (None: not split).
     reasoning: ReasoningFormat | None = None
+    # The Responses API's stored responses (previous_response_id, GET /v1/responses/{id}).
+    responses: ResponseStore = field(default_factory=ResponseStore)
     # Set on SIGTERM/SIGINT: in-flight requests finish, new ones get a 503.
     draining: bool = False
 

@@ -1,6 +1,14 @@
 """The server's endpoints, one module per group; ``app.py`` includes their routers."""
 
-from sluice.server.routes import chat, completions, health, messages, models, playground
+from sluice.server.routes import (
+    chat,
+    completions,
+    health,
+    messages,
+    models,
+    playground,
+    responses,
+)
 
 ROUTERS = [
     health.router,
@@ -8,6 +16,7 @@ ROUTERS = [
     completions.router,
     chat.router,
     messages.router,
+    responses.router,
     playground.router,
 ]
 
