@@ -10,6 +10,8 @@ engine calls when the request is added.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,30 @@ JSON_FORMAT: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
+class ThinkingSpan:
+    """A reasoning model's thinking, which a constraint lets it write first: between
+    `start` and `end` (the start already in the prompt when `opened`)."""
+
+    start: str
+    end: str
+    opened: bool
+
+
+def lark_text(text: str, added: Mapping[str, int]) -> str:
+    """`text` as a sequence of Lark terms that a tokenizer with the `added` tokens can
+    produce: plain pieces as string literals, each added token's text as that token by
+    id (``<[151657]>``). llguidance treats every added token as special, matched only
+    by id: Qwen2.5's ``<tool_call>`` is one, so a literal "<tool_call>" would forbid
+    the very token the model was trained to write (and reject it when forced)."""
+    present = sorted((t for t in added if t and t in text), key=len, reverse=True)
+    if not present:
+        return json.dumps(text)
+    pieces = re.split("(" + "|".join(re.escape(t) for t in present) + ")", text)
+    terms = [f"<[{added[p]}]>" if i % 2 else json.dumps(p) for i, p in enumerate(pieces) if p]
+    return " ".join(terms)
+
+
+@dataclass(frozen=True)
 class StructuredOutput:
     """Exactly one of the fields is set.
 
@@ -47,6 +73,9 @@ class StructuredOutput:
     regex: str | None = None
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
+    # With a reasoning parser: the output may think first, and the constraint covers
+    # the answer after the thinking (sluice.structured.compiler builds that grammar).
+    thinking: ThinkingSpan | None = None
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> StructuredOutput:
@@ -115,11 +144,18 @@ class StructuredOutput:
         are different constraints (sorted keys once gave the second the first's order).
         """
         kind = self.kind
+        if self.thinking is not None:
+            t = self.thinking
+            kind = f"{kind}+thinking:{json.dumps([t.start, t.end, t.opened])}"
+        return kind, self._text()
+
+    def _text(self) -> str:
+        kind = self.kind
         if kind == "json":
             schema = self.json if isinstance(self.json, dict | bool) else json.loads(self.json)  # type: ignore[arg-type]
-            return kind, json.dumps(schema, separators=(",", ":"))
+            return json.dumps(schema, separators=(",", ":"))
         if kind == "choice":
-            return kind, json.dumps(list(self.choice or []))
+            return json.dumps(list(self.choice or []))
         if kind == "json_object":
-            return kind, ""
-        return kind, str(getattr(self, kind))
+            return ""
+        return str(getattr(self, kind))

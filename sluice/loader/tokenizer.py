@@ -156,7 +156,7 @@ class Tokenizer:
     def added_tokens(self) -> dict[str, int]:
         """Each added token's text and id (special or not): the tokenizer never splits
         these texts, and a grammar library treats them as single special tokens, so a
-        grammar that must produce one names it by id (see ``tool_calls.lark_text``)."""
+        grammar that must produce one names it by id (see ``structured_output.lark_text``)."""
         return {t.content: i for i, t in self._backend.get_added_tokens_decoder().items()}
 
     def _token_text(self, i: int | None) -> str:

@@ -39,10 +39,13 @@ class ReasoningFormat:
     # The output begins inside the thinking even without the opening tag.
     always_open: bool = False
 
+    def opens(self, prompt_text: str) -> bool:
+        """Whether an output of a prompt ending in `prompt_text` starts inside the thinking."""
+        return self.always_open or prompt_text.rstrip().endswith(self.start)
+
     def parser(self, prompt_text: str) -> ReasoningParser:
         """A parser for one output of a prompt whose text is `prompt_text`."""
-        opened = prompt_text.rstrip().endswith(self.start)
-        return ReasoningParser(self, opened or self.always_open)
+        return ReasoningParser(self, self.opens(prompt_text))
 
 
 REASONING_FORMATS: dict[ReasoningParserName, ReasoningFormat] = {

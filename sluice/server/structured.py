@@ -11,11 +11,12 @@ field the client used, found before the request is queued.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from sluice.core.errors import RequestError, SamplingParamsError
 from sluice.core.sampling_params import SamplingParams
-from sluice.core.structured_output import StructuredOutput
+from sluice.core.structured_output import StructuredOutput, ThinkingSpan
 from sluice.server.context import ServerContext
 from sluice.server.errors import bad_request, json_kind
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -114,6 +115,21 @@ async def check_compiles(ctx: ServerContext, constraint: StructuredOutput, param
         await asyncio.to_thread(compiler.compile, constraint)
     except RequestError as exc:
         raise bad_request(param, str(exc).replace("structured_output", param, 1)) from None
+
+
+async def with_thinking(
+    ctx: ServerContext, params: SamplingParams, prompt_ids: list[int]
+) -> SamplingParams:
+    """With a reasoning parser, a constraint (response_format, a required tool call)
+    holds the answer, not the thinking: its grammar lets the model think first."""
+    constraint = params.structured_output
+    if ctx.reasoning is None or constraint is None:
+        return params
+    tail = ctx.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
+    span = ThinkingSpan(ctx.reasoning.start, ctx.reasoning.end, ctx.reasoning.opens(tail))
+    constraint = dataclasses.replace(constraint, thinking=span)
+    await check_compiles(ctx, constraint, "structured_output")
+    return params.clone(structured_output=constraint)
 
 
 async def constrained(

@@ -35,7 +35,7 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sluice.core.structured_output import JSON_FORMAT
+from sluice.core.structured_output import JSON_FORMAT, lark_text
 
 
 @dataclass
@@ -93,20 +93,6 @@ class ToolCallFormat(Protocol):
         one or more calls if `parallel`; `added` is the tokenizer's added tokens (text
         to id), which the grammar's literals name by id (``lark_text``)."""
         ...
-
-
-def lark_text(text: str, added: Mapping[str, int]) -> str:
-    """`text` as a sequence of Lark terms that a tokenizer with the `added` tokens can
-    produce: plain pieces as string literals, each added token's text as that token by
-    id (``<[151657]>``). llguidance treats every added token as special, matched only
-    by id: Qwen2.5's ``<tool_call>`` is one, so a literal "<tool_call>" would forbid
-    the very token the model was trained to write (and reject it when forced)."""
-    present = sorted((t for t in added if t and t in text), key=len, reverse=True)
-    if not present:
-        return json.dumps(text)
-    pieces = re.split("(" + "|".join(re.escape(t) for t in present) + ")", text)
-    terms = [f"<[{added[p]}]>" if i % 2 else json.dumps(p) for i, p in enumerate(pieces) if p]
-    return " ".join(terms)
 
 
 def new_call_id() -> str:

@@ -16,15 +16,22 @@ schema may ask for other options with llguidance's ``x-guidance`` key.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import llguidance
 import tokenizers
 
 from sluice.core.errors import RequestError
-from sluice.core.structured_output import JSON_FORMAT, StructuredOutput
+from sluice.core.structured_output import (
+    JSON_FORMAT,
+    StructuredOutput,
+    ThinkingSpan,
+    lark_text,
+)
 
 # Defined in core: the server's tool-call grammars embed JSON Schemas with the same format.
 JSON_OPTIONS: Any = JSON_FORMAT
@@ -49,6 +56,8 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        # Added tokens by text: a grammar names them by id (structured_output.lark_text).
+        self._added = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher | str] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0
@@ -87,7 +96,7 @@ class GrammarCompiler:
     def _build(self, constraint: StructuredOutput) -> llguidance.LLMatcher | str:
         """The start-state matcher, or the error message if the library rejects it."""
         try:
-            grammar = grammar_text(constraint)
+            grammar = grammar_text(constraint, self._added)
         except ValueError as exc:
             return f"invalid {constraint.kind} for {FIELD}: {exc}"
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
@@ -96,8 +105,11 @@ class GrammarCompiler:
         return matcher
 
 
-def grammar_text(constraint: StructuredOutput) -> str:
-    """The llguidance grammar for a constraint; ValueError when it cannot be converted."""
+def grammar_text(constraint: StructuredOutput, added: Mapping[str, int] | None = None) -> str:
+    """The llguidance grammar for a constraint; ValueError when it cannot be converted.
+    `added` are the tokenizer's added tokens (a thinking span's tags may be some)."""
+    if constraint.thinking is not None:
+        return _after_thinking(constraint, constraint.thinking, added or {})
     kind = constraint.kind
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema(
@@ -107,8 +119,7 @@ def grammar_text(constraint: StructuredOutput) -> str:
         schema: Any = constraint.json
         if isinstance(schema, str):
             schema = json.loads(schema)
-        if schema is True or schema == {}:  # "anything": still JSON
-            schema = {"type": ["object", "array", "string", "number", "boolean", "null"]}
+        schema = _any_json(schema)
         return llguidance.LLMatcher.grammar_from_json_schema(
             close_objects(schema), defaults=JSON_OPTIONS
         )
@@ -119,6 +130,64 @@ def grammar_text(constraint: StructuredOutput) -> str:
         return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
     # A grammar: GBNF (llama.cpp's "::=" rules) or Lark.
     return llguidance.grammar_from("grammar", str(constraint.grammar))
+
+
+def _any_json(schema: Any) -> Any:
+    if schema is True or schema == {}:  # "anything": still JSON
+        return {"type": ["object", "array", "string", "number", "boolean", "null"]}
+    return schema
+
+
+def _answer_rules(constraint: StructuredOutput) -> str:
+    """The constraint as Lark rules whose start is ``answer``."""
+    kind = constraint.kind
+    if kind in ("json", "json_object"):
+        schema: Any = {"type": "object"} if kind == "json_object" else constraint.json
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        schema = close_objects(_any_json(schema))
+        if isinstance(schema, dict):
+            own = schema.get("x-guidance")
+            schema = {
+                **schema,
+                "x-guidance": {**JSON_OPTIONS, **(own if isinstance(own, dict) else {})},
+            }
+        return f"answer: %json {json.dumps(schema)}"
+    if kind == "regex":
+        return "answer: /" + str(constraint.regex).replace("/", "\\/") + "/"
+    if kind == "choice":
+        return "answer: " + " | ".join(json.dumps(c) for c in constraint.choice or [])
+    text = str(constraint.grammar)
+    if "::=" in text:
+        raise ValueError(
+            "a GBNF grammar cannot follow a reasoning model's thinking (--reasoning-parser); "
+            "write it as a Lark grammar"
+        )
+    renamed, n = re.subn(r"(?m)^(\s*)start(\s*:)", r"\1answer\2", text)
+    if n != 1:
+        raise ValueError("a Lark grammar after the thinking needs exactly one `start` rule")
+    return renamed
+
+
+# Between the thinking and the answer: the blank line Qwen3 and R1 write, no more (free
+# whitespace there is where a small model wanders off and never answers).
+_AFTER = "/\\n{0,2}/"
+
+
+def _after_thinking(
+    constraint: StructuredOutput, span: ThinkingSpan, added: Mapping[str, int]
+) -> str:
+    """A Lark grammar that lets the model think first (free text up to the end tag, then
+    up to two newlines) and holds its answer to the constraint, as vLLM starts the grammar
+    after the reasoning ends. An end tag that is an added token ends the thinking's
+    text on its own (text cannot contain it); one that is plain text stops a lazy rule."""
+    end = lark_text(span.end, added)
+    if span.end in added:
+        think = f"think: THINK {end} {_AFTER}\nTHINK: /(.|\\n)*/"
+    else:
+        think = f"think: think_text {_AFTER}\nthink_text[stop={json.dumps(span.end)}]: /(.|\\n)*/"
+    prefix = "think" if span.opened else f"({lark_text(span.start, added)} think)?"
+    return f"start: {prefix} answer\n{think}\n{_answer_rules(constraint)}\n"
 
 
 # Keywords whose values are one subschema, or a list or a name -> subschema map of them.

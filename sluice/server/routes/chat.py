@@ -25,7 +25,7 @@ from sluice.server.messages import check_chat_unsupported, render_chat
 from sluice.server.protocol import ChatCompletionRequest
 from sluice.server.reasoning import ReasoningParser
 from sluice.server.streaming import streamed_response
-from sluice.server.structured import constrained
+from sluice.server.structured import constrained, with_thinking
 from sluice.server.tool_calls import message_fields
 from sluice.server.tools import ToolPlan, tool_plan, with_tool_constraint
 from sluice.server.validation import (
@@ -136,6 +136,7 @@ async def chat_completions(request: Request) -> Response | dict[str, Any]:
     req = await parse(request, ChatCompletionRequest)
     params, ids, plan = validate_chat(ctx, req)
     params = await with_tool_constraint(ctx, await constrained(ctx, req, params), plan)
+    params = await with_thinking(ctx, params, ids)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tracked = await submit(
         ctx, [ids], params, rid, req.priority, "messages", streamed=bool(req.stream)

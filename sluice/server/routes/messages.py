@@ -34,6 +34,7 @@ from sluice.server.messages import render_chat
 from sluice.server.reasoning import ReasoningParser
 from sluice.server.routes.chat import reasoning_for, validate_chat
 from sluice.server.streaming import event_stream
+from sluice.server.structured import with_thinking
 from sluice.server.tool_calls import ToolCallParser, parse_all
 from sluice.server.tools import tool_plan, with_tool_constraint
 from sluice.server.validation import check_model, parse
@@ -232,7 +233,7 @@ async def messages(request: Request) -> Response | dict[str, Any]:
     req = await parse(request, MessagesRequest)
     chat = to_chat_request(req)
     params, ids, plan = validate_chat(ctx, chat, stop_param="stop_sequences")
-    params = await with_tool_constraint(ctx, params, plan)
+    params = await with_thinking(ctx, await with_tool_constraint(ctx, params, plan), ids)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     (tracked,) = await submit(ctx, [ids], params, rid, 0, "messages", streamed=req.stream)
     reasoning = reasoning_for(ctx, ids)
