@@ -18,13 +18,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import anthropic
 import httpx
 import jsonschema
 import llguidance
 import openai
 import pytest
 import tokenizers
-from serving import Server, serve
+from serving import API_KEY, Server, serve
 
 from sluice.config import EngineConfig
 from sluice.core.errors import ConfigError, ModelNotFoundError
@@ -468,3 +469,22 @@ def test_qwen_streamed_forced_call(qwen: Server) -> None:
         final = stream.get_final_completion()
     whole = _ask_qwen(qwen, tool_choice="required").choices[0].message
     assert _check_calls(final.choices[0].message) == _check_calls(whole)
+
+
+def test_qwen_calls_through_the_messages_and_responses_apis(qwen: Server) -> None:
+    client = anthropic.Anthropic(base_url=qwen.url, api_key=API_KEY, max_retries=0)
+    tool: Any = {"name": "get_weather", "input_schema": WEATHER}
+    msg = client.messages.create(
+        model=QWEN, max_tokens=96, messages=ASK, tools=[tool], tool_choice={"type": "any"},
+        extra_body={"temperature": 0},
+    )  # fmt: skip
+    (use,) = [b for b in msg.content if b.type == "tool_use"]
+    assert msg.stop_reason == "tool_use" and use.name == "get_weather"
+    jsonschema.validate(use.input, WEATHER)
+    function: Any = {"type": "function", "name": "get_weather", "parameters": WEATHER}
+    r = qwen.client().responses.create(
+        model=QWEN, input=ASK[0]["content"], tools=[function], tool_choice="required",
+        temperature=0, max_output_tokens=96,
+    )  # fmt: skip
+    (call,) = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and "paris" in json.loads(call.arguments)["city"].lower()
