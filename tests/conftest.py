@@ -16,15 +16,13 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @pytest.fixture(scope="session")
 def hermes_server() -> Iterator[Any]:
-    """`sluice serve` of the bundled SmolLM2 with the shipped Hermes tool template and
-    the qwen3 reasoning parser (a reply without <think> passes through unchanged), in
+    """`sluice serve` of the bundled SmolLM2 with the shipped Hermes tool template, in
     fp32 so a greedy or seeded reply is the same streamed or not. Shared by the tool,
-    Messages, Responses and reasoning tests: one start instead of four."""
+    Messages and Responses tests: one start instead of three."""
     from serving import serve
 
     with serve(
         "--chat-template", "hermes_tools",
-        "--reasoning-parser", "qwen3",
         "--max-model-len", "1024",
         "--kv-cache-memory", "0.25",
         "--dtype", "float32",

@@ -5,6 +5,7 @@ a tool-result turn, stop sequences, count_tokens, and errors in Anthropic's shap
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anthropic
@@ -201,3 +202,17 @@ def test_one_model_card(server: Server) -> None:
     assert card.id == MODEL and card.model_extra and card.model_extra["max_model_len"] == 1024
     r = httpx.get(f"{server.url}/v1/models/org/other", headers=server.headers)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_structured_output_format(client: anthropic.Anthropic, server: Server) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    msg = client.messages.create(
+        model=MODEL, max_tokens=48, messages=ASK, extra_body={**GREEDY,
+        "output_config": {"format": {"type": "json_schema", "schema": schema}}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(msg.content[0].text), schema)  # type: ignore[union-attr]
+    bad = {"model": MODEL, "max_tokens": 8, "messages": ASK,
+           "output_config": {"format": {"type": "json_schema", "schema": 3}}}  # fmt: skip
+    r = httpx.post(f"{server.url}/v1/messages", json=bad, headers={"x-api-key": API_KEY})
+    assert r.status_code == 400 and "output_config.format" in r.json()["error"]["message"]

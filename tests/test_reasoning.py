@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import json
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anthropic
@@ -22,7 +22,7 @@ import httpx2
 import jsonschema
 import pytest
 import tokenizers
-from serving import API_KEY, Server
+from serving import API_KEY, Server, serve
 
 from sluice.core.structured_output import StructuredOutput, ThinkingSpan
 from sluice.outputs import CompletionOutput, RequestOutput
@@ -85,8 +85,18 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": ADD}}]
 
 
 @pytest.fixture(scope="module")
-def server(hermes_server: Server) -> Server:
-    return hermes_server  # conftest.py: one server for the API tests
+def server() -> Iterator[Server]:
+    # Its own server: with a reasoning parser, a constraint lets the model think first,
+    # which SmolLM2 (no reasoning model) may take up where the other API tests expect
+    # the answer at once.
+    with serve(
+        "--chat-template", "hermes_tools",
+        "--reasoning-parser", "qwen3",
+        "--max-model-len", "1024",
+        "--kv-cache-memory", "0.25",
+        "--dtype", "float32",
+    ) as srv:  # fmt: skip
+        yield srv
 
 
 def _body(**changes: Any) -> dict[str, Any]:

@@ -41,6 +41,10 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    # Structured output: {"format": {"type": "json_schema", "schema": ...}} (and the
+    # beta's older top-level output_format); the rest of output_config (effort) is ignored.
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None
 
 
 class CountTokensRequest(BaseModel):
@@ -170,6 +174,17 @@ def _tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
     raise bad_request("tool_choice.type", "tool_choice.type must be auto, any, tool or none")
 
 
+def _response_format(req: MessagesRequest) -> Any:
+    """Anthropic's output format as chat's response_format (None: plain text)."""
+    fmt = (req.output_config or {}).get("format", req.output_format)
+    if fmt is None:
+        return None
+    where = "output_config.format"
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise bad_request(f"{where}.type", f"{where}.type must be 'json_schema'")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.get("schema")}}
+
+
 def thinking_enabled(thinking: dict[str, Any] | None) -> bool | None:
     """Whether the request turns thinking on (True), off (False) or leaves it (None)."""
     if thinking is None:
@@ -217,6 +232,7 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletion
             "top_p": req.top_p,
             "top_k": req.top_k,
             "stop": req.stop_sequences,
+            "response_format": _response_format(req),
         }
     return ChatCompletionRequest.model_validate(body)
 

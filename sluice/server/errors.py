@@ -108,6 +108,22 @@ def validation_error(exc: ValidationError) -> OpenAIError:
 
 
 @contextmanager
+def renamed_params(names: dict[str, str]) -> Iterator[None]:
+    """Errors raised inside, naming another API's fields: each key of `names` (a field or
+    a prefix of one, first match wins) becomes its value, in the param and the message.
+    The Messages and Responses APIs are validated as chat requests."""
+    try:
+        yield
+    except OpenAIError as exc:
+        for old, new in names.items():
+            if exc.param is not None and (exc.param + ".").startswith(old + "."):
+                exc.message = exc.message.replace(old, new)
+                exc.param = new + exc.param[len(old) :]
+                break
+        raise
+
+
+@contextmanager
 def engine_errors(prompt_param: str) -> Iterator[None]:
     """Engine-side exceptions as OpenAI errors."""
     try:

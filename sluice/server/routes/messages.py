@@ -28,18 +28,21 @@ from sluice.server.anthropic import (
     tool_use_id,
 )
 from sluice.server.context import ServerContext, server_context
-from sluice.server.errors import anthropic_error_body
+from sluice.server.errors import anthropic_error_body, renamed_params
 from sluice.server.generation import Tracked, collect, submit, until_disconnected
 from sluice.server.messages import render_chat
 from sluice.server.reasoning import ReasoningParser
 from sluice.server.routes.chat import reasoning_for, validate_chat
 from sluice.server.streaming import event_stream
-from sluice.server.structured import with_thinking
+from sluice.server.structured import constrained, with_thinking
 from sluice.server.tool_calls import ToolCallParser, parse_all
 from sluice.server.tools import tool_plan, with_tool_constraint
 from sluice.server.validation import check_model, parse
 
 router = APIRouter()
+
+# The chat request's field names (prefixes of them), as this API calls them.
+_PARAMS = {"response_format.json_schema": "output_config.format"}
 
 
 def _usage(ctx_prompt: int, cached: int, output: int) -> dict[str, int]:
@@ -232,8 +235,10 @@ async def messages(request: Request) -> Response | dict[str, Any]:
     ctx = server_context(request)
     req = await parse(request, MessagesRequest)
     chat = to_chat_request(req)
-    params, ids, plan = validate_chat(ctx, chat, stop_param="stop_sequences")
-    params = await with_thinking(ctx, await with_tool_constraint(ctx, params, plan), ids)
+    with renamed_params(_PARAMS):
+        params, ids, plan = validate_chat(ctx, chat, stop_param="stop_sequences")
+        params = await with_tool_constraint(ctx, await constrained(ctx, chat, params), plan)
+        params = await with_thinking(ctx, params, ids)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     (tracked,) = await submit(ctx, [ids], params, rid, 0, "messages", streamed=req.stream)
     reasoning = reasoning_for(ctx, ids)

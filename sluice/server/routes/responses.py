@@ -13,8 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -22,7 +21,7 @@ from fastapi import APIRouter, Request, Response
 from sluice.core.errors import EngineShutdownError, EngineStepError
 from sluice.outputs import CompletionOutput, RequestOutput
 from sluice.server.context import ServerContext, server_context
-from sluice.server.errors import OpenAIError
+from sluice.server.errors import renamed_params
 from sluice.server.generation import Tracked, collect, submit, until_disconnected
 from sluice.server.reasoning import ReasoningParser
 from sluice.server.responses import (
@@ -47,20 +46,6 @@ _PARAMS = {
     "response_format.json_schema": "text.format",
     "response_format": "text.format",
 }
-
-
-@contextmanager
-def _renamed() -> Iterator[None]:
-    """Errors from the chat request's checks, naming this API's fields."""
-    try:
-        yield
-    except OpenAIError as exc:
-        for old, new in _PARAMS.items():
-            if exc.param is not None and (exc.param + ".").startswith(old + "."):
-                exc.message = exc.message.replace(old, new)
-                exc.param = new + exc.param[len(old) :]
-                break
-        raise
 
 
 def _hex() -> str:
@@ -257,7 +242,7 @@ async def _events(
 async def create_response(request: Request) -> Response | dict[str, Any]:
     ctx = server_context(request)
     req = await parse(request, ResponsesRequest)
-    with _renamed():
+    with renamed_params(_PARAMS):
         earlier = (
             []
             if req.previous_response_id is None
