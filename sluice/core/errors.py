@@ -45,6 +45,19 @@ class ModelNotFoundError(SluiceError, ValueError):
     """The model is not installed or the name/path does not point at a model."""
 
 
+class ModelFileError(SluiceError, ValueError):
+    """A model file (GGUF, safetensors, tokenizer, adapter) that is malformed: the message
+    names the file and its defect."""
+
+    def __init__(self, path: str, defect: str) -> None:
+        super().__init__(f"{path}: {defect}")
+        self.path = path
+        self.defect = defect
+
+    def __reduce__(self) -> tuple[type[ModelFileError], tuple[str, str]]:
+        return type(self), (self.path, self.defect)
+
+
 class QueueFullError(SluiceError, RuntimeError):
     """Too many requests are waiting; the caller should retry later (HTTP 503)."""
 

@@ -271,8 +271,9 @@ def _remove_legacy_cache() -> None:
         logger.info("removed the float32 weight cache of older versions (%.1f GB)", size / 1e9)
 
 
-# Bump when the header cache's layout or the config/tokenizer conversion changes.
-HEADER_FORMAT = 3
+# Bump when the header cache's layout or the config/tokenizer conversion changes, or
+# when files need checking again (4: gguf_check runs before a header is cached).
+HEADER_FORMAT = 4
 
 
 def _header_entry(path: Path) -> Path:

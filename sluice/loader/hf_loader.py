@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from sluice.architectures import rope_from_hf, spec_for_hf, spec_of
 from sluice.config import ModelConfig
+from sluice.core.errors import ModelFileError
 
 from .tokenizer import Tokenizer
 
@@ -49,6 +51,25 @@ def config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
     return ModelConfig(architecture=spec.name, **fields)
 
 
+def _load_shard(shard: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; safetensors checks its header against the file
+    (lengths, offsets, dtypes) and a defect names the file."""
+    try:
+        return load_file(shard)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ModelFileError(str(shard), f"not a valid safetensors file: {exc}") from None
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(str(path), f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ModelFileError(str(path), "must hold a JSON object")
+    return value
+
+
 def tensors_from_hf_dir(directory: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
@@ -56,7 +77,7 @@ def tensors_from_hf_dir(directory: Path, config: ModelConfig) -> dict[str, torch
     spec = spec_of(config.architecture)
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
-        for name, tensor in load_file(shard).items():
+        for name, tensor in _load_shard(shard).items():
             tensors[spec.hf_checkpoint_name(name)] = tensor.float()
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # same layout as a GGUF: tied means no lm_head
@@ -91,7 +112,7 @@ def load_hf_dir(
     path: str | os.PathLike[str],
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     directory = Path(path)
-    cfg = json.loads((directory / "config.json").read_text())
+    cfg = _json(directory / "config.json")
     config = config_from_hf(cfg, name=directory.name)
     tokenizer = Tokenizer.from_hf_dir(directory)
     return config, tensors_from_hf_dir(directory, config), tokenizer

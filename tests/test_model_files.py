@@ -1,0 +1,191 @@
+"""GGUF files are untrusted input: each hostile variant ends in one ModelFileError that
+names the file and its defect, before the `gguf` reader believes any count or offset;
+random byte flips and truncations (hypothesis) end the same way, never in numpy's or
+gguf's internals, a crash or a hang. `make fuzz` runs the random part far longer."""
+
+from __future__ import annotations
+
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sluice.core.errors import ModelFileError
+from sluice.loader.gguf_check import check_gguf, check_gguf_data
+from sluice.loader.gguf_loader import load_gguf_header
+from sluice.loader.gguf_metadata import GGUFMetadata
+
+F32, Q4_0 = 0, 2
+STRING, ARRAY, UINT32 = 8, 9, 4
+
+
+def _value(vtype: int, value: Any) -> bytes:
+    if vtype == STRING:
+        raw = value if isinstance(value, bytes) else value.encode()
+        return struct.pack("<Q", len(raw)) + raw
+    if vtype == ARRAY:
+        etype, items = value
+        return struct.pack("<IQ", etype, len(items)) + b"".join(_value(etype, v) for v in items)
+    return struct.pack("<I", value)
+
+
+def build(
+    kvs: list[tuple[str, int, Any]] | None = None,
+    tensors: list[tuple[str, list[int], int, int]] | None = None,
+    *,
+    magic: bytes = b"GGUF",
+    version: int = 3,
+    counts: tuple[int, int] | None = None,
+    alignment: int = 32,
+    data_bytes: int = 512,
+) -> bytes:
+    """A GGUF file: its keys (name, type, value), tensors (name, dims, type, offset)."""
+    kvs = [("general.architecture", STRING, "llama")] if kvs is None else kvs
+    tensors = [("a", [32, 2], F32, 0), ("b", [32], F32, 256)] if tensors is None else tensors
+    n_tensors, n_kv = counts or (len(tensors), len(kvs))
+    out = magic + struct.pack("<IQQ", version, n_tensors, n_kv)
+    for key, vtype, value in kvs:
+        out += _value(STRING, key) + struct.pack("<I", vtype) + _value(vtype, value)
+    for name, dims, ttype, offset in tensors:
+        out += _value(STRING, name) + struct.pack("<I", len(dims))
+        out += b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", ttype, offset)
+    out += b"\0" * (-len(out) % alignment)
+    return out + b"\0" * data_bytes
+
+
+def test_a_well_formed_file_passes() -> None:
+    spans = check_gguf_data(build(), "f.gguf")
+    assert [(s.name, s.end - s.start) for s in spans] == [("a", 256), ("b", 128)]
+
+
+def _big_dims(n: int) -> list[int]:
+    return [32] + [1] * (n - 1)
+
+
+HOSTILE: list[tuple[str, bytes, str]] = [
+    ("empty magic", b"GG", "the GGUF magic needs 4 bytes"),
+    ("bad magic", build(magic=b"GGML"), "not a GGUF file"),
+    ("version 1", build(version=1), "version 1 is not supported"),
+    ("2^62 tensors", build(counts=(1 << 62, 1)), "the tensor count is 4,611,686,018,427,387,904"),
+    ("2^62 keys", build(counts=(2, 1 << 62)), "the metadata key count is"),
+    ("truncated header", build()[:30], "truncated download?"),
+    ("truncated data", build()[:-200], "tensor b ends at byte 544"),
+    ("offset past the end", build(tensors=[("a", [32], F32, 1 << 40)]), "truncated download?"),
+    ("dimension product", build(tensors=[("a", [1 << 40, 1 << 40], F32, 0)]), "more than 2^50"),
+    ("zero dimension", build(tensors=[("a", [32, 0], F32, 0)]), "a dimension of 0"),
+    ("100 dimensions", build(tensors=[("a", _big_dims(100), F32, 0)]), "has 100 dimensions"),
+    ("unknown type", build(tensors=[("a", [32], 999, 0)]), "type 999, which is not a known"),
+    ("negative type", build(tensors=[("a", [32], 0xFFFFFFFF, 0)]), "type 4294967295"),
+    ("partial block", build(tensors=[("a", [33], Q4_0, 0)]), "not a whole number of 32-value"),
+    ("misaligned", build(tensors=[("a", [32], F32, 8)]), "not a multiple of the file's alignment"),
+    ("overlap", build(tensors=[("a", [64], F32, 0), ("b", [32], F32, 128)]), "overlap"),
+    ("same tensor", build(tensors=[("a", [32], F32, 0), ("a", [32], F32, 128)]), "appears twice"),
+    ("same key", build(kvs=[("k", UINT32, 1), ("k", UINT32, 2)]), "the key 'k' appears twice"),
+    ("alignment 3", build(kvs=[("general.alignment", UINT32, 3)]), "not a power of two"),
+    ("value type 13", build(kvs=[("k", 13, 0)]), "value type 13, which GGUF does not define"),
+    ("huge string", build(kvs=[("k", STRING, "x")])[:-1].replace(
+        struct.pack("<Q", 1) + b"x", struct.pack("<Q", 1 << 60) + b"x"), "needs"),
+    ("huge key", build(kvs=[("k" * 70_000, UINT32, 1)]), "at most 65,535"),
+    ("huge array", build(kvs=[("k", ARRAY, (UINT32, []))]).replace(
+        struct.pack("<IQ", UINT32, 0), struct.pack("<IQ", UINT32, 1 << 61)), "element count"),
+    ("nested arrays", build(kvs=[("k", ARRAY, (ARRAY, [(ARRAY, [(ARRAY, [(ARRAY, [(ARRAY,
+        [])])])])]))]), "nests arrays more than 4 deep"),
+    ("not UTF-8", build(kvs=[("k\xff", UINT32, 1)]).replace("k\xff".encode(), b"k\xff"),
+     "key #0 is not UTF-8"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "raw", "defect"), HOSTILE, ids=[c for c, _, _ in HOSTILE])
+def test_hostile_files_name_their_defect(
+    tmp_path: Path, case: str, raw: bytes, defect: str
+) -> None:
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(raw)
+    with pytest.raises(ModelFileError) as info:
+        check_gguf(path)
+    assert defect in str(info.value) and str(path) in str(info.value), info.value
+    assert isinstance(info.value, ValueError)
+    # The loader's own entry point checks first, so it says the same.
+    with pytest.raises(ModelFileError, match=r"hostile\.gguf"):
+        load_gguf_header(path)
+
+
+def test_the_bundled_model_truncated_anywhere(smollm2_path: Path, tmp_path: Path) -> None:
+    raw = smollm2_path.read_bytes()
+    assert check_gguf_data(raw, "ok")  # the real file passes
+    spans = check_gguf_data(raw, "ok")
+    header_end = min(s.start for s in spans)
+    for cut in (10, 20, 30, 1_000, 100_000, header_end - 3, header_end + 5, len(raw) - 1):
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(raw[:cut])
+        with pytest.raises(ModelFileError, match=r"truncated download\?"):
+            GGUFMetadata.of(path)
+    with pytest.raises(ModelFileError, match="empty"):
+        (tmp_path / "empty.gguf").write_bytes(b"")
+        check_gguf(tmp_path / "empty.gguf")
+
+
+# 300 examples in the default run; `make fuzz` runs the "fuzz" profile (conftest.py).
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    flips=st.lists(st.tuples(st.integers(0, 400), st.integers(1, 255)), min_size=1, max_size=6),
+    cut=st.one_of(st.none(), st.integers(0, 900)),
+)
+def test_random_flips_and_cuts_end_in_model_file_error(
+    flips: list[tuple[int, int]], cut: int | None
+) -> None:
+    kvs = [("general.architecture", STRING, "llama"), ("general.alignment", UINT32, 32),
+           ("tokenizer.ggml.tokens", ARRAY, (STRING, ["a", "bb", "<s>"]))]  # fmt: skip
+    raw = bytearray(build(kvs))
+    for pos, xor in flips:
+        if pos < len(raw):
+            raw[pos] ^= xor
+    data = bytes(raw if cut is None else raw[:cut])
+    try:
+        check_gguf_data(data, "fuzz.gguf")
+    except ModelFileError as exc:
+        assert str(exc).startswith("fuzz.gguf: ")
+        return
+    # A file the check lets through: the reader and every value read end well or in
+    # ModelFileError too.
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fuzz.gguf"
+        path.write_bytes(data)
+        try:
+            meta = GGUFMetadata.of(path)
+            for key in list(meta.reader.fields):
+                meta.get(key)
+        except ModelFileError:
+            pass
+
+
+# ---- safetensors ------------------------------------------------------------------------
+
+
+def test_hostile_safetensors_name_the_file(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from sluice.loader.hf_loader import _load_shard
+
+    good = tmp_path / "good.safetensors"
+    save_file({"w": torch.zeros(4, 4)}, str(good))
+    raw = good.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    variants = {
+        "truncated": raw[:-10],
+        "huge header": struct.pack("<Q", 1 << 60) + raw[8:],
+        "header not JSON": raw[:8] + b"}" * n + raw[8 + n :],
+        "empty": b"",
+    }
+    for case, data in variants.items():
+        path = tmp_path / f"{case}.safetensors"
+        path.write_bytes(data)
+        with pytest.raises(ModelFileError, match="not a valid safetensors file") as info:
+            _load_shard(path)
+        assert str(path) in str(info.value), case
+    assert _load_shard(good)["w"].shape == (4, 4)
