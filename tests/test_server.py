@@ -8,6 +8,7 @@ model cannot provoke on demand (a full waiting queue, a failing step).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import threading
@@ -236,7 +237,16 @@ def test_chat_stream_matches_non_stream(server: Server) -> None:
         c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
     ]
     assert finishes == [full.choices[0].finish_reason]
-    assert chunks[-1].usage == full.usage
+    usage = chunks[-1].usage
+    assert usage is not None and full.usage.prompt_tokens_details is not None
+    assert usage.model_dump(exclude={"prompt_tokens_details"}) == full.usage.model_dump(
+        exclude={"prompt_tokens_details"}
+    )
+    # The second run of the same prompt reads its full blocks from the prefix cache.
+    assert usage.prompt_tokens_details is not None
+    assert (
+        usage.prompt_tokens_details.cached_tokens > full.usage.prompt_tokens_details.cached_tokens
+    )
 
     # max_completion_tokens is the newer name of max_tokens.
     r = client.chat.completions.create(
@@ -460,6 +470,10 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("n-zero", C, {"prompt": "x", "n": 0}, 400, "n"),
     ("n-huge", C, {"prompt": "x", "n": 100000}, 400, "n"),
     ("stop-wrong-type", C, {"prompt": "x", "stop": 5}, 400, "stop"),
+    ("stop-too-many", C, {"prompt": "x", "stop": ["a"] * 129}, 400, "stop"),
+    ("stop-too-long", C, {"prompt": "x", "stop": ["a" * 4097]}, 400, "stop"),
+    ("stop-ids-too-many", C, {"prompt": "x", "stop_token_ids": [1] * 1025}, 400,
+     "stop_token_ids"),
     ("stream-wrong-type", C, {"prompt": "x", "stream": "yes"}, 400, "stream"),
     ("seed-wrong-type", C, {"prompt": "x", "seed": "x"}, 400, "seed"),
     ("presence-penalty", C, {"prompt": "x", "presence_penalty": 5}, 400, "presence_penalty"),
@@ -470,6 +484,9 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("empty-prompt-list", C, {"prompt": []}, 400, "prompt"),
     ("prompt-token-out-of-range", C, {"prompt": [1, 99999999]}, 400, "prompt"),
     ("prompt-too-long", C, {"prompt": _LONG}, 400, "prompt"),
+    ("prompt-far-too-long", C, {"prompt": _LONG * 20}, 400, "prompt"),
+    ("chat-far-too-long", CHAT, {"messages": [{"role": "user", "content": _LONG * 20}]}, 400,
+     "messages"),
     ("unknown-model", C, {"model": "gpt-4o", "prompt": "x"}, 404, "model"),
     ("echo-unsupported", C, {"prompt": "x", "echo": True}, 400, "echo"),
     ("stream-options-no-stream", C, {"prompt": "x", "stream_options": {}}, 400, "stream_options"),
@@ -531,6 +548,24 @@ def test_bad_requests_leave_the_server_clean(server: Server) -> None:
     stats = wait_idle(server)
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
     assert stats["engine_alive"] and stats["num_step_errors"] == 0
+
+
+def test_oversized_bodies_are_413_before_they_are_read(server: Server) -> None:
+    # 17 MB: over the 16 MiB floor (a test server's context is small). Refused by its
+    # Content-Length, then with the length unknown (chunked), while it arrives.
+    body = json.dumps({"model": MODEL, "prompt": "x" * (17 << 20)}).encode()
+    r = server.post(C, content=body)
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "request_too_large"
+    chunks = (body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20))
+    headers = {**server.headers, "Content-Type": "application/json"}
+    r = httpx.post(f"{server.url}{C}", content=chunks, headers=headers, timeout=60)
+    assert r.status_code == 413, r.text
+    # A far too long prompt under the limit is refused without tokenizing all of it.
+    r = server.post(C, {"model": MODEL, "prompt": "hello " * 2_000_000})
+    assert r.status_code == 400 and "has more than that" in r.json()["error"]["message"]
+    stats = wait_idle(server)
+    assert stats["engine_alive"] and stats["kv_free_blocks"] == stats["kv_total_blocks"]
 
 
 # ---- concurrency and disconnects ----------------------------------------------------------

@@ -20,6 +20,11 @@ from sluice.core.structured_output import StructuredOutput
 # Below this the softmax is numerically a one-hot, so sample with argmax instead.
 _GREEDY_EPS = 1e-5
 _MAX_LOGPROBS = 20
+# Stop strings are checked against the output's tail after every token: their number
+# and length bound that work (vLLM has no bound; 100,000 strings once passed here).
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 4096
+MAX_STOP_TOKEN_IDS = 1024
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -176,6 +181,10 @@ class SamplingParams:
             raise SamplingParamsError(
                 "stop", f"stop must be a str or a list of str, got {type(stop).__name__}"
             )
+        if len(stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(
+                "stop", f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop):,}"
+            )
         for s in stop:
             if not isinstance(s, str):
                 raise SamplingParamsError(
@@ -184,6 +193,11 @@ class SamplingParams:
             # An empty stop string would match at position 0 and end every request at once.
             if not s:
                 raise SamplingParamsError("stop", "stop must not contain empty strings")
+            if len(s) > MAX_STOP_CHARS:
+                raise SamplingParamsError(
+                    "stop",
+                    f"a stop string may be at most {MAX_STOP_CHARS} characters, got {len(s):,}",
+                )
         return list(stop)  # a fresh list: clones must not share it
 
     @staticmethod
@@ -194,6 +208,11 @@ class SamplingParams:
             raise SamplingParamsError(
                 "stop_token_ids",
                 f"stop_token_ids must be a list of int, got {type(ids).__name__}",
+            )
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError(
+                "stop_token_ids",
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids):,}",
             )
         return [_int("stop_token_ids", i, minimum=0) for i in ids]
 

@@ -30,6 +30,7 @@ from sluice.server.metrics import ServerMetrics
 from sluice.server.reasoning import REASONING_FORMATS
 from sluice.server.routes import ROUTERS
 from sluice.server.routes.playground import static_files
+from sluice.server.validation import max_body_bytes
 
 
 def build_app(
@@ -60,6 +61,7 @@ def build_app(
         model_name=model_name,
         vocab_size=vocab_size or tokenizer.vocab_size,
         max_model_len=llm.max_model_len,
+        max_body_bytes=max_body_bytes(llm.max_model_len),
         metrics=ServerMetrics(model_name),
         created=int(time.time()),
         reasoning=None if reasoning_parser is None else REASONING_FORMATS[reasoning_parser],

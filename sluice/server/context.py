@@ -25,6 +25,8 @@ class ServerContext:
     model_name: str
     vocab_size: int
     max_model_len: int
+    # Larger request bodies are a 413 before they are read whole (validation.py).
+    max_body_bytes: int
     metrics: ServerMetrics
     created: int
     # --reasoning-parser: how the model marks its thinking (None: not split).

@@ -15,6 +15,7 @@ from typing import Any
 from sluice.server.context import ServerContext
 from sluice.server.errors import bad_request, json_kind, require_type, unsupported
 from sluice.server.protocol import ChatCompletionRequest
+from sluice.server.validation import check_text_length
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -148,6 +149,7 @@ def render_chat(
         )
     except Exception as exc:  # the template's own raise_exception() or a Jinja error
         raise bad_request("messages", f"the chat template rejected the messages: {exc}") from None
+    check_text_length(ctx, rendered, "messages")
     ids = ctx.tokenizer.encode(rendered, add_special_tokens=False)
     if not ids:
         raise bad_request("messages", "the messages render to an empty prompt")
