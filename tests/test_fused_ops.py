@@ -10,11 +10,6 @@ from sluice.layers import fused
 
 
 @pytest.fixture
-def torch_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fused.kernels, "load", lambda: None)
-
-
-@pytest.fixture
 def fused_kernels(kernel_level: str) -> str:
     """Our fused ops at each instruction-set level this CPU has."""
     assert kernels.load() is not None and kernels.variant() == kernel_level
@@ -76,7 +71,19 @@ def test_silu_and_mul(
     assert close(out, fused.silu_and_mul(gate_up), dtype)
 
 
-def test_non_cpu_or_other_dtypes_use_torch(torch_only: None) -> None:
+def test_other_dtypes_and_layouts_use_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With our kernels loaded (it once ran with them patched out, so the guard it is
+    # named for was never on the path): float16 and strided rows take torch's op, a
+    # contiguous float32 row ours.
+    assert kernels.load() is not None
+    calls: list[int] = []
+    real = fused.fused_kernels.add_rms_norm
+    monkeypatch.setattr(fused.fused_kernels, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(2, 8, dtype=torch.float16)
     out, h = fused.rms_norm(x, torch.ones(8, dtype=torch.float16), 1e-6)
-    assert out.dtype == torch.float16 and h is x
+    assert out.dtype == torch.float16 and h is x and not calls
+    strided = torch.randn(2, 16)[:, ::2]
+    fused.rms_norm(strided, torch.ones(8), 1e-6)
+    assert not calls
+    fused.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6)
+    assert calls == [1]

@@ -69,13 +69,18 @@ def test_top_k_top_p_min_p_restrict_the_support() -> None:
 
 
 def test_seeded_rows_do_not_depend_on_neighbours() -> None:
-    sampler = Sampler(V, seed=0, device=torch.device("cpu"))
+    # A wide uniform vocabulary and several seeds: with broken seeding a match is a
+    # 1-in-50,000 chance each (an 8-token one passed one time in eight).
+    vocab = 50_000
+    sampler = Sampler(vocab, seed=0, device=torch.device("cpu"))
     sp = SamplingParams(temperature=1.0)
-    logits = torch.zeros(3, V)
-    a = request(sp, [0], [], seed=42)
-    alone = sampler(logits[:1], [a], [[]]).token_ids[0]
-    together = sampler(logits, [request(sp, [0], []), a, request(sp, [1], [])], [[]] * 3)
-    assert together.token_ids[1] == alone
+    logits = torch.zeros(3, vocab)
+    for seed in (1, 42, 2**40):
+        a = request(sp, [0], [], seed=seed)
+        alone = sampler(logits[:1], [a], [[]]).token_ids[0]
+        a = request(sp, [0], [], seed=seed)
+        together = sampler(logits, [request(sp, [0], []), a, request(sp, [1], [])], [[]] * 3)
+        assert together.token_ids[1] == alone, seed
 
 
 def frequencies(
