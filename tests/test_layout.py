@@ -11,6 +11,8 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "sluice"
 
@@ -67,11 +69,6 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"core", "settings", "config", "engine", "server", "bench"},
     "bench": {"api"},
 }
-
-# Arrows that break a rule today, each until its owner's rewrite lands. A stale entry
-# fails test_pending_exceptions_are_still_real, so this list only shrinks.
-# (Empty now: kernels/__init__.py's import of cache_dir from the loader was the last.)
-PENDING: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:
@@ -142,12 +139,19 @@ def _violations() -> set[tuple[str, str]]:
 
 
 def test_imports_follow_the_layers() -> None:
-    unexpected = sorted(_violations() - PENDING)
+    unexpected = sorted(_violations())
     assert not unexpected, f"imports against the layering rules (importer, imported): {unexpected}"
 
 
-def test_pending_exceptions_are_still_real() -> None:
-    assert not PENDING - _violations(), "fixed: remove these from PENDING"
+def test_the_checker_finds_a_planted_violation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The rule above passes on a clean tree; this shows it would not pass on a dirty one
+    # (its list of tolerated exceptions, now gone, was empty and could not fail).
+    planted = tmp_path / "planted.py"
+    planted.write_text("from sluice.server.app import build_app\nfrom . import errors\n")
+    monkeypatch.setitem(MODULES, "sluice.core.planted", planted)
+    assert _violations() == {("sluice.core.planted", "sluice.server.app")}
 
 
 def test_core_imports_nothing_else_of_sluice() -> None:

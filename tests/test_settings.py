@@ -14,11 +14,6 @@ from sluice.core.errors import SettingsError
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "sluice"
 
-# Modules that still read a SLUICE_* variable themselves, until their owner moves them
-# to sluice.settings. A stale entry fails test_pending_entries_are_still_pending, so
-# the list only shrinks.
-PENDING_DIRECT_READS = {}
-
 
 def test_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("SLUICE_CACHE_DIR", raising=False)
@@ -84,15 +79,18 @@ def test_only_settings_reads_sluice_variables() -> None:
         rel = path.relative_to(ROOT).as_posix()
         if rel == "sluice/settings.py":
             continue
-        names = _sluice_names_read(path) - PENDING_DIRECT_READS.get(rel, set())
+        names = _sluice_names_read(path)
         if names:
             offenders[rel] = sorted(names)
     assert not offenders, f"read these through sluice.settings instead: {offenders}"
 
 
-def test_pending_entries_are_still_pending() -> None:
-    for rel, names in PENDING_DIRECT_READS.items():
-        assert names <= _sluice_names_read(ROOT / rel), f"{rel} no longer reads {names}"
+def test_the_scan_finds_a_planted_read(tmp_path: Path) -> None:
+    # The rule above passes on a clean tree; this shows its scan sees a direct read
+    # (its list of tolerated modules, now gone, was empty and could not fail).
+    planted = tmp_path / "planted.py"
+    planted.write_text('import os\nflag = os.environ.get("SLUICE_PLANTED", "")\n')
+    assert _sluice_names_read(planted) == {"SLUICE_PLANTED"}
 
 
 def test_every_setting_is_read_and_documented() -> None:
