@@ -58,7 +58,9 @@ def test_a_streamed_completion_carries_several_tokens_a_chunk(server: Server) ->
         assert after[SPEC + name] > before[SPEC + name]
     assert after[SPEC + "mean_accepted_length"] > 1.0
     assert 0 < after[SPEC + "acceptance_rate"] <= 1
-    wait_idle(server)
+    # Nothing left running or holding KV blocks (drafts rolled back, streams finished).
+    stats = wait_idle(server)
+    assert stats["num_requests"] == 0 and stats["kv_free_blocks"] == stats["kv_total_blocks"]
 
 
 def test_a_streamed_chat_equals_the_whole_answer(server: Server) -> None:
