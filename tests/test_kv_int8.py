@@ -158,7 +158,9 @@ def test_prefix_hits_and_chunks_see_what_the_cold_run_saw(llm_int8: LLM) -> None
     # difference between paths can round a stored value to the neighbouring int8 step,
     # and later layers carry that on, so two runs differ about as much as int8 differs
     # from the unquantized cache, or less (measured: mean KLD 1.2e-5 between these
-    # chunkings, 2.7e-4 between int8 and the unquantized cache).
+    # chunkings, 2.7e-4 between int8 and the unquantized cache). The bound, 4x the
+    # measured difference, sits well under the int8-versus-unquantized one, so chunks
+    # that read their fresh rows unquantized would fail it (5e-4 once let them pass).
     eng = llm_int8.engine
     prompt = llm_int8.tokenizer.encode(TEXT)[:100]
     chunked = LLM(
@@ -169,7 +171,8 @@ def test_prefix_hits_and_chunks_see_what_the_cold_run_saw(llm_int8: LLM) -> None
         enable_prefix_caching=False,
     )
     cold = full_logprobs(llm_int8, prompt)
-    assert mean_kld(cold, full_logprobs(chunked, prompt)) < 5e-4
+    kld = mean_kld(cold, full_logprobs(chunked, prompt))
+    assert kld < 5e-5, kld
     sp = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
     eng.reset_prefix_cache()
     (first,) = llm_int8.generate([prompt], sp, use_tqdm=False)
