@@ -193,6 +193,41 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# AMD's Zen generations by CPU family (and, for family 25, model): /proc/cpuinfo's
+# "model name" is sometimes only "AMD EPYC" in a VM, which says neither.
+_AMD_FAMILIES = {23: "Zen/Zen 2", 26: "Zen 5"}
+_ZEN4_MODELS = (range(0x10, 0x20), range(0x60, 0x80), range(0xA0, 0xB0))
+
+
+def _cpu_identity() -> dict[str, Any]:
+    """Vendor, family, model and stepping numbers, and the microarchitecture they name
+    where we know it (AMD Zen generations; None otherwise)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "cpu family", "model", "stepping") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip():
+                    break  # the first processor's block is enough
+    except OSError:
+        return {}
+    ident: dict[str, Any] = {"vendor": fields.get("vendor_id")}
+    for key, name in (("cpu family", "family"), ("model", "model"), ("stepping", "stepping")):
+        ident[name] = int(fields[key]) if fields.get(key, "").isdigit() else None
+    uarch = None
+    if ident["vendor"] == "AuthenticAMD":
+        family, model = ident["family"], ident["model"] or 0
+        if family == 25:
+            uarch = "Zen 4" if any(model in r for r in _ZEN4_MODELS) else "Zen 3"
+        else:
+            uarch = _AMD_FAMILIES.get(family)
+    ident["microarchitecture"] = uarch
+    return ident
+
+
 def _cpu_flags() -> list[str]:
     """The CPU flags our kernels care about (KERNEL_CPU_FLAGS and every amx_*), sorted."""
     try:
@@ -273,6 +308,7 @@ def provenance(
         "date": when.astimezone(datetime.UTC).isoformat(timespec="seconds"),
         "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu_model": _cpu_model(),
+        "cpu": _cpu_identity(),
         "cpu_flags": _cpu_flags(),
         "cpu_count": os.cpu_count(),
         "cpus_available": available,
@@ -293,10 +329,29 @@ def provenance(
 # ---- result files ----------------------------------------------------------------------------
 
 
+DOCS_RESULTS = REPO_ROOT / "docs" / "results"
+
+
+def output_path(value: str) -> Path:
+    """--output's type: a result for docs/results/ (the figures the docs cite) must be
+    measured from a clean, committed tree, so its provenance names the code it ran;
+    refused at start, before the run. (Write elsewhere to measure work in progress.)"""
+    path = Path(value)
+    if path.resolve().is_relative_to(DOCS_RESULTS.resolve()):
+        state = _git_state()
+        if state["dirty"] is not False:
+            raise argparse.ArgumentTypeError(
+                f"{value} is under docs/results/, whose results come from a clean committed "
+                "tree (their provenance names the commit); `git status` shows what differs: "
+                "commit it, or write the result elsewhere"
+            )
+    return path
+
+
 def add_output_arg(ap: argparse.ArgumentParser, kind: str) -> None:
     ap.add_argument(
         "--output",
-        type=Path,
+        type=output_path,
         default=RESULTS_DIR / f"{kind}.json",
         help=f"result JSON (default: benchmarks/results/{kind}.json, gitignored; results that "
         "docs/benchmarks.md cites go to docs/results/)",

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import REPO_ROOT, compare, interleave, write_result
+from benchmarks.common import REPO_ROOT, compare, interleave, output_path, write_result
 from benchmarks.random_models import MOE_KINDS, SMALL, build_model
 
 # SmolLM2-135M's shape (30 layers, hidden 576, GQA 9/3, vocab 49152, tied embeddings).
@@ -412,7 +412,9 @@ def main() -> None:
         "--parts", default="correctness,moe,server,figures,compile", help="which parts, in order"
     )
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
-    ap.add_argument("--output", type=Path, default=REPO_ROOT / "benchmarks/results/cuda_check.json")
+    ap.add_argument(
+        "--output", type=output_path, default=REPO_ROOT / "benchmarks/results/cuda_check.json"
+    )
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("cuda_check needs a CUDA GPU (torch.cuda.is_available() is False)")

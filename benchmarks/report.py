@@ -77,7 +77,9 @@ def _run_cells(name: str, data: dict[str, Any]) -> Row:
     p = data["provenance"]
     commit = (p.get("commit") or "unknown")[:10] + ("+dirty" if p.get("dirty") else "")
     date = (p.get("date") or "?")[:16].replace("T", " ")
-    machine = f"{p.get('cpu_model', '?')}, {p.get('threads', '?')} threads"
+    uarch = (p.get("cpu") or {}).get("microarchitecture")
+    cpu = f"{p.get('cpu_model', '?')} ({uarch})" if uarch else p.get("cpu_model", "?")
+    machine = f"{cpu}, {p.get('threads', '?')} threads"
     return [f"[{name}](results/{name})", machine, p.get("kernel_variant", "?"), commit, date]
 
 

@@ -637,3 +637,25 @@ def test_report_renders_scale_out_and_tensor_parallel(tmp_path: Path) -> None:
     assert "| 64 (128 prompts) | 750.0 / 600.0 | 1.25× | 1,900 / 1,200 | 64.0 / 88.0 | 1 |" in out
     tp_row = "qwen2.5-coder-0.5b, batch 1 | 17.8 / 99.8 / 27.5 | 1,394 / 78 | 941 / 358 | 49 | 1 |"
     assert tp_row in out
+
+
+def test_docs_results_need_a_clean_tree(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # A figure the docs cite must name the code it ran: a dirty tree is refused when the
+    # arguments are parsed, before the benchmark runs.
+    target = str(common.DOCS_RESULTS / "x.json")
+    for state in ({"commit": "abc", "dirty": True}, {"commit": None, "dirty": None}):
+        monkeypatch.setattr(common, "_git_state", lambda state=state: state)
+        with pytest.raises(common.argparse.ArgumentTypeError, match="clean committed tree"):
+            common.output_path(target)
+        assert common.output_path(str(tmp_path / "x.json")) == tmp_path / "x.json"
+    monkeypatch.setattr(common, "_git_state", lambda: {"commit": "abc", "dirty": False})
+    assert common.output_path(target) == Path(target)
+
+
+def test_provenance_names_the_cpu_generation() -> None:
+    ident = common.provenance()["cpu"]
+    if not Path("/proc/cpuinfo").exists():
+        pytest.skip("no /proc/cpuinfo here")
+    assert ident["vendor"] and isinstance(ident["family"], int)
+    if ident["vendor"] == "AuthenticAMD" and ident["family"] in (25, 26):
+        assert ident["microarchitecture"] in ("Zen 3", "Zen 4", "Zen 5")
