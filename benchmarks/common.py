@@ -326,6 +326,40 @@ def provenance(
     }
 
 
+_GGML_ISA_OPTIONS = ("GGML_AVX", "GGML_NATIVE", "GGML_FMA", "GGML_F16C", "GGML_BMI2", "GGML_AMX")
+
+
+def llama_cpp_build(binary: Path) -> dict[str, Any]:
+    """What a llama.cpp peer was built from and for: its `--version` (commit, compiler),
+    the instruction-set options of its CMake cache (the build directory above `bin/`),
+    and the level they make ("avx512", "avx2", "native", "generic")."""
+    build: dict[str, Any] = {"binary": str(binary)}
+    try:
+        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+        build["version"] = (out.stdout + out.stderr).strip().splitlines()[:2]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        build["version"] = [f"unknown ({exc})"]
+    options: dict[str, str] = {}
+    cache = Path(binary).resolve().parent.parent / "CMakeCache.txt"
+    if cache.is_file():
+        for line in cache.read_text(errors="replace").splitlines():
+            name, _, value = line.partition("=")
+            key = name.split(":", 1)[0]
+            if key.startswith(_GGML_ISA_OPTIONS) or key in ("CMAKE_BUILD_TYPE", "CMAKE_C_FLAGS"):
+                options[key] = value
+    build["cmake"] = options
+    on = {k for k, v in options.items() if v.upper() in ("ON", "TRUE", "1")}
+    if "GGML_NATIVE" in on:
+        build["isa"] = "native"
+    elif "GGML_AVX512" in on:
+        build["isa"] = "avx512"
+    elif "GGML_AVX2" in on:
+        build["isa"] = "avx2"
+    else:
+        build["isa"] = "generic" if options else "unknown"
+    return build
+
+
 # ---- result files ----------------------------------------------------------------------------
 
 

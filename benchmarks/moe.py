@@ -56,6 +56,7 @@ from benchmarks.common import (  # noqa: E402
     compare,
     format_table,
     interleave,
+    llama_cpp_build,
     write_result,
 )
 
@@ -162,11 +163,15 @@ def _run_sluice(args: argparse.Namespace) -> dict[str, Any]:
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def _run_llama_cpp(args: argparse.Namespace) -> dict[str, Any]:
+def _llama_bench_command(args: argparse.Namespace) -> list[str]:
     cmd = [str(args.llama_bench), "-m", args.model, "-t", str(args.threads), "-r", "1"]
     prompts = [args.short_prompt] if args.short_prompt else []
     cmd += ["-p", ",".join(map(str, [*prompts, args.prompt_tokens]))]
-    cmd += ["-n", str(args.gen), "-o", "json"]
+    return [*cmd, "-n", str(args.gen), "-o", "json"]
+
+
+def _run_llama_cpp(args: argparse.Namespace) -> dict[str, Any]:
+    cmd = _llama_bench_command(args)
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     rows = json.loads(done.stdout)
     rate = {int(r["n_prompt"]): float(r["avg_ts"]) for r in rows}  # 0: the decode row
@@ -220,6 +225,8 @@ def main() -> None:
         "read_bandwidth_gb_s": read_bandwidth(args.threads),
         "comparison": compare(runs, [*METRICS], baseline="llama.cpp"),
         "runs": runs,
+        # The peer as it ran: its build (commit, instruction-set level) and command.
+        "llama_cpp": {**llama_cpp_build(args.llama_bench), "command": _llama_bench_command(args)},
     }
     print(_report(result))
     print("wrote", write_result("moe", result, args.output, threads=args.threads))

@@ -47,6 +47,7 @@ from benchmarks.common import (
     compare,
     fmt_spread,
     interleave,
+    llama_cpp_build,
     percentile,
     shown_path,
     write_result,
@@ -431,7 +432,9 @@ def main() -> None:
 
             servers.append(Server("llama-server", start_peer))
             info["llama-server"] = {
-                "binary": str(peer_bin),
+                **llama_cpp_build(peer_bin),  # commit, instruction-set level, CMake options
+                "command": f"llama-server -m MODEL -t {threads} -tb {threads} "
+                f"-np STREAMS -c STREAMS*{slot_ctx}",
                 "threads": threads,
                 "slots": "one per stream (the level's concurrency)",
                 "slot_ctx": slot_ctx,

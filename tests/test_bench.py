@@ -659,3 +659,15 @@ def test_provenance_names_the_cpu_generation() -> None:
     assert ident["vendor"] and isinstance(ident["family"], int)
     if ident["vendor"] == "AuthenticAMD" and ident["family"] in (25, 26):
         assert ident["microarchitecture"] in ("Zen 3", "Zen 4", "Zen 5")
+
+
+def test_llama_cpp_build_reads_the_cmake_cache(tmp_path: Path) -> None:
+    (tmp_path / "bin").mkdir()
+    binary = tmp_path / "bin" / "llama-bench"
+    binary.write_text("#!/bin/sh\necho 'version: 1 (build 1, commit abc1234)'\n")
+    binary.chmod(0o755)
+    cache = "GGML_AVX2:BOOL=ON\nGGML_AVX512:BOOL=OFF\nGGML_NATIVE:BOOL=OFF\nOTHER:STRING=x\n"
+    (tmp_path / "CMakeCache.txt").write_text(cache)
+    build = common.llama_cpp_build(binary)
+    assert build["isa"] == "avx2" and "commit abc1234" in build["version"][0]
+    assert "OTHER" not in build["cmake"] and build["cmake"]["GGML_AVX2"] == "ON"
