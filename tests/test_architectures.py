@@ -12,8 +12,6 @@ from benchmarks.random_models import KINDS, SMALL, build_model
 from sluice import LLM, SamplingParams
 from sluice.loader import tokenizer_from_gguf
 
-transformers = pytest.importorskip("transformers")
-
 
 def build(kind: str, directory: Path, smollm2_path: Path) -> torch.nn.Module:
     model = build_model(kind, SMALL, directory)

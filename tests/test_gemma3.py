@@ -44,8 +44,9 @@ def gemma_path() -> Path:
 
 @pytest.fixture(scope="module")
 def hf_gemma(gemma_path: Path) -> tuple[Any, Any]:
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    import accelerate  # noqa: F401  (transformers needs it)
+    import transformers
+
     directory, name = str(gemma_path.parent), gemma_path.name
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
     model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -17,8 +17,6 @@ from benchmarks.random_models import MOE_KINDS, SMALL, build_model
 from sluice import LLM, SamplingParams
 from sluice.loader import tokenizer_from_gguf
 
-transformers = pytest.importorskip("transformers")
-
 ARCHITECTURE = {
     "mixtral": "llama",
     "qwen2moe": "qwen2moe",

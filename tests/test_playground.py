@@ -23,14 +23,13 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 if CHROMIUM is None or not Path(CHROMEDRIVER).exists():
     pytest.skip(f"Chromium or chromedriver is missing: {INSTALL}", allow_module_level=True)
-webdriver = pytest.importorskip("selenium.webdriver", reason="pip install selenium (dev extras)")
+from PIL import Image  # noqa: E402
+from selenium import webdriver  # noqa: E402
 from selenium.webdriver.chrome.options import Options  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
-
-Image = pytest.importorskip("PIL.Image", reason="pip install pillow (dev extras)")
 
 MODEL = "smollm2-135m"
 # Generous: other test runs may be sharing the machine's two cores.

@@ -14,12 +14,11 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+import transformers
 from gguf import GGMLQuantizationType as QType
 
 from benchmarks import random_gguf
 from benchmarks.random_gguf import SHAPES, Shape, hf_to_gguf, shaped_tensors, write_shaped
-
-transformers = pytest.importorskip("transformers")
 
 TINY_TOKENS = 320  # the tiny tokenizer's tokens; the tiny models' vocabulary is larger
 VOCAB = 352

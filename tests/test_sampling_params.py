@@ -171,7 +171,8 @@ def test_greedy_threshold() -> None:
 
 
 def test_numpy_scalars_accepted() -> None:
-    np = pytest.importorskip("numpy")
+    import numpy as np
+
     p = SamplingParams(max_tokens=np.int64(8), temperature=np.float32(0.5))
     assert type(p.max_tokens) is int and p.max_tokens == 8
     assert type(p.temperature) is float and p.temperature == 0.5

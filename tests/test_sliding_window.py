@@ -14,13 +14,12 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from sluice import LLM, SamplingParams
 from sluice.engine.kv_connector.disk_tier import disk_tier
 from sluice.engine.prefix_cache import extend_block_hashes
 from sluice.loader import tokenizer_from_gguf
-
-transformers = pytest.importorskip("transformers")
 
 WINDOW = 16
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from sluice import LLM, SamplingParams
 from sluice.cli import build_parser, engine_config
@@ -31,8 +32,6 @@ from sluice.core.request import Request
 from sluice.engine.speculative import StepCosts, plan_drafts
 from sluice.engine.speculative.draft_model import DraftModelProposer
 from sluice.loader import resolve_model_path, tokenizer_from_gguf
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 49152  # the SmolLM2 tokenizer's
 SHAPE = dict(

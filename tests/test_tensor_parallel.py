@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from sluice import LLM, SamplingParams
 from sluice.config import EngineConfig
@@ -29,8 +30,6 @@ from sluice.core.quantized_tensor import QuantizedTensor, dequantize, pack
 from sluice.loader import tokenizer_from_gguf
 from sluice.models.tp_shard import _columns, _padded_rows, local_config, shard_checkpoint
 from sluice.parallel.shm import ShmCollectives, create_segment
-
-transformers = pytest.importorskip("transformers")
 
 LAYERS = 3
 COMMON = dict(
