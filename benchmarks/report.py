@@ -774,6 +774,26 @@ def _few_rows(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _tool_calls(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        for cell_name, cell in d["cells"].items():
+            api, choice = cell_name.split("/")
+            right = f"{cell['right']}/{cell['asked']}"
+            rows.append(
+                [
+                    *_run_cells(name, d),
+                    d["model"],
+                    api,
+                    choice,
+                    right,
+                    f"{cell['median_seconds']:.2f}",
+                ]
+            )
+    headers = ["model", "API", "tool_choice", "right call, valid arguments", "median s a reply"]
+    return _table(RUN_HEADERS + headers, rows)
+
+
 def _swa_pool(results: Sequence[Result]) -> str:
     rows = []
     for name, d in results:
@@ -857,6 +877,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "swa_pool": _swa_pool,
     "moe": _moe,
     "few_rows": _few_rows,
+    "tool_calls": _tool_calls,
     "cuda_check": _cuda_check,
 }
 
