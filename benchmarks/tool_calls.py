@@ -113,12 +113,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--apis", default=",".join(APIS), help="comma-separated, of " + ", ".join(APIS))
     add_output_arg(ap, "tool_calls")
     args = ap.parse_args()
     proc, url = start_sluice(["--model", args.model, "--num-threads", str(args.threads)])
     cells: dict[str, dict[str, Any]] = {}
     try:
-        for api in APIS:
+        for api in args.apis.split(","):
             for choice in CHOICES:
                 right, seconds = 0, []
                 for question, name, expect in QUESTIONS:
