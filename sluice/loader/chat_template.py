@@ -16,7 +16,7 @@ import jinja2
 
 from sluice.core.errors import ConfigError
 
-from .tokenizer import compile_chat_template
+from .chat_sandbox import compile_chat_template
 
 TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "templates"
 _FIELD = "chat_template"

@@ -9,16 +9,14 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
 import jinja2.meta
-import jinja2.nodes
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from sluice.loader.chat_sandbox import compile_chat_template, environment, render_bounded
 
 # Tokens that end a turn, by text: llama.cpp's end-of-generation list (llama-vocab.cpp).
 EOG_TEXTS = {
@@ -40,57 +38,6 @@ EOG_TEXTS = {
     "<end_of_utterance>",
     "<｜end▁of▁sentence｜>",
 }
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """HF templates may mark assistant text with {% generation %}...{% endgeneration %}; for
-    rendering it is a no-op block."""
-
-    tags = {"generation"}  # noqa: RUF012 - jinja2's API is a class attribute
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body, lineno=lineno)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's builtin tojson HTML-escapes; HF's does not, and templates expect HF's.
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    """The Jinja environment chat templates run in: transformers' settings and helpers."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[jinja2.ext.loopcontrols, _GenerationTag],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-def compile_chat_template(template: str) -> jinja2.Template:
-    """A chat template ready to render; jinja2.TemplateSyntaxError if it is not one."""
-    return _environment().from_string(template)
 
 
 class Tokenizer:
@@ -174,7 +121,7 @@ class Tokenizer:
         one that does not would silently drop them."""
         if self._takes_tools is None:
             names = (
-                jinja2.meta.find_undeclared_variables(_environment().parse(self.chat_template))
+                jinja2.meta.find_undeclared_variables(environment().parse(self.chat_template))
                 if self.chat_template is not None
                 else set()
             )
@@ -198,9 +145,8 @@ class Tokenizer:
             "eos_token": self._token_text(self.eos_token_id),
         }
         variables.update(kwargs)
-        return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **variables
-        )
+        variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
+        return render_bounded(self._template, variables)
 
     # -- persistence (the warm-start cache) --------------------------------------------------
 
