@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sluice.core.choices import ReasoningParserName
+from sluice.server.tool_calls import TrimmedText, partial_suffix
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -54,34 +55,6 @@ REASONING_FORMATS: dict[ReasoningParserName, ReasoningFormat] = {
 }
 
 
-def _partial_tail(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (and is not all of it)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
-class _Trimmed:
-    """Text with its leading whitespace dropped and its trailing whitespace held until
-    more text follows it (or dropped at the end)."""
-
-    def __init__(self) -> None:
-        self.started = False
-        self.pending = ""
-
-    def add(self, piece: str) -> str:
-        if not self.started:
-            piece = piece.lstrip()
-            if not piece:
-                return ""
-            self.started = True
-        text = self.pending + piece
-        kept = text.rstrip()
-        self.pending = text[len(kept) :]
-        return kept
-
-
 class ReasoningParser:
     """Splits one output, fed in pieces, into (reasoning, content) deltas."""
 
@@ -91,8 +64,8 @@ class ReasoningParser:
         self._state = "start"
         self._open = thinking  # the thinking has begun without the tag (which may follow)
         self._buf = ""
-        self._reasoning = _Trimmed()
-        self._content = _Trimmed()
+        self._reasoning = TrimmedText()
+        self._content = TrimmedText()
         self.thought = False  # whether any thinking was seen
 
     def feed(self, text: str, final: bool) -> tuple[str, str]:
@@ -110,7 +83,7 @@ class ReasoningParser:
             self.thought = True
             k = self._buf.find(self.fmt.end)
             if k < 0:
-                keep = 0 if final else _partial_tail(self._buf, self.fmt.end)
+                keep = 0 if final else partial_suffix(self._buf, 0, self.fmt.end)
                 reasoning = self._reasoning.add(self._buf[: len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep :]
                 return reasoning, ""

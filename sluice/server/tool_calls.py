@@ -116,7 +116,7 @@ def parse_all(parser: ToolCallParser, text: str) -> tuple[str | None, list[dict[
     return delta.content or None, calls
 
 
-def _partial_suffix(text: str, start: int, tag: str) -> int:
+def partial_suffix(text: str, start: int, tag: str) -> int:
     """The length of the longest end of text[start:] that begins `tag`."""
     for n in range(min(len(tag) - 1, len(text) - start), 0, -1):
         if tag.startswith(text[len(text) - n :]):
@@ -124,9 +124,10 @@ def _partial_suffix(text: str, start: int, tag: str) -> int:
     return 0
 
 
-class _Content:
-    """Content text with the whitespace at its two ends left out: leading whitespace is
-    dropped, trailing whitespace waits until more content follows it."""
+class TrimmedText:
+    """Text fed in pieces with the whitespace at its two ends left out: leading whitespace
+    is dropped, trailing whitespace waits until more text follows it (the tool-call and
+    reasoning parsers' content)."""
 
     def __init__(self) -> None:
         self.started = False
@@ -284,7 +285,7 @@ class HermesParser:
         self._bare = False  # the open call has no tags
         self._fenced = False  # ... and sits in a Markdown code block
         self._index = -1  # the open call's index (-1: dropped, past max_calls)
-        self._content = _Content()
+        self._content = TrimmedText()
         self._calls = 0
         self._max_calls = max_calls
         self._names = names
@@ -316,7 +317,7 @@ class HermesParser:
                 return bare
         k = text.find(HERMES_START, pos)
         if k < 0:
-            end = len(text) - (0 if final else _partial_suffix(text, pos, HERMES_START))
+            end = len(text) - (0 if final else partial_suffix(text, pos, HERMES_START))
             out.content += self._content.add(text[pos:end])
             self._pos = end
             return False

@@ -73,6 +73,17 @@ def validate_chat(
     return params, ids, plan
 
 
+async def prepare_chat(
+    ctx: ServerContext, req: ChatCompletionRequest, *, stop_param: str = "stop"
+) -> tuple[SamplingParams, list[int], ToolPlan]:
+    """`validate_chat`, then the request's constraints compiled: its response_format or
+    structured output, a required or named tool call, and with a reasoning parser the
+    room to think before them. Every API that arrives as a chat request goes here."""
+    params, ids, plan = validate_chat(ctx, req, stop_param=stop_param)
+    params = await with_tool_constraint(ctx, await constrained(ctx, req, params), plan)
+    return await with_thinking(ctx, params, ids), ids, plan
+
+
 def reasoning_for(ctx: ServerContext, ids: list[int]) -> Callable[[], ReasoningParser] | None:
     """A new reasoning parser for each output of the prompt `ids` (None: not split).
     The prompt's end says whether the template already opened the thinking."""
@@ -134,9 +145,7 @@ def _response(
 async def chat_completions(request: Request) -> Response | dict[str, Any]:
     ctx = server_context(request)
     req = await parse(request, ChatCompletionRequest)
-    params, ids, plan = validate_chat(ctx, req)
-    params = await with_tool_constraint(ctx, await constrained(ctx, req, params), plan)
-    params = await with_thinking(ctx, params, ids)
+    params, ids, plan = await prepare_chat(ctx, req)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tracked = await submit(
         ctx, [ids], params, rid, req.priority, "messages", streamed=bool(req.stream)

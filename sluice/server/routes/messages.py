@@ -32,11 +32,10 @@ from sluice.server.errors import anthropic_error_body, renamed_params
 from sluice.server.generation import Tracked, collect, submit, until_disconnected
 from sluice.server.messages import render_chat
 from sluice.server.reasoning import ReasoningParser
-from sluice.server.routes.chat import reasoning_for, validate_chat
+from sluice.server.routes.chat import prepare_chat, reasoning_for
 from sluice.server.streaming import event_stream
-from sluice.server.structured import constrained, with_thinking
 from sluice.server.tool_calls import ToolCallParser, parse_all
-from sluice.server.tools import tool_plan, with_tool_constraint
+from sluice.server.tools import tool_plan
 from sluice.server.validation import check_model, parse
 
 router = APIRouter()
@@ -45,10 +44,10 @@ router = APIRouter()
 _PARAMS = {"response_format.json_schema": "output_config.format"}
 
 
-def _usage(ctx_prompt: int, cached: int, output: int) -> dict[str, int]:
+def _usage(prompt_tokens: int, cached: int, output: int) -> dict[str, int]:
     """Anthropic counts prompt tokens read from the prefix cache apart from the rest."""
     return {
-        "input_tokens": ctx_prompt - cached,
+        "input_tokens": prompt_tokens - cached,
         "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
         "output_tokens": output,
@@ -236,9 +235,7 @@ async def messages(request: Request) -> Response | dict[str, Any]:
     req = await parse(request, MessagesRequest)
     chat = to_chat_request(req)
     with renamed_params(_PARAMS):
-        params, ids, plan = validate_chat(ctx, chat, stop_param="stop_sequences")
-        params = await with_tool_constraint(ctx, await constrained(ctx, chat, params), plan)
-        params = await with_thinking(ctx, params, ids)
+        params, ids, plan = await prepare_chat(ctx, chat, stop_param="stop_sequences")
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     (tracked,) = await submit(ctx, [ids], params, rid, 0, "messages", streamed=req.stream)
     reasoning = reasoning_for(ctx, ids)

@@ -30,11 +30,9 @@ from sluice.server.responses import (
     echo_fields,
     to_chat_request,
 )
-from sluice.server.routes.chat import reasoning_for, validate_chat
+from sluice.server.routes.chat import prepare_chat, reasoning_for
 from sluice.server.streaming import event_stream
-from sluice.server.structured import constrained, with_thinking
 from sluice.server.tool_calls import ToolCallParser
-from sluice.server.tools import with_tool_constraint
 from sluice.server.validation import parse
 
 router = APIRouter()
@@ -250,9 +248,7 @@ async def create_response(request: Request) -> Response | dict[str, Any]:
         )
         conv = conversation(req, earlier)
         chat = to_chat_request(req, conv)
-        params, ids, plan = validate_chat(ctx, chat)
-        params = await with_tool_constraint(ctx, await constrained(ctx, chat, params), plan)
-        params = await with_thinking(ctx, params, ids)
+        params, ids, plan = await prepare_chat(ctx, chat)
     rid = f"resp_{uuid.uuid4().hex}"
     (tracked,) = await submit(ctx, [ids], params, rid, 0, "input", streamed=req.stream)
     reasoning = reasoning_for(ctx, ids)
