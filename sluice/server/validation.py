@@ -122,12 +122,11 @@ def sampling_params(
     max_tokens_param: str,
     logprobs: int | None,
     logprobs_param: str,
-    stop_param: str = "stop",
 ) -> SamplingParams:
     """The request's sampling fields as SamplingParams; errors name the endpoint's field."""
     if req.n > MAX_N:
         raise bad_request("n", f"n must be <= {MAX_N}, got {req.n}")
-    rename = {"max_tokens": max_tokens_param, "logprobs": logprobs_param, "stop": stop_param}
+    rename = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}
     try:
         params = SamplingParams(
             n=req.n,

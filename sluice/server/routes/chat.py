@@ -40,11 +40,11 @@ router = APIRouter()
 
 
 def validate_chat(
-    ctx: ServerContext, req: ChatCompletionRequest, *, stop_param: str = "stop"
+    ctx: ServerContext, req: ChatCompletionRequest
 ) -> tuple[SamplingParams, list[int], ToolPlan]:
     """A chat request's sampling parameters, prompt ids and tool plan, every field
-    checked (also the Messages API's, which arrives as a chat request; its stop
-    strings are `stop_param`)."""
+    checked (the Messages and Responses APIs arrive as chat requests too; their routes
+    rename the fields in errors, `errors.renamed_params`)."""
     check_model(ctx, req.model)
     check_chat_unsupported(req)
     plan = tool_plan(ctx, req)
@@ -64,7 +64,6 @@ def validate_chat(
         max_tokens_param=mt_param,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         logprobs_param="top_logprobs",
-        stop_param=stop_param,
     )
     ids = render_chat(
         ctx, req.messages, req.add_generation_prompt, plan.tools, req.chat_template_kwargs
@@ -74,12 +73,12 @@ def validate_chat(
 
 
 async def prepare_chat(
-    ctx: ServerContext, req: ChatCompletionRequest, *, stop_param: str = "stop"
+    ctx: ServerContext, req: ChatCompletionRequest
 ) -> tuple[SamplingParams, list[int], ToolPlan]:
     """`validate_chat`, then the request's constraints compiled: its response_format or
     structured output, a required or named tool call, and with a reasoning parser the
     room to think before them. Every API that arrives as a chat request goes here."""
-    params, ids, plan = validate_chat(ctx, req, stop_param=stop_param)
+    params, ids, plan = validate_chat(ctx, req)
     params = await with_tool_constraint(ctx, await constrained(ctx, req, params), plan)
     return await with_thinking(ctx, params, ids), ids, plan
 

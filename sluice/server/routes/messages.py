@@ -41,7 +41,7 @@ from sluice.server.validation import check_model, parse
 router = APIRouter()
 
 # The chat request's field names (prefixes of them), as this API calls them.
-_PARAMS = {"response_format.json_schema": "output_config.format"}
+_PARAMS = {"stop": "stop_sequences", "response_format.json_schema": "output_config.format"}
 
 
 def _usage(prompt_tokens: int, cached: int, output: int) -> dict[str, int]:
@@ -235,7 +235,7 @@ async def messages(request: Request) -> Response | dict[str, Any]:
     req = await parse(request, MessagesRequest)
     chat = to_chat_request(req)
     with renamed_params(_PARAMS):
-        params, ids, plan = await prepare_chat(ctx, chat, stop_param="stop_sequences")
+        params, ids, plan = await prepare_chat(ctx, chat)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     (tracked,) = await submit(ctx, [ids], params, rid, 0, "messages", streamed=req.stream)
     reasoning = reasoning_for(ctx, ids)
