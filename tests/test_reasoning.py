@@ -178,7 +178,7 @@ class _Outputs:
         return gen()
 
     def close(self) -> None:
-        pass
+        pass  # a finished fake request: nothing to abort
 
 
 def test_messages_stream_thinking_blocks_for_the_sdk() -> None:
