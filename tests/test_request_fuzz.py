@@ -43,9 +43,11 @@ FIELDS = sorted(
     }
 )  # fmt: skip
 
+# No subnormal floats: earlier tests leave the CPU flushing them to zero (torch kernels
+# set FTZ/DAZ), and hypothesis refuses to draw them then.
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False) | st.text(max_size=20),
+    | st.floats(allow_nan=False, allow_subnormal=False) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4)
     | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
