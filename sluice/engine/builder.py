@@ -42,7 +42,13 @@ from sluice.engine.speculative.proposer import Proposer
 from sluice.engine.speculative.source import DraftBuild, DraftLoad, DraftSource
 from sluice.engine.tensor_parallel import TensorParallelRanks, WorkerBuild, start_tensor_parallel
 from sluice.kernels import large_allocations_mapped
-from sluice.loader import LoadedModel, Tokenizer, load_model, resolve_chat_template
+from sluice.loader import (
+    LoadedModel,
+    MemoryBudget,
+    Tokenizer,
+    load_model,
+    resolve_chat_template,
+)
 from sluice.runner.factory import ModelVariant, RunnerOptions, build_runner
 from sluice.runner.kv_layout import KVLayout, check_kv_cache_dtype
 from sluice.runner.model_runner import ModelRunner, check_tensor_parallel
@@ -162,7 +168,7 @@ def _load_target(config: EngineConfig, device: torch.device) -> _Target:
     against it, before anything is allocated."""
     # Before the model: a chat template that does not resolve fails at once.
     template = resolve_chat_template(config.chat_template) if config.chat_template else None
-    loaded = load_model(config.model)
+    loaded = load_model(config.model, config.revision, MemoryBudget.of(config))
     if template is not None:
         loaded.tokenizer.set_chat_template(template)
     mc = loaded.config

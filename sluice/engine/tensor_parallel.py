@@ -79,7 +79,7 @@ def _worker_main(
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(config.rank_threads())
     try:
-        loaded = load_model(config.model)
+        loaded = load_model(config.model, config.revision)
         _send(conn, ("loaded", None))
         build = _recv(conn)
         if not isinstance(build, WorkerBuild):

@@ -16,13 +16,15 @@ from sluice.settings import cache_dir
 from .chat_template import bundled_templates, resolve_chat_template
 from .gguf_loader import load_gguf, load_gguf_header
 from .gguf_tokenizer import tokenizer_from_gguf
-from .hf_loader import config_from_hf, load_hf_dir
+from .hf_loader import config_from_hf, load_hf_dir, model_dir_name
+from .hub import MemoryBudget
 from .resolve import KNOWN_MODELS, resolve_model_path
 from .tokenizer import Tokenizer
 
 __all__ = [
     "KNOWN_MODELS",
     "LoadedModel",
+    "MemoryBudget",
     "ModelNotFoundError",
     "Tokenizer",
     "bundled_templates",
@@ -49,9 +51,12 @@ class LoadedModel:
         return any(isinstance(t, QuantizedTensor) for t in self.tensors.values())
 
 
-def load_model(model: str | None) -> LoadedModel:
-    """Resolve `model` (alias, .gguf path or HF directory; None = default) and load it."""
-    path = resolve_model_path(model)
+def load_model(
+    model: str | None, revision: str | None = None, budget: MemoryBudget | None = None
+) -> LoadedModel:
+    """Resolve `model` (alias, .gguf path, HF directory or Hub repo; None = default) and
+    load it."""
+    path = resolve_model_path(model, revision, budget)
     if path.is_dir():
         config, dense, tokenizer = load_hf_dir(path)
         return LoadedModel(config, dict(dense), tokenizer, path)
@@ -59,11 +64,13 @@ def load_model(model: str | None) -> LoadedModel:
     return LoadedModel(config, tensors, tokenizer, path)
 
 
-def load_tokenizer(model: str | None) -> tuple[ModelConfig, Tokenizer]:
+def load_tokenizer(
+    model: str | None, revision: str | None = None, budget: MemoryBudget | None = None
+) -> tuple[ModelConfig, Tokenizer]:
     """The config and tokenizer of `model`, without its weights: what a front end needs
     that tokenizes and routes for engines running in other processes."""
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, revision, budget)
     if path.is_dir():
         cfg = json.loads((path / "config.json").read_text())
-        return config_from_hf(cfg, name=path.name), Tokenizer.from_hf_dir(path)
+        return config_from_hf(cfg, name=model_dir_name(path)), Tokenizer.from_hf_dir(path)
     return load_gguf_header(path)

@@ -255,6 +255,31 @@ def check_gguf_data(data: mmap.mmap | bytes, path: str) -> list[TensorSpan]:
     return spans
 
 
+def read_gguf_values(path: str | os.PathLike[str], keys: set[str]) -> dict[str, str | int]:
+    """The string and integer values of `keys` in a GGUF's metadata, read with the same
+    bounded steps as the check, nothing else decoded (a listing of models reads two keys
+    of each, not their vocabularies). Missing keys are absent; a defect raises."""
+    path = os.fspath(path)
+    found: dict[str, str | int] = {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        cur = _Cursor(data, path)
+        if bytes(data[:4]) != MAGIC:
+            raise cur.fail("not a GGUF file")
+        cur.pos = 8
+        cur.count("the tensor count", _MIN_TENSOR)
+        for i in range(cur.count("the metadata key count", _MIN_KV)):
+            key = cur.string(f"key #{i}", MAX_KEY_BYTES)
+            vtype = cur.u32(f"the value type of {key!r}")
+            if key in keys and vtype == _STRING:
+                found[key] = cur.string(f"the value of {key!r}")
+            elif (value := _skip_value(cur, vtype, f"the value of {key!r}")) is not None:
+                if key in keys:
+                    found[key] = value
+            if len(found) == len(keys):
+                break
+    return found
+
+
 def check_gguf(path: str | os.PathLike[str]) -> list[TensorSpan]:
     """Check the GGUF file at `path` before any reader trusts it; ModelFileError if not."""
     path = os.fspath(path)

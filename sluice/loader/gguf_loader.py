@@ -14,6 +14,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from gguf.quants import dequantize
 from sluice import settings
 from sluice.architectures import GGUFKeys, spec_for_gguf, spec_of
 from sluice.config import ModelConfig
+from sluice.core.errors import ModelFileError
 from sluice.core.quantized_tensor import Weight
 
 from . import gguf_blocks
@@ -130,9 +132,10 @@ class TensorEntry:
     shape: tuple[int, ...]  # torch order (out, in)
     offset: int
     nbytes: int
+    part: int = 0  # which file of a split set (0 for a single file)
 
 
-def tensor_entries(reader: GGUFReader) -> list[TensorEntry]:
+def tensor_entries(reader: GGUFReader, part: int = 0) -> list[TensorEntry]:
     # GGUF lists dims fastest-first (ne0 = columns); torch wants them reversed.
     return [
         TensorEntry(
@@ -141,9 +144,33 @@ def tensor_entries(reader: GGUFReader) -> list[TensorEntry]:
             tuple(int(d) for d in reversed(t.shape)),
             int(t.data_offset),
             int(t.n_bytes),
+            part,
         )
         for t in reader.tensors
     ]
+
+
+_SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def gguf_parts(path: Path) -> list[Path]:
+    """The files of the model whose first file is `path`: llama.cpp's gguf-split writes
+    `name-00001-of-00003.gguf` and on, each a GGUF with some of the tensors (the first
+    holds the metadata). A single file is a set of one."""
+    m = _SPLIT_NAME.search(path.name)
+    if m is None:
+        return [path]
+    if int(m[1]) != 1:
+        raise ModelFileError(str(path), f"is part {int(m[1])} of a split model: load part 1")
+    count = int(m[2])
+    parts = [
+        path.with_name(f"{path.name[: m.start()]}-{i:05d}-of-{count:05d}.gguf")
+        for i in range(1, count + 1)
+    ]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ModelFileError(str(path), f"the split model's part(s) {missing} are missing")
+    return parts
 
 
 def _read(
@@ -193,11 +220,13 @@ def tensors_from_gguf(
 ) -> dict[str, Weight]:
     """Every tensor under HF names in torch (out, in) order: quantized ones repacked
     into our layouts (or dequantized to float32 if not keep_quantized), floats as
-    stored."""
+    stored. `path` is the first file of a split set."""
     out: dict[str, Weight] = {}
     spec = spec_of(config.architecture)
-    with open(path, "rb") as f:
+    with contextlib.ExitStack() as files:
+        parts = [files.enter_context(open(p, "rb")) for p in gguf_parts(Path(path))]
         for entry in entries:
+            f = parts[entry.part]
             if entry.name in CONFIG_TENSORS:  # read into the config (config_from_gguf)
                 continue
             name = spec.hf_tensor_name(entry.name)
@@ -272,13 +301,16 @@ def _remove_legacy_cache() -> None:
 
 
 # Bump when the header cache's layout or the config/tokenizer conversion changes, or
-# when files need checking again (4: gguf_check runs before a header is cached).
-HEADER_FORMAT = 4
+# when files need checking again (4: gguf_check runs before a header is cached; 5: split
+# sets, each tensor's part).
+HEADER_FORMAT = 5
 
 
 def _header_entry(path: Path) -> Path:
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{HEADER_FORMAT}"
+    key = f"{HEADER_FORMAT}"
+    for part in gguf_parts(path):
+        st = part.stat()
+        key += f"|{part.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     return settings.cache_dir() / "gguf-headers" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
@@ -286,9 +318,17 @@ Header = tuple[ModelConfig, Tokenizer, list[TensorEntry]]
 
 
 def _read_header(path: Path) -> Header:
+    parts = gguf_parts(path)
     meta = GGUFMetadata.of(path)
-    config = config_from_gguf(meta, name=path.stem)
-    return config, tokenizer_from_gguf(meta), tensor_entries(meta.reader)
+    config = config_from_gguf(meta, name=_SPLIT_NAME.sub("", path.name).removesuffix(".gguf"))
+    entries = tensor_entries(meta.reader)
+    for i, part in enumerate(parts[1:], start=1):
+        entries += tensor_entries(GGUFMetadata.of(part).reader, i)
+    names = [e.name for e in entries]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ModelFileError(str(path), f"tensor {dup!r} is in two parts of the split model")
+    return config, tokenizer_from_gguf(meta), entries
 
 
 def _cached_header(path: Path) -> Header:
@@ -299,7 +339,7 @@ def _cached_header(path: Path) -> Header:
     try:
         config = ModelConfig(**json.loads((entry / "config.json").read_text()))
         rows = json.loads((entry / "tensors.json").read_text())
-        tensors = [TensorEntry(r[0], r[1], tuple(r[2]), r[3], r[4]) for r in rows]
+        tensors = [TensorEntry(r[0], r[1], tuple(r[2]), r[3], r[4], r[5]) for r in rows]
         return config, Tokenizer.load(entry), tensors
     except (OSError, ValueError, TypeError, KeyError, IndexError):
         pass  # missing or foreign: parse the file (and rewrite the entry)
@@ -308,7 +348,9 @@ def _cached_header(path: Path) -> Header:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
-        rows_out = [[t.name, t.type_name, list(t.shape), t.offset, t.nbytes] for t in tensors]
+        rows_out = [
+            [t.name, t.type_name, list(t.shape), t.offset, t.nbytes, t.part] for t in tensors
+        ]
         (tmp / "tensors.json").write_text(json.dumps(rows_out))
         tokenizer.save(tmp)
         shutil.rmtree(entry, ignore_errors=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from sluice.architectures import rope_from_hf, spec_for_hf, spec_of
@@ -58,6 +58,25 @@ def _load_shard(shard: Path) -> dict[str, torch.Tensor]:
         return load_file(shard)
     except (SafetensorError, OSError, ValueError) as exc:
         raise ModelFileError(str(shard), f"not a valid safetensors file: {exc}") from None
+
+
+def model_dir_name(directory: Path) -> str:
+    """A model directory's name; for a Hub cache snapshot (models--org--repo/snapshots/
+    <commit>) the repo's, not the commit's."""
+    repo = directory.parent.parent.name
+    if directory.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
+    return directory.name
+
+
+def check_safetensors(path: Path) -> None:
+    """A safetensors file's header against the file (lengths, offsets, dtypes), without
+    reading its tensors; a defect names the file."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            f.keys()
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ModelFileError(str(path), f"not a valid safetensors file: {exc}") from None
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -113,6 +132,6 @@ def load_hf_dir(
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     directory = Path(path)
     cfg = _json(directory / "config.json")
-    config = config_from_hf(cfg, name=directory.name)
+    config = config_from_hf(cfg, name=model_dir_name(directory))
     tokenizer = Tokenizer.from_hf_dir(directory)
     return config, tensors_from_hf_dir(directory, config), tokenizer

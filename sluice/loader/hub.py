@@ -1,0 +1,347 @@
+"""Models by Hub name, fetched through huggingface_hub into its standard cache.
+
+huggingface_hub does the transfer: its cache layout (so files other tools fetched are
+reused), resuming an interrupted download from its `.incomplete` file, a progress bar,
+and HF_TOKEN, HF_ENDPOINT, HF_HUB_CACHE and HF_HUB_OFFLINE. What is ours: which files a
+name means (hub_files.py), what they will cost in memory, checked before a byte is
+downloaded, and checking what arrived (sha256 against the Hub's record, then the same
+structure checks a local file gets) before anything uses it. A file that fails is
+removed from the cache, never left looking complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+from filelock import FileLock
+from huggingface_hub import HfApi, constants, hf_hub_download, hf_hub_url
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.file_download import http_get
+from huggingface_hub.utils import build_hf_headers  # type: ignore[attr-defined]  # documented there
+
+from sluice.config import EngineConfig
+from sluice.core.errors import ModelFileError, ModelNotFoundError, ModelTooLargeError
+from sluice.settings import cache_dir
+
+from .gguf_check import check_gguf
+from .hf_loader import check_safetensors
+from .hub_files import (
+    HubName,
+    RepoFile,
+    choose_gguf,
+    gguf_choices,
+    safetensors_files,
+)
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+# Besides weights and the KV pool: activations, the sampler, Python and torch themselves.
+RUNTIME_OVERHEAD = GIB // 2
+_BYTES_PER_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What the engine will hold besides a model's weights (its KV pool), to tell before a
+    download whether the model can run on this machine."""
+
+    kv_cache_bytes: int = 2 * GIB
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> MemoryBudget:
+        return cls(kv_cache_bytes=int(config.kv_cache_memory * GIB))
+
+    def need(self, weight_bytes: int) -> int:
+        return weight_bytes + self.kv_cache_bytes + RUNTIME_OVERHEAD
+
+
+def machine_memory() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def offline() -> bool:
+    """HF_HUB_OFFLINE (read now, not when huggingface_hub was imported)."""
+    return constants.HF_HUB_OFFLINE or _truthy(os.environ.get("HF_HUB_OFFLINE"))
+
+
+def hub_cache() -> Path:
+    """huggingface_hub's cache directory, by its own rules, read now."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _endpoint() -> str | None:
+    return os.environ.get("HF_ENDPOINT") or None
+
+
+def _repo_dir(repo_id: str) -> Path:
+    return hub_cache() / ("models--" + repo_id.replace("/", "--"))
+
+
+@dataclass(frozen=True)
+class Listing:
+    """A repo's files at one commit, from the Hub or from the cache."""
+
+    commit: str
+    files: list[RepoFile]
+
+
+def _remote_listing(name: HubName, revision: str | None) -> Listing:
+    """The repo's files, sizes and hashes as the Hub states them; a Hub error as a
+    ModelNotFoundError naming the repo."""
+    where = _endpoint() or constants.ENDPOINT
+    try:
+        info = HfApi(endpoint=_endpoint()).model_info(
+            name.repo_id, revision=revision, files_metadata=True
+        )
+    except GatedRepoError:
+        raise ModelNotFoundError(
+            f"{name.repo_id} is gated: accept its terms on the Hub, then set HF_TOKEN"
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelNotFoundError(f"{name.repo_id} has no revision {revision!r}") from None
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(
+            f"no model repo {name.repo_id!r} on {where} (private? set HF_TOKEN)"
+        ) from None
+    except (HfHubHTTPError, OSError, httpx2.HTTPError) as exc:
+        raise ModelNotFoundError(
+            f"cannot list {name.repo_id} on {where}: {exc}. Offline, HF_HUB_OFFLINE=1 uses "
+            "only what is already cached"
+        ) from None
+    files = [
+        RepoFile(s.rfilename, int(s.size or 0), s.lfs.sha256 if s.lfs else None)
+        for s in info.siblings or []
+    ]
+    return Listing(str(info.sha), files)
+
+
+def _cached_listing(name: HubName, revision: str | None) -> Listing:
+    """The repo's files the cache holds at `revision` (a branch, tag or commit)."""
+    repo = _repo_dir(name.repo_id)
+    ref = repo / "refs" / (revision or "main")
+    commit = ref.read_text().strip() if ref.is_file() else (revision or "")
+    snapshot = repo / "snapshots" / commit
+    if not commit or not snapshot.is_dir():
+        raise ModelNotFoundError(
+            f"{name} is not in the Hub cache ({hub_cache()}) and HF_HUB_OFFLINE is set: "
+            f"run `sluice pull {name}` where the Hub can be reached"
+        )
+    files = []
+    for path in sorted(p for p in snapshot.rglob("*") if p.is_file()):
+        blob = path.resolve().name  # an LFS file's blob is named by its sha256
+        sha = blob if len(blob) == 64 and all(c in "0123456789abcdef" for c in blob) else None
+        files.append(RepoFile(path.relative_to(snapshot).as_posix(), path.stat().st_size, sha))
+    return Listing(commit, files)
+
+
+def _wanted(name: HubName, listing: Listing) -> tuple[str, list[RepoFile]]:
+    """What `name` means in the listing: ("gguf" or "safetensors", the files)."""
+    choices = gguf_choices(name.repo_id, listing.files)
+    if choices or name.quant is not None:
+        return "gguf", list(choose_gguf(name, choices).files)
+    return "safetensors", safetensors_files(name.repo_id, listing.files)
+
+
+def _weight_memory(kind: str, files: list[RepoFile], config: dict[str, object]) -> int:
+    """Bytes the loaded weights take: a GGUF's stay as stored; safetensors weights are
+    held in float32 while they load."""
+    weights = sum(f.size for f in files if f.name.endswith((".gguf", ".safetensors")))
+    if kind == "gguf":
+        return weights
+    stored = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return weights * 4 // _BYTES_PER_DTYPE.get(stored, 2)
+
+
+def check_fits(name: HubName, weight_bytes: int, download: int, budget: MemoryBudget) -> None:
+    """Refuse, before downloading, a model this machine cannot hold."""
+    need, have = budget.need(weight_bytes), machine_memory()
+    logger.info(
+        "%s: %.2f GB to download; it needs about %.1f GiB of memory (weights %.1f GiB, "
+        "KV cache %.1f GiB); this machine has %.1f GiB",
+        name,
+        download / 1e9,
+        need / GIB,
+        weight_bytes / GIB,
+        budget.kv_cache_bytes / GIB,
+        have / GIB,
+    )
+    if need > have:
+        raise ModelTooLargeError(
+            f"{name} needs about {need / GIB:.1f} GiB of memory (weights {weight_bytes / GIB:.1f}"
+            f" GiB, KV cache {budget.kv_cache_bytes / GIB:.1f} GiB, runtime "
+            f"{RUNTIME_OVERHEAD / GIB:.1f} GiB) and this machine has {have / GIB:.1f} GiB; "
+            "nothing was downloaded. Choose a smaller quantization (org/repo:Q4_K_M) or a "
+            "smaller --kv-cache-memory"
+        )
+
+
+def _forget(path: Path) -> None:
+    """Remove a cached file: the snapshot's link and the blob it points at."""
+    blob = path.resolve()
+    path.unlink(missing_ok=True)
+    if blob != path:
+        blob.unlink(missing_ok=True)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verify(path: Path, file: RepoFile, kind: str) -> None:
+    """The file's content against the Hub's sha256, then its structure, once per blob
+    (a marker records a verified blob by size and mtime: re-hashing GBs at every start
+    would cost seconds). A file that fails is removed from the cache."""
+    blob = path.resolve()
+    st = blob.stat()
+    marker = cache_dir() / "hub-verified" / blob.name
+    stamp = f"{file.sha256} {st.st_size} {st.st_mtime_ns}"
+    if marker.is_file() and marker.read_text() == stamp:
+        return
+    try:
+        if file.sha256 is not None and (got := _sha256(blob)) != file.sha256:
+            raise ModelFileError(
+                str(path), f"the download's sha256 is {got}, the Hub's is {file.sha256}"
+            )
+        if file.name.endswith(".gguf"):
+            check_gguf(path)
+        elif file.name.endswith(".safetensors"):
+            check_safetensors(path)
+    except ModelFileError as exc:
+        _forget(path)
+        raise ModelFileError(
+            exc.path, f"{exc.defect}; removed from the cache, download it again"
+        ) from None
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(stamp)
+
+
+def _fetch_blob(name: HubName, commit: str, file: RepoFile) -> None:
+    """An LFS file's blob, resumable across runs. huggingface_hub resumes a dropped
+    connection within one call but starts a file anew after the process ends (Ctrl-C, a
+    crash); for a 5 GB GGUF that is minutes, so the partial download is kept beside the
+    blobs, under a lock, and continued with a range request. hf_hub_download then finds
+    the blob and only links it into the snapshot."""
+    assert file.sha256 is not None
+    blobs = _repo_dir(name.repo_id) / "blobs"
+    if (blobs / file.sha256).is_file():
+        return
+    blobs.mkdir(parents=True, exist_ok=True)
+    partial = blobs / f"{file.sha256}.sluice-partial"
+    url = hf_hub_url(name.repo_id, file.name, revision=commit, endpoint=_endpoint())
+    with FileLock(blobs / f"{file.sha256}.sluice-lock"):
+        if (blobs / file.sha256).is_file():  # another process finished it meanwhile
+            return
+        with open(partial, "ab") as f:
+            done = f.seek(0, os.SEEK_END)
+            if done > file.size:  # not a prefix of this file: start over
+                done = f.seek(0)
+                f.truncate()
+            if done:
+                logger.info("%s: resuming %s at %.2f GB", name, file.name, done / 1e9)
+            http_get(
+                url,
+                f,
+                resume_size=done,
+                headers=build_hf_headers(),
+                expected_size=file.size,
+                displayed_filename=file.name,
+            )
+        os.replace(partial, blobs / file.sha256)
+
+
+def _fetch(name: HubName, commit: str, file: RepoFile) -> Path:
+    """One file into the cache; its snapshot path."""
+    try:
+        if file.sha256 is not None and not offline():
+            _fetch_blob(name, commit, file)
+        return Path(
+            hf_hub_download(
+                name.repo_id,
+                file.name,
+                revision=commit,
+                cache_dir=hub_cache(),
+                endpoint=_endpoint(),
+                local_files_only=offline(),
+            )
+        )
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        raise ModelNotFoundError(
+            f"{name}: {file.name} is not in the Hub cache and HF_HUB_OFFLINE is set"
+        ) from None
+    except (HfHubHTTPError, OSError, httpx2.HTTPError) as exc:
+        raise ModelNotFoundError(
+            f"{name}: downloading {file.name} failed ({exc}); run again to resume"
+        ) from None
+
+
+def hub_model_path(
+    name: HubName, revision: str | None = None, budget: MemoryBudget | None = None
+) -> Path:
+    """The local path of a Hub model (the first file of a GGUF set, or a safetensors
+    snapshot directory), downloading what the cache lacks after checking it fits."""
+    listing = _cached_listing(name, revision) if offline() else _remote_listing(name, revision)
+    kind, files = _wanted(name, listing)
+    paths: dict[str, Path] = {}
+    if kind == "safetensors":  # the config first: the estimate reads its dtype
+        config_file = next(f for f in files if f.name == "config.json")
+        paths["config.json"] = _fetch(name, listing.commit, config_file)
+    config = _read_config(paths.get("config.json"))
+    missing = sum(f.size for f in files if not _snapshot(name, listing.commit, f).is_file())
+    check_fits(name, _weight_memory(kind, files, config), missing, budget or MemoryBudget())
+    for f in files:
+        if f.name not in paths:
+            paths[f.name] = _fetch(name, listing.commit, f)
+        _verify(paths[f.name], f, kind)
+    first = paths[files[0].name]
+    return first if kind == "gguf" else first.parent
+
+
+def _snapshot(name: HubName, commit: str, file: RepoFile) -> Path:
+    return _repo_dir(name.repo_id) / "snapshots" / commit / file.name
+
+
+def _read_config(path: Path | None) -> dict[str, object]:
+    if path is None:
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(str(path), f"not valid JSON: {exc}") from None
+    return value if isinstance(value, dict) else {}
+
+
+__all__ = [
+    "MemoryBudget",
+    "check_fits",
+    "hub_cache",
+    "hub_model_path",
+    "machine_memory",
+    "offline",
+]

@@ -1,0 +1,198 @@
+"""A local stand-in for the Hugging Face Hub: the HTTP routes huggingface_hub calls to
+list a repo and download its files, served from files on disk, so that the tests of
+sluice/loader/hub.py download through the real library without the internet.
+
+Routes: GET /api/models/{repo}[/revision/{rev}] (the listing, with sizes and LFS sha256
+when ?blobs=true), HEAD and GET /{repo}/resolve/{rev}/{path} (ranges honoured), and the
+Hub's 404s with X-Error-Code (RepoNotFound, RevisionNotFound, EntryNotFound). Faults for
+the tests: a file's bytes corrupted in transit, a connection dropped part way, a size
+declared other than the file's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+
+@dataclass
+class HubRepo:
+    files: dict[str, Path]  # repo path -> the file served
+    commit: str = ""
+    lfs: frozenset[str] = frozenset()  # which files are LFS (.gguf, .safetensors by default)
+
+    def __post_init__(self) -> None:
+        if not self.commit:
+            self.commit = hashlib.sha1(repr(sorted(self.files)).encode()).hexdigest()
+
+    def is_lfs(self, name: str) -> bool:
+        return name in self.lfs or name.endswith((".gguf", ".safetensors"))
+
+
+@dataclass
+class HubStub:
+    repos: dict[str, HubRepo] = field(default_factory=dict)
+    corrupt: set[str] = field(default_factory=set)  # "repo/path": one byte flipped when served
+    drop_after: dict[str, int] = field(default_factory=dict)  # "repo/path": bytes, then hang up
+    refuse_after_drop: bool = False  # after a drop, answer that file's requests with a 503
+    declared_size: dict[str, int] = field(default_factory=dict)  # "repo/path": size listed
+    served: Counter[str] = field(default_factory=Counter)  # "repo/path": bytes sent
+    ranges: list[tuple[str, int]] = field(default_factory=list)  # ("repo/path", first byte)
+    auth: list[str | None] = field(default_factory=list)  # each request's Authorization
+    url: str = ""
+
+    hashes: dict[Path, str] = field(default_factory=dict)
+
+    def sha256(self, path: Path) -> str:
+        if path not in self.hashes:
+            self.hashes[path] = hashlib.sha256(path.read_bytes()).hexdigest()
+        return self.hashes[path]
+
+    def listing(self, repo_id: str, repo: HubRepo) -> dict[str, Any]:
+        siblings = []
+        for name, path in sorted(repo.files.items()):
+            size = self.declared_size.get(f"{repo_id}/{name}", path.stat().st_size)
+            entry: dict[str, Any] = {"rfilename": name, "size": size, "blobId": "0" * 40}
+            if repo.is_lfs(name):
+                entry["lfs"] = {"sha256": self.sha256(path), "size": size, "pointerSize": 134}
+            siblings.append(entry)
+        return {"id": repo_id, "modelId": repo_id, "sha": repo.commit, "siblings": siblings}
+
+    def tree(self, repo: HubRepo) -> list[dict[str, Any]]:
+        """The recursive file tree (what snapshot_download lists), one page."""
+        entries = []
+        for name, path in sorted(repo.files.items()):
+            size = path.stat().st_size
+            entry: dict[str, Any] = {"type": "file", "path": name, "size": size, "oid": "0" * 40}
+            if repo.is_lfs(name):
+                entry["lfs"] = {"oid": self.sha256(path), "size": size, "pointerSize": 134}
+            entries.append(entry)
+        return entries
+
+
+def _handler(hub: HubStub) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _error(self, status: int, code: str, commit: str | None = None) -> None:
+            self.send_response(status)
+            self.send_header("X-Error-Code", code)
+            self.send_header("X-Error-Message", code)
+            if commit:
+                self.send_header("X-Repo-Commit", commit)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def _find(self, repo_id: str, rev: str) -> HubRepo | None:
+            repo = hub.repos.get(repo_id)
+            if repo is None:
+                self._error(404, "RepoNotFound")
+            elif rev not in ("main", repo.commit):
+                self._error(404, "RevisionNotFound")
+                repo = None
+            return repo
+
+        def do_GET(self) -> None:
+            self._serve(body=True)
+
+        def do_HEAD(self) -> None:
+            self._serve(body=False)
+
+        def _serve(self, body: bool) -> None:
+            hub.auth.append(self.headers.get("Authorization"))
+            url = urlparse(self.path)
+            path = unquote(url.path)
+            m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)", path)
+            if m:
+                repo = self._find(m[1], m[2])
+                if repo is not None:
+                    self._json(hub.tree(repo), body)
+                return
+            m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
+            if m:
+                repo = self._find(m[1], m[2] or "main")
+                if repo is not None:
+                    self._json(hub.listing(m[1], repo), body)
+                return
+            m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+            if not m:
+                self._error(404, "NotFound")
+                return
+            repo = self._find(m[1], m[2])
+            if repo is None:
+                return
+            if m[3] not in repo.files:
+                self._error(404, "EntryNotFound", repo.commit)
+                return
+            self._file(m[1], repo, m[3], body)
+
+        def _json(self, value: Any, body: bool) -> None:
+            data = json.dumps(value).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if body:
+                self.wfile.write(data)
+
+        def _file(self, repo_id: str, repo: HubRepo, name: str, body: bool) -> None:
+            key = f"{repo_id}/{name}"
+            data = repo.files[name].read_bytes()
+            if key in hub.corrupt:
+                data = data[:-1] + bytes([data[-1] ^ 0xFF])
+            if hub.refuse_after_drop and body and key not in hub.drop_after and hub.served[key]:
+                self._error(503, "Unavailable")
+                return
+            start = 0
+            if m := re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", "")):
+                start = int(m[1])
+                hub.ranges.append((key, start))
+            etag = hub.sha256(repo.files[name]) if repo.is_lfs(name) else f"git-{len(data)}"
+            self.send_response(206 if start else 200)
+            self.send_header("X-Repo-Commit", repo.commit)
+            self.send_header("ETag", f'"{etag}"')
+            self.send_header("Accept-Ranges", "bytes")
+            self.send_header("Content-Length", str(len(data) - start))
+            if start:
+                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            self.end_headers()
+            if not body:
+                return
+            cut = hub.drop_after.pop(key, None) if body else None
+            chunk = data[start:] if cut is None else data[start : start + cut]
+            self.wfile.write(chunk)
+            hub.served[key] += len(chunk)
+            if cut is not None:
+                self.wfile.flush()
+                self.close_connection = True
+
+    return Handler
+
+
+class HubServer:
+    """The stub served on a local port, in a thread."""
+
+    def __init__(self, hub: HubStub) -> None:
+        self.hub = hub
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hub))
+        hub.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> HubStub:
+        self.thread.start()
+        return self.hub
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
