@@ -794,6 +794,34 @@ def _tool_calls(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _hub_download(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        summary, start = d["summary"], d["start_seconds"]
+        rows.append(
+            [
+                *_run_cells(name, d),
+                f"{d['model']} ({d['file_bytes'] / 1e6:,.0f} MB)",
+                fmt_spread(summary["sluice"]["seconds"], digits=2),
+                fmt_spread(summary["huggingface_hub"]["seconds"], digits=2),
+                f"{start['path'] * 1e3:.1f}",
+                f"{start['hub name, online'] * 1e3:.1f}",
+                f"{start['hub name, HF_HUB_OFFLINE'] * 1e3:.1f}",
+                str(d["rounds"]),
+            ]
+        )
+    headers = [
+        "model file",
+        "download s: sluice (checked)",
+        "download s: hf_hub_download",
+        "cached start ms: path",
+        "hub name, online",
+        "hub name, offline",
+        "rounds",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
 def _swa_pool(results: Sequence[Result]) -> str:
     rows = []
     for name, d in results:
@@ -878,6 +906,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "moe": _moe,
     "few_rows": _few_rows,
     "tool_calls": _tool_calls,
+    "hub_download": _hub_download,
     "cuda_check": _cuda_check,
 }
 

@@ -1,5 +1,5 @@
 """Models by Hub name (sluice/loader/hub.py, hub_files.py, store.py) downloaded through
-the real huggingface_hub from a local stand-in for the Hub (tests/hub_stub.py): GGUF
+the real huggingface_hub from a local stand-in for the Hub (benchmarks/hub_stub.py): GGUF
 quantization selection, split GGUF sets, safetensors repos, resuming, corrupted and
 missing files, the memory check before downloading, the offline cache, and the
 `sluice pull / list / rm` round trip. No test reaches the internet."""
@@ -16,6 +16,7 @@ import pytest
 import torch
 from huggingface_hub import snapshot_download
 
+from benchmarks.hub_stub import HubRepo, HubServer, HubStub
 from sluice import LLM, SamplingParams, cli
 from sluice.core.errors import ModelFileError, ModelNotFoundError, ModelTooLargeError
 from sluice.loader import load_model, resolve_model_path
@@ -27,7 +28,6 @@ from sluice.loader.hub_files import (
     parse_hub_name,
     quant_tag,
 )
-from tests.hub_stub import HubRepo, HubServer, HubStub
 
 GGUF_REPO = "bartowski/SmolLM2-135M-Instruct-GGUF"
 ST_REPO = "tiny-org/tiny-llama"
@@ -313,10 +313,10 @@ def test_too_large_is_refused_before_downloading(hub: HubStub) -> None:
 def test_offline_uses_a_cache_other_tools_filled(
     hub: HubStub, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Files fetched by huggingface_hub itself (as transformers or the hf CLI fetch them)
-    are found with HF_HUB_OFFLINE=1, with nothing reaching the network."""
+    """What sluice fetched, and files fetched by huggingface_hub itself (as transformers or
+    the hf CLI fetch them), are found with HF_HUB_OFFLINE=1, nothing reaching the network."""
     cache = os.environ["HF_HUB_CACHE"]
-    snapshot_download(GGUF_REPO, cache_dir=cache, endpoint=hub.url, allow_patterns=["*Q4_1*"])
+    resolve_model_path(f"{GGUF_REPO}:Q4_1")
     snapshot_download(ST_REPO, cache_dir=cache, endpoint=hub.url)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there

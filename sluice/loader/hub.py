@@ -17,6 +17,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, cast
 
 import httpx2
 from filelock import FileLock
@@ -214,10 +215,11 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _verify(path: Path, file: RepoFile, kind: str) -> None:
+def _verify(path: Path, file: RepoFile, digest: str | None) -> None:
     """The file's content against the Hub's sha256, then its structure, once per blob
     (a marker records a verified blob by size and mtime: re-hashing GBs at every start
-    would cost seconds). A file that fails is removed from the cache."""
+    would cost seconds). `digest`: the blob's sha256 when the download computed it on
+    the way. A file that fails is removed from the cache."""
     blob = path.resolve()
     st = blob.stat()
     marker = cache_dir() / "hub-verified" / blob.name
@@ -225,7 +227,9 @@ def _verify(path: Path, file: RepoFile, kind: str) -> None:
     if marker.is_file() and marker.read_text() == stamp:
         return
     try:
-        if file.sha256 is not None and (got := _sha256(blob)) != file.sha256:
+        if digest is None or blob.name != file.sha256:
+            digest = _sha256(blob)
+        if file.sha256 is not None and (got := digest) != file.sha256:
             raise ModelFileError(
                 str(path), f"the download's sha256 is {got}, the Hub's is {file.sha256}"
             )
@@ -242,55 +246,97 @@ def _verify(path: Path, file: RepoFile, kind: str) -> None:
     marker.write_text(stamp)
 
 
-def _fetch_blob(name: HubName, commit: str, file: RepoFile) -> None:
-    """An LFS file's blob, resumable across runs. huggingface_hub resumes a dropped
-    connection within one call but starts a file anew after the process ends (Ctrl-C, a
-    crash); for a 5 GB GGUF that is minutes, so the partial download is kept beside the
-    blobs, under a lock, and continued with a range request. hf_hub_download then finds
-    the blob and only links it into the snapshot."""
+class _HashingFile:
+    """A file that hashes what is written to it: the download's sha256 comes with the
+    transfer, not from a second pass over gigabytes. huggingface_hub's http_get writes,
+    and truncates to the start when a server ignores the range it asked for."""
+
+    def __init__(self, f: BinaryIO, prefix_hash: hashlib._Hash) -> None:
+        self.f = f
+        self.hash = prefix_hash
+
+    def write(self, data: bytes) -> int:
+        self.hash.update(data)
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self.f.seek(offset, whence)
+
+    def truncate(self, size: int | None = None) -> int:
+        if (size if size is not None else self.f.tell()) != 0:
+            raise OSError("a download can only be restarted from its first byte")
+        self.hash = hashlib.sha256()
+        return self.f.truncate(size)
+
+
+def _fetch_blob(name: HubName, commit: str, file: RepoFile) -> str | None:
+    """An LFS file's blob, resumable across runs; its sha256 when it was downloaded now.
+    huggingface_hub resumes a dropped connection within one call but starts a file anew
+    after the process ends (Ctrl-C, a crash); for a 5 GB GGUF that is minutes, so the
+    partial download is kept beside the blobs, under a lock, and continued with a range
+    request. hf_hub_download then finds the blob and only links it into the snapshot."""
     assert file.sha256 is not None
     blobs = _repo_dir(name.repo_id) / "blobs"
     if (blobs / file.sha256).is_file():
-        return
+        return None
     blobs.mkdir(parents=True, exist_ok=True)
     partial = blobs / f"{file.sha256}.sluice-partial"
     url = hf_hub_url(name.repo_id, file.name, revision=commit, endpoint=_endpoint())
     with FileLock(blobs / f"{file.sha256}.sluice-lock"):
         if (blobs / file.sha256).is_file():  # another process finished it meanwhile
-            return
-        with open(partial, "ab") as f:
+            return None
+        with open(partial, "a+b") as f:
             done = f.seek(0, os.SEEK_END)
             if done > file.size:  # not a prefix of this file: start over
                 done = f.seek(0)
                 f.truncate()
             if done:
                 logger.info("%s: resuming %s at %.2f GB", name, file.name, done / 1e9)
+            prefix = _sha256_of(f, done)
+            out = _HashingFile(f, prefix)
             http_get(
                 url,
-                f,
+                cast(BinaryIO, out),
                 resume_size=done,
                 headers=build_hf_headers(),
                 expected_size=file.size,
                 displayed_filename=file.name,
             )
         os.replace(partial, blobs / file.sha256)
+        return out.hash.hexdigest()
 
 
-def _fetch(name: HubName, commit: str, file: RepoFile) -> Path:
-    """One file into the cache; its snapshot path."""
+def _sha256_of(f: BinaryIO, n: int) -> hashlib._Hash:
+    """The running hash of a file's first n bytes (a resumed download's prefix); the file
+    is left at its end."""
+    h = hashlib.sha256()
+    f.seek(0)
+    while n > 0 and (chunk := f.read(min(1 << 24, n))):
+        h.update(chunk)
+        n -= len(chunk)
+    f.seek(0, os.SEEK_END)
+    return h
+
+
+def _fetch(name: HubName, commit: str, file: RepoFile) -> tuple[Path, str | None]:
+    """One file into the cache: its snapshot path, and its sha256 if the download
+    computed it."""
     try:
+        digest = None
         if file.sha256 is not None and not offline():
-            _fetch_blob(name, commit, file)
-        return Path(
-            hf_hub_download(
-                name.repo_id,
-                file.name,
-                revision=commit,
-                cache_dir=hub_cache(),
-                endpoint=_endpoint(),
-                local_files_only=offline(),
-            )
+            digest = _fetch_blob(name, commit, file)
+        path = hf_hub_download(
+            name.repo_id,
+            file.name,
+            revision=commit,
+            cache_dir=hub_cache(),
+            endpoint=_endpoint(),
+            local_files_only=offline(),
         )
+        return Path(path), digest
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         raise ModelNotFoundError(
             f"{name}: {file.name} is not in the Hub cache and HF_HUB_OFFLINE is set"
@@ -308,19 +354,34 @@ def hub_model_path(
     snapshot directory), downloading what the cache lacks after checking it fits."""
     listing = _cached_listing(name, revision) if offline() else _remote_listing(name, revision)
     kind, files = _wanted(name, listing)
-    paths: dict[str, Path] = {}
+    fetched: dict[str, tuple[Path, str | None]] = {}
     if kind == "safetensors":  # the config first: the estimate reads its dtype
         config_file = next(f for f in files if f.name == "config.json")
-        paths["config.json"] = _fetch(name, listing.commit, config_file)
-    config = _read_config(paths.get("config.json"))
+        fetched["config.json"] = _fetch(name, listing.commit, config_file)
+    config = _read_config(fetched["config.json"][0] if fetched else None)
     missing = sum(f.size for f in files if not _snapshot(name, listing.commit, f).is_file())
     check_fits(name, _weight_memory(kind, files, config), missing, budget or MemoryBudget())
     for f in files:
-        if f.name not in paths:
-            paths[f.name] = _fetch(name, listing.commit, f)
-        _verify(paths[f.name], f, kind)
-    first = paths[files[0].name]
+        if f.name not in fetched:
+            fetched[f.name] = _fetch(name, listing.commit, f)
+        path, digest = fetched[f.name]
+        _verify(path, f, digest)
+    if not offline():
+        _record_ref(name, revision or "main", listing.commit)
+    first = fetched[files[0].name][0]
     return first if kind == "gguf" else first.parent
+
+
+def _record_ref(name: HubName, revision: str, commit: str) -> None:
+    """Point the cache's refs/<revision> at the commit the files came from, as the Hub
+    cache's layout has it, so that HF_HUB_OFFLINE later finds them by the same name (the
+    files are fetched by commit, which leaves no ref)."""
+    if revision == commit:
+        return
+    ref = _repo_dir(name.repo_id) / "refs" / revision
+    if ref.resolve().is_relative_to(_repo_dir(name.repo_id).resolve()):
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        ref.write_text(commit)
 
 
 def _snapshot(name: HubName, commit: str, file: RepoFile) -> Path:

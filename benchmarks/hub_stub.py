@@ -1,6 +1,7 @@
 """A local stand-in for the Hugging Face Hub: the HTTP routes huggingface_hub calls to
 list a repo and download its files, served from files on disk, so that the tests of
-sluice/loader/hub.py download through the real library without the internet.
+sluice/loader/hub.py (and benchmarks/hub_download.py) download through the real library
+without the internet.
 
 Routes: GET /api/models/{repo}[/revision/{rev}] (the listing, with sizes and LFS sha256
 when ?blobs=true), HEAD and GET /{repo}/resolve/{rev}/{path} (ranges honoured), and the
@@ -147,10 +148,8 @@ def _handler(hub: HubStub) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(data)
 
         def _file(self, repo_id: str, repo: HubRepo, name: str, body: bool) -> None:
-            key = f"{repo_id}/{name}"
-            data = repo.files[name].read_bytes()
-            if key in hub.corrupt:
-                data = data[:-1] + bytes([data[-1] ^ 0xFF])
+            key, path = f"{repo_id}/{name}", repo.files[name]
+            size = path.stat().st_size
             if hub.refuse_after_drop and body and key not in hub.drop_after and hub.served[key]:
                 self._error(503, "Unavailable")
                 return
@@ -158,21 +157,32 @@ def _handler(hub: HubStub) -> type[BaseHTTPRequestHandler]:
             if m := re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", "")):
                 start = int(m[1])
                 hub.ranges.append((key, start))
-            etag = hub.sha256(repo.files[name]) if repo.is_lfs(name) else f"git-{len(data)}"
+            etag = hub.sha256(path) if repo.is_lfs(name) else f"git-{size}"
             self.send_response(206 if start else 200)
             self.send_header("X-Repo-Commit", repo.commit)
             self.send_header("ETag", f'"{etag}"')
             self.send_header("Accept-Ranges", "bytes")
-            self.send_header("Content-Length", str(len(data) - start))
+            self.send_header("Content-Length", str(size - start))
             if start:
-                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                self.send_header("Content-Range", f"bytes {start}-{size - 1}/{size}")
             self.end_headers()
-            if not body:
-                return
-            cut = hub.drop_after.pop(key, None) if body else None
-            chunk = data[start:] if cut is None else data[start : start + cut]
-            self.wfile.write(chunk)
-            hub.served[key] += len(chunk)
+            if body:
+                self._send_bytes(key, path, start, size)
+
+        def _send_bytes(self, key: str, path: Path, start: int, size: int) -> None:
+            """Bytes start.. of the file in chunks; a planted fault applied on the way."""
+            cut = hub.drop_after.pop(key, None)
+            end = size if cut is None else min(size, start + cut)
+            with open(path, "rb") as f:
+                f.seek(start)
+                pos = start
+                while pos < end:
+                    chunk = f.read(min(1 << 20, end - pos))
+                    if key in hub.corrupt and pos + len(chunk) == size:
+                        chunk = chunk[:-1] + bytes([chunk[-1] ^ 0xFF])
+                    self.wfile.write(chunk)
+                    pos += len(chunk)
+                    hub.served[key] += len(chunk)
             if cut is not None:
                 self.wfile.flush()
                 self.close_connection = True
@@ -196,3 +206,29 @@ class HubServer:
     def __exit__(self, *exc: object) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _serve(hub: HubStub, port: Any) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hub))
+    port.put(server.server_address[1])
+    server.serve_forever()
+
+
+class HubProcess:
+    """The stub in a process of its own, as a remote server would be: a benchmark's
+    client then shares no interpreter lock with it. (Its counters stay in that process.)"""
+
+    def __init__(self, hub: HubStub) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.port = ctx.Queue()
+        self.process = ctx.Process(target=_serve, args=(hub, self.port), daemon=True)
+
+    def __enter__(self) -> str:
+        self.process.start()
+        return f"http://127.0.0.1:{self.port.get(timeout=60)}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.terminate()
+        self.process.join()
