@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -566,6 +567,27 @@ def test_oversized_bodies_are_413_before_they_are_read(server: Server) -> None:
     assert r.status_code == 400 and "has more than that" in r.json()["error"]["message"]
     stats = wait_idle(server)
     assert stats["engine_alive"] and stats["kv_free_blocks"] == stats["kv_total_blocks"]
+
+
+def test_oversized_headers_are_431(server: Server) -> None:
+    """A request whose headers run past h11's 16 KiB buffer gets a 431 with a JSON error
+    (uvicorn alone sends a bare 400); the server reads no more of it and keeps serving."""
+    address = ("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+    with socket.create_connection(address, timeout=30) as sock:
+        # 32 KiB: past the limit, and all of it read by the server before it answers
+        # (a client still sending when the server closes gets a reset instead).
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (32 << 10))
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 "), head
+    assert json.loads(body)["error"]["code"] == "request_header_fields_too_large"
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    # A malformed request line is still uvicorn's 400.
+    with socket.create_connection(address, timeout=30) as sock:
+        sock.sendall(b"NOT HTTP\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 400 ")
 
 
 # ---- concurrency and disconnects ----------------------------------------------------------

@@ -25,6 +25,7 @@ from sluice.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLM, E
 from sluice.loader.resolve import DEFAULT_MODEL
 from sluice.server.app import build_app
 from sluice.server.context import ServerContext
+from sluice.server.http_protocol import SluiceH11Protocol
 
 if TYPE_CHECKING:
     from sluice.engine.engine import LLMEngine
@@ -121,6 +122,7 @@ def run_server(
         # uvicorn's Config takes whole seconds: round up so the bound is never shorter.
         timeout_graceful_shutdown=math.ceil(shutdown_timeout),
         timeout_keep_alive=30,
+        http=SluiceH11Protocol,  # a 431 for oversized headers (http_protocol.py)
     )
     server = _Server(uv_config, app.state.ctx, shutdown_timeout)
     # Uvicorn re-raises the signal it handled once it has shut down gracefully; a no-op

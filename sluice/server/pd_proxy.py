@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from sluice.server.errors import OpenAIError, error_body, install_error_handlers
+from sluice.server.http_protocol import SluiceH11Protocol
 from sluice.server.validation import read_json
 
 logger = logging.getLogger("sluice.server")
@@ -190,5 +191,12 @@ def run_proxy(
         "sluice proxy at http://%s:%d: prefill %s, decode %s", host, port, prefill_url, decode_url
     )
     app = build_proxy_app(prefill_url, decode_url)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        http=SluiceH11Protocol,
+    )
     return 0
