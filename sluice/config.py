@@ -223,6 +223,14 @@ def doc(help: str, default_text: str | None = None) -> dict[str, str]:
     return {"help": help, "default_text": default_text}
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity where the OS has one (Linux), else
+    every CPU the OS reports."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 2)
+
+
 @dataclass
 class EngineConfig:
     """Every option of LLM(...), of the CLI (--kebab-case) and of `sluice serve`.
@@ -703,9 +711,10 @@ class EngineConfig:
         return torch.device(self.device)
 
     def threads(self) -> int:
-        # One torch thread per CPU the OS reports; set num_threads to use physical cores
-        # only on machines with SMT, where the sibling threads add contention.
-        return self.num_threads or max(1, (os.cpu_count() or 2))
+        # One torch thread per CPU this process may run on (its affinity: a container's
+        # or taskset's share, not the whole machine); set num_threads to use physical
+        # cores only on machines with SMT, where the sibling threads add contention.
+        return self.num_threads or usable_cpus()
 
     def rank_threads(self) -> int:
         """Torch threads of each tensor-parallel rank: the ranks share the CPUs."""

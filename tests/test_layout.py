@@ -8,6 +8,8 @@ TYPE_CHECKING alike, since each is an arrow a reader has to follow.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -228,3 +230,16 @@ def test_the_checker_sees_imports() -> None:
     assert "sluice.kernels" in set(imports_of("sluice.layers.fused"))
     assert "sluice.loader.gguf_metadata" in set(imports_of("sluice.loader.gguf_tokenizer"))
     assert part_of("sluice.sampling_params") == "core"
+
+
+def test_importing_sluice_leaves_the_compiler_unloaded() -> None:
+    """`sluice serve`, `generate` and every test server start by importing sluice; the
+    torch compiler stack (dynamo, inductor) costs about 2 s to import, so it loads only
+    when --compile asks for it (a library importing it at its top level once did)."""
+    code = (
+        "import sys, sluice.cli, sluice.server.app; print(sorted(m for m in sys.modules "
+        "if m.startswith(('torch._inductor', 'torch._dynamo.symbolic_convert'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

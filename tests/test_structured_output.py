@@ -32,6 +32,7 @@ from sluice.core.structured_output import StructuredOutput
 from sluice.outputs import CompletionOutput, RequestOutput
 from sluice.structured import unpack_bitmask
 from sluice.structured.compiler import close_objects
+from sluice.structured.constraints import fill_mask, new_bitmask
 
 Message = dict[str, str]
 
@@ -178,8 +179,13 @@ def test_unpack_bitmask_on_random_words() -> None:
 def test_unpack_bitmask_matches_a_real_matcher(llm_fp32: LLM) -> None:
     matcher = llm_fp32.engine.grammars.matcher(StructuredOutput(choice=CAPITALS))
     vocab = llm_fp32.engine.model_config.vocab_size
-    words = llg_torch.allocate_token_bitmask(1, vocab)
-    llg_torch.fill_next_token_bitmask(matcher, words, 0)
+    words = new_bitmask(2, vocab)
+    fill_mask(matcher, words, 1)
+    # The same words as llguidance's own torch helper writes.
+    theirs = llg_torch.allocate_token_bitmask(1, vocab)
+    llg_torch.fill_next_token_bitmask(matcher, theirs, 0)
+    assert torch.equal(words[1], theirs[0]) and (words[0] == -1).all()
+    words = words[1:]
     allowed = unpack_bitmask(words, vocab)[0].nonzero().flatten().tolist()
     assert allowed, "a choice must allow some first token"
     # The mask holds exactly the tokens the matcher accepts next.

@@ -17,7 +17,7 @@ from .chat_template import bundled_templates, resolve_chat_template
 from .gguf_loader import load_gguf, load_gguf_header
 from .gguf_tokenizer import tokenizer_from_gguf
 from .hf_loader import config_from_hf, load_hf_dir, model_dir_name
-from .hub import MemoryBudget
+from .memory import MemoryBudget
 from .resolve import KNOWN_MODELS, resolve_model_path
 from .tokenizer import Tokenizer
 

@@ -33,7 +33,6 @@ from huggingface_hub.errors import (
 from huggingface_hub.file_download import http_get
 from huggingface_hub.utils import build_hf_headers  # type: ignore[attr-defined]  # documented there
 
-from sluice.config import EngineConfig
 from sluice.core.errors import ModelFileError, ModelNotFoundError, ModelTooLargeError
 from sluice.settings import cache_dir
 
@@ -46,33 +45,11 @@ from .hub_files import (
     gguf_choices,
     safetensors_files,
 )
+from .memory import GIB, RUNTIME_OVERHEAD, MemoryBudget, machine_memory
 
 logger = logging.getLogger(__name__)
 
-GIB = 1 << 30
-# Besides weights and the KV pool: activations, the sampler, Python and torch themselves.
-RUNTIME_OVERHEAD = GIB // 2
 _BYTES_PER_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclass(frozen=True)
-class MemoryBudget:
-    """What the engine will hold besides a model's weights (its KV pool), to tell before a
-    download whether the model can run on this machine."""
-
-    kv_cache_bytes: int = 2 * GIB
-
-    @classmethod
-    def of(cls, config: EngineConfig) -> MemoryBudget:
-        return cls(kv_cache_bytes=int(config.kv_cache_memory * GIB))
-
-    def need(self, weight_bytes: int) -> int:
-        return weight_bytes + self.kv_cache_bytes + RUNTIME_OVERHEAD
-
-
-def machine_memory() -> int:
-    """This machine's physical memory in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _truthy(value: str | None) -> bool:
@@ -398,11 +375,4 @@ def _read_config(path: Path | None) -> dict[str, object]:
     return value if isinstance(value, dict) else {}
 
 
-__all__ = [
-    "MemoryBudget",
-    "check_fits",
-    "hub_cache",
-    "hub_model_path",
-    "machine_memory",
-    "offline",
-]
+__all__ = ["check_fits", "hub_cache", "hub_model_path", "offline"]

@@ -18,8 +18,8 @@ from pathlib import Path
 from sluice.core.errors import ModelNotFoundError
 from sluice.settings import cache_dir
 
-from .hub import MemoryBudget, hub_model_path
 from .hub_files import parse_hub_name
+from .memory import MemoryBudget
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -228,6 +228,8 @@ def resolve_model_path(
             return ggufs[0].absolute()
     hub = None if path.exists() else parse_hub_name(name)
     if hub is not None:
+        from .hub import hub_model_path  # huggingface_hub: imported only for a Hub name
+
         return hub_model_path(hub, revision, budget)
     aliases = ", ".join(known_aliases())
     if path.exists():

@@ -12,10 +12,36 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 
 from sluice.core.request import DraftRow, Request, SamplingRow
+
+# llguidance's packed masks, written by its core into our tensors. (Its `llguidance.torch`
+# helpers do the same, but importing that module compiles a kernel with torch.compile,
+# which imports dynamo and inductor: 2 s added to every start of sluice.)
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """Room for `rows` masks: one bit per vocabulary entry, 32 to an int32."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def fill_mask(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int) -> None:
+    """The matcher's mask of allowed next tokens into row `row`."""
+    v = bitmask[row]
+    assert bitmask.dtype == torch.int32 and v.is_contiguous()
+    matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+
+def fill_masks(
+    executor: llguidance.LLExecutor,
+    rows: list[tuple[llguidance.LLMatcher, int]],
+    bitmask: torch.Tensor,
+) -> None:
+    """Several matchers' masks at once, in parallel threads off the GIL."""
+    assert bitmask.dtype == torch.int32 and bitmask.is_contiguous()
+    width = bitmask.shape[1] * bitmask.element_size()
+    executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), width, bitmask.shape[0])
 
 
 class ConstraintMasks:
@@ -24,7 +50,7 @@ class ConstraintMasks:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._executor = llguidance.LLExecutor(num_threads=2)
-        self._bitmask = llg_torch.allocate_token_bitmask(1, vocab_size)
+        self._bitmask = new_bitmask(1, vocab_size)
         self.num_masks = 0
 
     def __call__(self, rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -34,7 +60,7 @@ class ConstraintMasks:
         if not idx:
             return None
         if self._bitmask.shape[0] < len(idx):
-            self._bitmask = llg_torch.allocate_token_bitmask(len(idx), self.vocab_size)
+            self._bitmask = new_bitmask(len(idx), self.vocab_size)
         bitmask = self._bitmask[: len(idx)]
         # Rows of known tokens first, all at once; then the draft rows, whose masks
         # need their matcher advanced by the drafts before them.
@@ -42,9 +68,9 @@ class ConstraintMasks:
             (rows[i].grammar, j) for j, i in enumerate(idx) if not isinstance(rows[i], DraftRow)
         ]
         if len(plain) == 1:
-            llg_torch.fill_next_token_bitmask(plain[0][0], bitmask, plain[0][1])
+            fill_mask(plain[0][0], bitmask, plain[0][1])
         elif plain:
-            llg_torch.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+            fill_masks(self._executor, plain, bitmask)
         drafts = [(rows[i], j) for j, i in enumerate(idx) if isinstance(rows[i], DraftRow)]
         if drafts:
             _fill_draft_masks(drafts, bitmask)  # type: ignore[arg-type]
@@ -63,7 +89,7 @@ def _fill_draft_masks(rows: list[tuple[DraftRow, int]], bitmask: torch.Tensor) -
         if not req.grammar.consume_tokens(list(row.drafts[done:])):
             raise AssertionError("a draft the grammar rejects reached verification")
         consumed[id(req)] = (req, len(row.drafts))
-        llg_torch.fill_next_token_bitmask(req.grammar, bitmask, j)
+        fill_mask(req.grammar, bitmask, j)
     for req, n in consumed.values():
         req.grammar.rollback(n)
 
