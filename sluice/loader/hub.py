@@ -184,14 +184,6 @@ def _forget(path: Path) -> None:
         blob.unlink(missing_ok=True)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _verify(path: Path, file: RepoFile, digest: str | None) -> None:
     """The file's content against the Hub's sha256, then its structure, once per blob
     (a marker records a verified blob by size and mtime: re-hashing GBs at every start
@@ -205,7 +197,8 @@ def _verify(path: Path, file: RepoFile, digest: str | None) -> None:
         return
     try:
         if digest is None or blob.name != file.sha256:
-            digest = _sha256(blob)
+            with open(blob, "rb") as f:
+                digest = _sha256_of(f, st.st_size).hexdigest()
         if file.sha256 is not None and (got := digest) != file.sha256:
             raise ModelFileError(
                 str(path), f"the download's sha256 is {got}, the Hub's is {file.sha256}"

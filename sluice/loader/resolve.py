@@ -147,14 +147,6 @@ def _part_paths(model: PackagedModel) -> list[Path]:
     return paths
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _assemble(model: PackagedModel, parts: list[Path]) -> Path:
     """Concatenate the parts into the cache once; the marker file makes later calls free."""
     out_dir = cache_dir() / "models"

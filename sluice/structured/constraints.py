@@ -12,25 +12,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import llguidance
+import llguidance.numpy as llg_np
 import torch
 
 from sluice.core.request import DraftRow, Request, SamplingRow
 
-# llguidance's packed masks, written by its core into our tensors. (Its `llguidance.torch`
-# helpers do the same, but importing that module compiles a kernel with torch.compile,
-# which imports dynamo and inductor: 2 s added to every start of sluice.)
+# llguidance's packed masks (one bit per vocabulary entry, 32 to an int32), through its
+# numpy helpers on our tensors' memory. (Its `llguidance.torch` helpers do the same, but
+# importing that module compiles a kernel with torch.compile, which loads dynamo and
+# inductor: 2 s added to every start of sluice.)
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """Room for `rows` masks: one bit per vocabulary entry, 32 to an int32."""
-    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    """Room for `rows` masks, all tokens allowed."""
+    return torch.from_numpy(llg_np.allocate_token_bitmask(rows, vocab_size))
 
 
 def fill_mask(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int) -> None:
     """The matcher's mask of allowed next tokens into row `row`."""
-    v = bitmask[row]
-    assert bitmask.dtype == torch.int32 and v.is_contiguous()
-    matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+    llg_np.fill_next_token_bitmask(matcher, bitmask.numpy(), row)
 
 
 def fill_masks(
@@ -39,9 +39,7 @@ def fill_masks(
     bitmask: torch.Tensor,
 ) -> None:
     """Several matchers' masks at once, in parallel threads off the GIL."""
-    assert bitmask.dtype == torch.int32 and bitmask.is_contiguous()
-    width = bitmask.shape[1] * bitmask.element_size()
-    executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), width, bitmask.shape[0])
+    llg_np.fill_next_token_bitmask_par(executor, rows, bitmask.numpy())
 
 
 class ConstraintMasks:
