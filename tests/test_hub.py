@@ -141,7 +141,7 @@ def test_hub_names_parse() -> None:
     assert parse_hub_name("hf.co/bartowski/Qwen2.5-7B-Instruct-GGUF:Q4_K_M") == HubName(
         "bartowski/Qwen2.5-7B-Instruct-GGUF", "Q4_K_M"
     )
-    for not_hub in ("smollm2", "a/b/c", "/abs/path", "../x/y", "a/b:", "a/b:c:d"):
+    for not_hub in ("smollm2", "a/b/c", "/abs/path", "../x/y", "a/b:", "a/b:c:d", "models/x.gguf"):
         assert parse_hub_name(not_hub) is None, not_hub
 
 

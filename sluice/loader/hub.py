@@ -1,12 +1,13 @@
 """Models by Hub name, fetched through huggingface_hub into its standard cache.
 
 huggingface_hub does the transfer: its cache layout (so files other tools fetched are
-reused), resuming an interrupted download from its `.incomplete` file, a progress bar,
-and HF_TOKEN, HF_ENDPOINT, HF_HUB_CACHE and HF_HUB_OFFLINE. What is ours: which files a
-name means (hub_files.py), what they will cost in memory, checked before a byte is
-downloaded, and checking what arrived (sha256 against the Hub's record, then the same
-structure checks a local file gets) before anything uses it. A file that fails is
-removed from the cache, never left looking complete.
+reused), the HTTP requests with their retries, a progress bar, and HF_TOKEN,
+HF_ENDPOINT, HF_HUB_CACHE and HF_HUB_OFFLINE. What is ours: which files a name means
+(hub_files.py), what they will cost in memory, checked before a byte is downloaded
+(memory.py), keeping a partial download across runs, and checking what arrived (sha256
+against the Hub's record, then the same structure checks a local file gets) before
+anything uses it. A file that fails is removed from the cache, never left looking
+complete.
 """
 
 from __future__ import annotations
@@ -196,13 +197,14 @@ def _verify(path: Path, file: RepoFile, digest: str | None) -> None:
     if marker.is_file() and marker.read_text() == stamp:
         return
     try:
-        if digest is None or blob.name != file.sha256:
-            with open(blob, "rb") as f:
-                digest = _sha256_of(f, st.st_size).hexdigest()
-        if file.sha256 is not None and (got := digest) != file.sha256:
-            raise ModelFileError(
-                str(path), f"the download's sha256 is {got}, the Hub's is {file.sha256}"
-            )
+        if file.sha256 is not None:  # an LFS file: the Hub records its sha256
+            if digest is None or blob.name != file.sha256:
+                with open(blob, "rb") as f:
+                    digest = _sha256_of(f, st.st_size).hexdigest()
+            if digest != file.sha256:
+                raise ModelFileError(
+                    str(path), f"the download's sha256 is {digest}, the Hub's is {file.sha256}"
+                )
         if file.name.endswith(".gguf"):
             check_gguf(path)
         elif file.name.endswith(".safetensors"):

@@ -56,7 +56,8 @@ class HubName:
 def parse_hub_name(name: str) -> HubName | None:
     """`name` as a Hub name, or None when it does not have that shape."""
     m = _HUB_NAME.fullmatch(name.strip())
-    if m is None or ".." in m["repo"]:
+    # A name ending in .gguf is a file's path that does not exist, not a repo.
+    if m is None or ".." in m["repo"] or m["repo"].lower().endswith(".gguf"):
         return None
     return HubName(m["repo"], m["quant"])
 
