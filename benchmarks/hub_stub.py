@@ -45,6 +45,7 @@ class HubStub:
     drop_after: dict[str, int] = field(default_factory=dict)  # "repo/path": bytes, then hang up
     refuse_after_drop: bool = False  # after a drop, answer that file's requests with a 503
     declared_size: dict[str, int] = field(default_factory=dict)  # "repo/path": size listed
+    unserved: set[str] = field(default_factory=set)  # "repo/path": listed, but a 404
     served: Counter[str] = field(default_factory=Counter)  # "repo/path": bytes sent
     ranges: list[tuple[str, int]] = field(default_factory=list)  # ("repo/path", first byte)
     auth: list[str | None] = field(default_factory=list)  # each request's Authorization
@@ -133,7 +134,7 @@ def _handler(hub: HubStub) -> type[BaseHTTPRequestHandler]:
             repo = self._find(m[1], m[2])
             if repo is None:
                 return
-            if m[3] not in repo.files:
+            if m[3] not in repo.files or f"{m[1]}/{m[3]}" in hub.unserved:
                 self._error(404, "EntryNotFound", repo.commit)
                 return
             self._file(m[1], repo, m[3], body)

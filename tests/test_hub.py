@@ -285,6 +285,9 @@ def test_missing_things_are_named(hub: HubStub) -> None:
         resolve_model_path(f"{GGUF_REPO}:Q5_K_M")
     with pytest.raises(ModelNotFoundError, match="has no revision 'v9'"):
         resolve_model_path(f"{GGUF_REPO}:Q4_1", revision="v9")
+    hub.unserved.add(f"{GGUF_REPO}/SmolLM2-135M-Instruct-Q4_1.gguf")  # listed, then a 404
+    with pytest.raises(ModelNotFoundError, match=r"lists SmolLM2-135M-Instruct-Q4_1.gguf but"):
+        resolve_model_path(f"{GGUF_REPO}:Q4_1")
     hub.repos["org/empty"] = HubRepo({"README.md": hub.repos[GGUF_REPO].files["README.md"]})
     with pytest.raises(ModelNotFoundError, match=r"org/empty has no config\.json"):
         resolve_model_path("org/empty")

@@ -28,6 +28,7 @@ from huggingface_hub.errors import (
     HfHubHTTPError,
     LocalEntryNotFoundError,
     OfflineModeIsEnabled,
+    RemoteEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
@@ -312,6 +313,10 @@ def _fetch(name: HubName, commit: str, file: RepoFile) -> tuple[Path, str | None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         raise ModelNotFoundError(
             f"{name}: {file.name} is not in the Hub cache and HF_HUB_OFFLINE is set"
+        ) from None
+    except RemoteEntryNotFoundError:
+        raise ModelNotFoundError(
+            f"{name}: the Hub lists {file.name} but does not serve it (404)"
         ) from None
     except (HfHubHTTPError, OSError, httpx2.HTTPError) as exc:
         raise ModelNotFoundError(
