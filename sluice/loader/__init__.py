@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from sluice.settings import cache_dir
 from .chat_template import bundled_templates, resolve_chat_template
 from .gguf_loader import load_gguf, load_gguf_header
 from .gguf_tokenizer import tokenizer_from_gguf
-from .hf_loader import config_from_hf, load_hf_dir, model_dir_name
+from .hf_loader import config_from_hf, load_hf_dir, model_dir_name, read_json
 from .memory import MemoryBudget
 from .resolve import KNOWN_MODELS, resolve_model_path
 from .tokenizer import Tokenizer
@@ -71,6 +70,6 @@ def load_tokenizer(
     that tokenizes and routes for engines running in other processes."""
     path = resolve_model_path(model, revision, budget)
     if path.is_dir():
-        cfg = json.loads((path / "config.json").read_text())
+        cfg = read_json(path / "config.json")
         return config_from_hf(cfg, name=model_dir_name(path)), Tokenizer.from_hf_dir(path)
     return load_gguf_header(path)

@@ -24,6 +24,7 @@ import itertools
 import mmap
 import os
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -164,22 +165,31 @@ def _skip_strings(cur: _Cursor, n: int, what: str) -> None:
     cur.pos = pos
 
 
-def _metadata(cur: _Cursor, n_kv: int) -> int:
-    """Step over the key/value pairs; the alignment they set."""
+def _metadata(
+    cur: _Cursor, n_kv: int, wanted: Collection[str] = ()
+) -> tuple[int, dict[str, str | int]]:
+    """Step over the key/value pairs: the alignment they set, and the string and integer
+    values of the `wanted` keys (nothing else is decoded)."""
     seen: set[str] = set()
     alignment = DEFAULT_ALIGNMENT
+    found: dict[str, str | int] = {}
     for i in range(n_kv):
         key = cur.string(f"key #{i}", MAX_KEY_BYTES)
         if key in seen:
             raise cur.fail(f"the key {key!r} appears twice")
         seen.add(key)
         vtype = cur.u32(f"the value type of {key!r}")
+        if key in wanted and vtype == _STRING:
+            found[key] = cur.string(f"the value of {key!r}")
+            continue
         value = _skip_value(cur, vtype, f"the value of {key!r}")
+        if key in wanted and value is not None:
+            found[key] = value
         if key == ALIGNMENT_KEY:
             if value is None or value <= 0 or value & (value - 1) or value > 1 << 20:
                 raise cur.fail(f"{ALIGNMENT_KEY} is {value}, not a power of two up to 2^20")
             alignment = value
-    return alignment
+    return alignment, found
 
 
 def _tensor_info(cur: _Cursor, i: int) -> tuple[str, int, int]:
@@ -231,9 +241,10 @@ def _check_spans(cur: _Cursor, spans: list[TensorSpan], alignment: int, data_sta
             raise cur.fail(f"the data of tensors {a.name} and {b.name} overlap")
 
 
-def check_gguf_data(data: mmap.mmap | bytes, path: str) -> list[TensorSpan]:
-    """Check a GGUF file's bytes (see the module's docstring); its tensors' spans."""
-    cur = _Cursor(data, path)
+def _header_counts(cur: _Cursor) -> tuple[int, int]:
+    """The magic and version checked; the tensor and key counts, each bounded by the
+    bytes left."""
+    data = cur.data
     cur.need(4, "the GGUF magic")
     if bytes(data[:4]) != MAGIC:
         raise cur.fail(f"not a GGUF file (it starts with {bytes(data[:4])!r}, not b'GGUF')")
@@ -242,8 +253,14 @@ def check_gguf_data(data: mmap.mmap | bytes, path: str) -> list[TensorSpan]:
     if version not in VERSIONS:
         raise cur.fail(f"GGUF version {version} is not supported (only 2 and 3)")
     n_tensors = cur.count("the tensor count", _MIN_TENSOR)
-    n_kv = cur.count("the metadata key count", _MIN_KV)
-    alignment = _metadata(cur, n_kv)
+    return n_tensors, cur.count("the metadata key count", _MIN_KV)
+
+
+def check_gguf_data(data: mmap.mmap | bytes, path: str) -> list[TensorSpan]:
+    """Check a GGUF file's bytes (see the module's docstring); its tensors' spans."""
+    cur = _Cursor(data, path)
+    n_tensors, n_kv = _header_counts(cur)
+    alignment, _ = _metadata(cur, n_kv)
     infos = [_tensor_info(cur, i) for i in range(n_tensors)]
     names = [name for name, _, _ in infos]
     if len(set(names)) != len(names):
@@ -256,28 +273,14 @@ def check_gguf_data(data: mmap.mmap | bytes, path: str) -> list[TensorSpan]:
 
 
 def read_gguf_values(path: str | os.PathLike[str], keys: set[str]) -> dict[str, str | int]:
-    """The string and integer values of `keys` in a GGUF's metadata, read with the same
-    bounded steps as the check, nothing else decoded (a listing of models reads two keys
-    of each, not their vocabularies). Missing keys are absent; a defect raises."""
+    """The string and integer values of `keys` in a GGUF's metadata, read with the
+    check's bounded steps and nothing else decoded (a listing of models reads two keys of
+    each, not their vocabularies). Missing keys are absent; a defect raises."""
     path = os.fspath(path)
-    found: dict[str, str | int] = {}
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         cur = _Cursor(data, path)
-        if bytes(data[:4]) != MAGIC:
-            raise cur.fail("not a GGUF file")
-        cur.pos = 8
-        cur.count("the tensor count", _MIN_TENSOR)
-        for i in range(cur.count("the metadata key count", _MIN_KV)):
-            key = cur.string(f"key #{i}", MAX_KEY_BYTES)
-            vtype = cur.u32(f"the value type of {key!r}")
-            if key in keys and vtype == _STRING:
-                found[key] = cur.string(f"the value of {key!r}")
-            elif (value := _skip_value(cur, vtype, f"the value of {key!r}")) is not None:
-                if key in keys:
-                    found[key] = value
-            if len(found) == len(keys):
-                break
-    return found
+        _, n_kv = _header_counts(cur)
+        return _metadata(cur, n_kv, keys)[1]
 
 
 def check_gguf(path: str | os.PathLike[str]) -> list[TensorSpan]:

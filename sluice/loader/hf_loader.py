@@ -79,7 +79,8 @@ def check_safetensors(path: Path) -> None:
         raise ModelFileError(str(path), f"not a valid safetensors file: {exc}") from None
 
 
-def _json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a model's file; a defect names the file."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -131,7 +132,7 @@ def load_hf_dir(
     path: str | os.PathLike[str],
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     directory = Path(path)
-    cfg = _json(directory / "config.json")
+    cfg = read_json(directory / "config.json")
     config = config_from_hf(cfg, name=model_dir_name(directory))
     tokenizer = Tokenizer.from_hf_dir(directory)
     return config, tensors_from_hf_dir(directory, config), tokenizer

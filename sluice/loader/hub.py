@@ -13,7 +13,6 @@ complete.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from sluice.core.errors import ModelFileError, ModelNotFoundError, ModelTooLarge
 from sluice.settings import cache_dir
 
 from .gguf_check import check_gguf
-from .hf_loader import check_safetensors
+from .hf_loader import check_safetensors, read_json
 from .hub_files import (
     HubName,
     RepoFile,
@@ -129,12 +128,17 @@ def _cached_listing(name: HubName, revision: str | None) -> Listing:
             f"{name} is not in the Hub cache ({hub_cache()}) and HF_HUB_OFFLINE is set: "
             f"run `sluice pull {name}` where the Hub can be reached"
         )
+    return Listing(commit, snapshot_files(snapshot))
+
+
+def snapshot_files(snapshot: Path) -> list[RepoFile]:
+    """The files a cache snapshot holds; an LFS file's sha256 is its blob's name."""
     files = []
     for path in sorted(p for p in snapshot.rglob("*") if p.is_file()):
-        blob = path.resolve().name  # an LFS file's blob is named by its sha256
+        blob = path.resolve().name
         sha = blob if len(blob) == 64 and all(c in "0123456789abcdef" for c in blob) else None
         files.append(RepoFile(path.relative_to(snapshot).as_posix(), path.stat().st_size, sha))
-    return Listing(commit, files)
+    return files
 
 
 def _wanted(name: HubName, listing: Listing) -> tuple[str, list[RepoFile]]:
@@ -178,7 +182,7 @@ def check_fits(name: HubName, weight_bytes: int, download: int, budget: MemoryBu
         )
 
 
-def _forget(path: Path) -> None:
+def forget_file(path: Path) -> None:
     """Remove a cached file: the snapshot's link and the blob it points at."""
     blob = path.resolve()
     path.unlink(missing_ok=True)
@@ -211,7 +215,7 @@ def _verify(path: Path, file: RepoFile, digest: str | None) -> None:
         elif file.name.endswith(".safetensors"):
             check_safetensors(path)
     except ModelFileError as exc:
-        _forget(path)
+        forget_file(path)
         raise ModelFileError(
             exc.path, f"{exc.defect}; removed from the cache, download it again"
         ) from None
@@ -335,7 +339,7 @@ def hub_model_path(
     if kind == "safetensors":  # the config first: the estimate reads its dtype
         config_file = next(f for f in files if f.name == "config.json")
         fetched["config.json"] = _fetch(name, listing.commit, config_file)
-    config = _read_config(fetched["config.json"][0] if fetched else None)
+    config = read_json(fetched["config.json"][0]) if fetched else {}
     missing = sum(f.size for f in files if not _snapshot(name, listing.commit, f).is_file())
     check_fits(name, _weight_memory(kind, files, config), missing, budget or MemoryBudget())
     for f in files:
@@ -365,14 +369,4 @@ def _snapshot(name: HubName, commit: str, file: RepoFile) -> Path:
     return _repo_dir(name.repo_id) / "snapshots" / commit / file.name
 
 
-def _read_config(path: Path | None) -> dict[str, object]:
-    if path is None:
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelFileError(str(path), f"not valid JSON: {exc}") from None
-    return value if isinstance(value, dict) else {}
-
-
-__all__ = ["check_fits", "hub_cache", "hub_model_path", "offline"]
+__all__ = ["check_fits", "forget_file", "hub_cache", "hub_model_path", "offline", "snapshot_files"]

@@ -120,26 +120,23 @@ def _find_package_dir(module: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def _part_path(part: ModelPart) -> Path | None:
+    """Where an installed part's file is, or None when its package is missing."""
+    root = _find_package_dir(part.module)
+    path = root / part.relpath if root is not None else None
+    return path if path is not None and path.is_file() else None
+
+
 def installed_parts(model: PackagedModel) -> list[Path] | None:
     """The paths of a packaged model's parts, or None when a package is missing."""
-    paths = []
-    for part in model.parts:
-        root = _find_package_dir(part.module)
-        path = root / part.relpath if root is not None else None
-        if path is None or not path.is_file():
-            return None
-        paths.append(path)
-    return paths
+    paths = [_part_path(part) for part in model.parts]
+    return None if None in paths else [p for p in paths if p is not None]
 
 
 def _part_paths(model: PackagedModel) -> list[Path]:
     paths = installed_parts(model)
     if paths is None:
-        missing = [
-            p.package
-            for p in model.parts
-            if (root := _find_package_dir(p.module)) is None or not (root / p.relpath).is_file()
-        ]
+        missing = [p.package for p in model.parts if _part_path(p) is None]
         raise ModelNotFoundError(
             f"model {model.alias!r} is not installed (missing package(s): {', '.join(missing)}). "
             f"Install it with:\n  {model.pip_command()}"

@@ -7,7 +7,6 @@ tools that use it).
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,9 @@ from sluice.core.errors import ModelFileError, ModelNotFoundError
 from sluice.settings import cache_dir
 
 from .gguf_check import read_gguf_values
-from .hub import hub_cache
-from .hub_files import GGUFChoice, HubName, RepoFile, gguf_choices, parse_hub_name
+from .hf_loader import read_json
+from .hub import forget_file, hub_cache, snapshot_files
+from .hub_files import GGUFChoice, HubName, gguf_choices, parse_hub_name
 from .resolve import KNOWN_MODELS, PackagedModel, installed_parts
 
 
@@ -53,8 +53,8 @@ def _gguf_facts(path: Path) -> tuple[str, str]:
 def _config_facts(directory: Path) -> tuple[str, str]:
     """A safetensors model's stored dtype and architecture, from its config.json."""
     try:
-        cfg = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError):
+        cfg = read_json(directory / "config.json")
+    except ModelFileError:
         return "", "?"
     archs = cfg.get("architectures") or [cfg.get("model_type", "")]
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "")
@@ -85,16 +85,8 @@ def _snapshots(root: Path) -> list[tuple[str, Path]]:
     ]
 
 
-def _files(snapshot: Path) -> list[RepoFile]:
-    return [
-        RepoFile(p.relative_to(snapshot).as_posix(), p.stat().st_size, None)
-        for p in sorted(snapshot.rglob("*"))
-        if p.is_file()
-    ]
-
-
 def _hub_models(repo_id: str, snapshot: Path) -> list[StoredModel]:
-    files = _files(snapshot)
+    files = snapshot_files(snapshot)
     try:
         choices = gguf_choices(repo_id, files)
     except ModelNotFoundError:  # a split set not wholly downloaded
@@ -121,14 +113,9 @@ def stored_models() -> list[StoredModel]:
 
 def _remove_files(snapshot: Path, choice: GGUFChoice) -> list[Path]:
     """A quantization's links in a snapshot and the blobs they point at."""
-    removed = []
-    for f in choice.files:
-        link = snapshot / f.name
-        blob = link.resolve()
-        link.unlink(missing_ok=True)
-        if blob != link and blob.is_file():
-            blob.unlink()
-        removed.append(link)
+    removed = [snapshot / f.name for f in choice.files]
+    for link in removed:
+        forget_file(link)
     if not any(p.is_file() for p in snapshot.rglob("*")):
         shutil.rmtree(snapshot, ignore_errors=True)
     return removed
@@ -144,7 +131,7 @@ def _remove_hub(name: HubName) -> list[Path]:
         return [repo_dir]
     removed: list[Path] = []
     for snapshot in snapshots:
-        for tag, choice in gguf_choices(name.repo_id, _files(snapshot)).items():
+        for tag, choice in gguf_choices(name.repo_id, snapshot_files(snapshot)).items():
             if tag.upper() == name.quant.upper():
                 removed += _remove_files(snapshot, choice)
     if not removed:
