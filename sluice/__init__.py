@@ -1,13 +1,15 @@
 """sluice: a small, fast LLM inference and serving engine on PyTorch."""
 
 from sluice.llm import LLM
-from sluice.outputs import CompletionOutput, Logprob, RequestOutput
-from sluice.sampling_params import SamplingParams, SamplingParamsError
+from sluice.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from sluice.sampling_params import PoolingParams, SamplingParams, SamplingParamsError
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "Logprob",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "SamplingParamsError",

@@ -24,6 +24,7 @@ from sluice.core.choices import (
     DType,
     KVCacheDType,
     KVRole,
+    PoolingMode,
     Quantization,
     ReasoningParserName,
     SchedulingPolicy,
@@ -84,6 +85,16 @@ class ModelConfig:
     # Qwen2-MoE: a shared expert of this many units beside the routed ones, gated by
     # sigmoid(a learned projection) per token; 0: none.
     shared_expert_intermediate_size: int = 0
+    # Encoders (embedding models): every token attends to every other token of its
+    # input, before and after it; such a model keeps no KV cache and computes an input
+    # in one step (sluice/models/encoder.py, EmbeddingGemma's Gemma 3 layers).
+    bidirectional: bool = False
+    # BERT: learned token-type (segment) embeddings; 0: none.
+    type_vocab_size: int = 0
+    # MPNet: buckets of its relative position bias; 0: none.
+    relative_attention_buckets: int = 0
+    # The first token's absolute position id (MPNet counts from its padding id + 1).
+    position_offset: int = 0
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -148,6 +159,46 @@ class ModelConfig:
         if not windows or any(w is None for w in windows):
             return None
         return max(w for w in windows if w is not None)
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """A linear projection after pooling (a sentence-transformers Dense module)."""
+
+    in_features: int
+    out_features: int
+    bias: bool
+    # "identity" or "tanh": what follows the projection.
+    activation: str
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How an embedding model turns an input's hidden states into one vector: a
+    sentence-transformers folder's modules after the transformer (Pooling, Dense,
+    Normalize), read by sluice/loader/sentence_transformers.py."""
+
+    mode: PoolingMode
+    """Mean of the tokens, the first token's ([CLS]) or the last token's."""
+    normalize: bool
+    """The vector is scaled to unit length (its modules end in Normalize)."""
+    dimension: int
+    """The vector's length: the hidden size, or the last dense layer's output."""
+    max_tokens: int
+    """The longest input, in tokens with the special ones (its max_seq_length)."""
+    dense: tuple[DenseLayer, ...] = ()
+    """Projections applied after pooling, in order (EmbeddingGemma: 768 -> 3072 -> 768)."""
+    matryoshka_dimensions: tuple[int, ...] = ()
+    """Shorter lengths the vector was trained to be cut to (then renormalized); empty:
+    only `dimension`."""
+    prompts: tuple[tuple[str, str], ...] = ()
+    """Named prefixes the model was trained with ("query" -> "task: search result |
+    query: "), as its config lists them."""
+
+    @property
+    def dimensions(self) -> tuple[int, ...]:
+        """Every length a request may ask for."""
+        return tuple(sorted({self.dimension, *self.matryoshka_dimensions}, reverse=True))
 
 
 # The layer groups of a split KV cache (engine/kv_cache.py): the full-attention layers

@@ -10,11 +10,23 @@ from typing import Any, cast
 from tqdm import tqdm
 
 from sluice.config import EngineConfig
-from sluice.core.outputs import RequestOutput
+from sluice.core.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from sluice.core.pooling_params import PoolingParams
 from sluice.core.sampling_params import SamplingParams
 from sluice.engine.engine import LLMEngine
 
 Message = dict[str, str]
+
+
+def _prompt_list(
+    prompts: str | list[int] | Sequence[str] | Sequence[list[int]],
+) -> list[str | list[int]]:
+    """One prompt (a string or a list of token ids) or several, as a list."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [cast("str | list[int]", prompts)]
+    return list(cast("Sequence[str | list[int]]", prompts))
 
 
 class LLM:
@@ -44,13 +56,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string or a list of token ids); outputs keep the
         order of the prompts."""
-        prompt_list: list[str | list[int]]
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompt_list = [cast("str | list[int]", prompts)]  # one prompt
-        else:
-            prompt_list = list(cast("Sequence[str | list[int]]", prompts))
+        prompt_list = _prompt_list(prompts)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
@@ -107,12 +113,38 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def embed(
+        self,
+        prompts: str | list[int] | Sequence[str] | Sequence[list[int]],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """The vector of each input (a string or token ids), in order, from an embedding
+        model (`out.outputs.embedding`); the engine batches them as it batches prompts."""
+        prompt_list = _prompt_list(prompts)
+        params = pooling_params or PoolingParams()
+        ids = []
+        try:
+            for prompt in prompt_list:
+                rid = f"embd-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, params)
+                ids.append(rid)
+            outputs = self._run(ids, use_tqdm, "embedding")
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return [
+            EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
+            for o in outputs
+            if o.embedding is not None
+        ]
+
+    def _run(self, ids: list[str], use_tqdm: bool, what: str = "generating") -> list[RequestOutput]:
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(
-            total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2
-        )
+        bar = tqdm(total=len(ids), desc=what, unit="req", disable=not use_tqdm or len(ids) < 2)
         while len(done) < len(ids):
             for out in self.engine.step():
                 if out.finished and out.request_id in wanted:

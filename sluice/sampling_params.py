@@ -1,7 +1,8 @@
-"""Public home of `SamplingParams` (`from sluice.sampling_params import SamplingParams`);
-the class lives in the core layer (`sluice.core.sampling_params`)."""
+"""Public home of `SamplingParams` and `PoolingParams` (`from sluice.sampling_params
+import SamplingParams`); the classes live in the core layer."""
 
 from sluice.core.errors import SamplingParamsError
+from sluice.core.pooling_params import PoolingParams
 from sluice.core.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "SamplingParamsError"]
+__all__ = ["PoolingParams", "SamplingParams", "SamplingParamsError"]

@@ -13,7 +13,7 @@ live with the models, and the models need them as much as the loader does.
 
 from __future__ import annotations
 
-from sluice.architectures import gemma3, llama, olmoe, qwen2, qwen2moe, qwen3, qwen3moe
+from sluice.architectures import bert, gemma3, llama, olmoe, qwen2, qwen2moe, qwen3, qwen3moe
 from sluice.architectures.spec import ArchitectureSpec, GGUFKeys, rope_from_hf
 from sluice.config import check_architecture
 from sluice.core.choices import Architecture
@@ -29,6 +29,8 @@ REGISTRY: dict[Architecture, ArchitectureSpec] = {
         qwen2moe.SPEC,
         qwen3moe.SPEC,
         olmoe.SPEC,
+        bert.BERT,  # and the encoders of embedding models
+        bert.MPNET,
     )
 }
 

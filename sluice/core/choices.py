@@ -28,10 +28,18 @@ QUANTIZATIONS: tuple[Quantization, ...] = get_args(Quantization)
 WeightQuantization = Literal["none", "int8", "int4", "gguf"]
 WEIGHT_QUANTIZATIONS: tuple[WeightQuantization, ...] = get_args(WeightQuantization)
 
-# Decoder families sluice implements (ModelConfig.architecture), each registered once
-# in sluice/architectures/, whose REGISTRY lists exactly these, in this order.
-Architecture = Literal["llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe", "olmoe"]
+# Model families sluice implements (ModelConfig.architecture): decoders, then the
+# encoders of embedding models; each registered once in sluice/architectures/, whose
+# REGISTRY lists exactly these, in this order.
+Architecture = Literal[
+    "llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe", "olmoe", "bert", "mpnet"
+]
 ARCHITECTURES: tuple[Architecture, ...] = get_args(Architecture)
+
+# How an embedding model turns a sequence's hidden states into one vector: the mean of
+# its tokens, its first token's (BERT's [CLS]), or its last token's (a decoder's).
+PoolingMode = Literal["mean", "cls", "last"]
+POOLING_MODES: tuple[PoolingMode, ...] = get_args(PoolingMode)
 
 # How the KV cache stores K and V: "auto" in the compute dtype, "int8" as int8 rows
 # with an fp16 scale per 32 channels (sluice/attention/kv_int8.py).
@@ -124,6 +132,7 @@ __all__ = [
     "DTYPES",
     "FINISH_REASONS",
     "LOG_LEVELS",
+    "POOLING_MODES",
     "QUANTIZATIONS",
     "SCHEDULING_POLICIES",
     "TP_ALLREDUCES",
@@ -134,6 +143,7 @@ __all__ = [
     "DeviceKind",
     "FinishReason",
     "LogLevel",
+    "PoolingMode",
     "Quantization",
     "SchedulingPolicy",
     "TPAllReduce",

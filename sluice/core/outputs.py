@@ -64,3 +64,20 @@ class RequestOutput:
     # What a KV connector tells the client about the finished request: a prefill
     # instance's transfer address and id, for the decode instance (kv_transfer.py).
     kv_transfer_params: dict[str, Any] | None = None
+    # An embedding request's vector (its `outputs` is empty): set when it finishes.
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per input, as vLLM spells it (`out.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from sluice.core.choices import FinishReason
 from sluice.core.outputs import Logprob
+from sluice.core.pooling_params import PoolingParams
 from sluice.core.sampling_params import SamplingParams
 
 
@@ -93,6 +94,8 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     seed: int | None = None
+    # An embedding request: computes its prompt once and pools it, samples nothing.
+    pooling: PoolingParams | None = None
 
     all_token_ids: list[int] = field(init=False)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
@@ -122,6 +125,8 @@ class Request:
     # Per prompt position (None for the first, which nothing predicts).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = field(init=False, default=None)
     metrics: RequestMetrics = field(init=False)
+    # An embedding request's vector, once its prompt is computed.
+    embedding: list[float] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -13,6 +13,7 @@ propagates, so no half-built engine exists to be shut down.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import time
@@ -22,7 +23,13 @@ from pathlib import Path
 import torch
 
 from sluice import kernels
-from sluice.config import EngineConfig, ModelConfig, resolve_dtype, resolve_quantization
+from sluice.config import (
+    EngineConfig,
+    ModelConfig,
+    PoolerConfig,
+    resolve_dtype,
+    resolve_quantization,
+)
 from sluice.core.errors import ConfigError
 from sluice.engine.kv_cache import KVCacheManager
 from sluice.engine.kv_connector import (
@@ -49,7 +56,13 @@ from sluice.loader import (
     load_model,
     resolve_chat_template,
 )
-from sluice.runner.factory import ModelVariant, RunnerOptions, build_runner
+from sluice.runner.encoder_runner import EncoderRunner
+from sluice.runner.factory import (
+    ModelVariant,
+    RunnerOptions,
+    build_encoder_runner,
+    build_runner,
+)
 from sluice.runner.kv_layout import KVLayout, check_kv_cache_dtype
 from sluice.runner.model_runner import ModelRunner, check_tensor_parallel
 from sluice.runner.sampler import Sampler
@@ -71,7 +84,8 @@ class EngineParts:
     layout: KVLayout
     """The target's KV pools (its max_model_len is the engine's context)."""
     kv: KVCacheManager
-    runner: ModelRunner
+    runner: ModelRunner | EncoderRunner
+    """An encoder's runner where the model is an embedding encoder."""
     scheduler: Scheduler
     sampler: Sampler
     grammars: GrammarCompiler
@@ -79,6 +93,8 @@ class EngineParts:
     kv_connector: KVConnector | None
     tensor_parallel: TensorParallelRanks | None
     startup_seconds: float
+    pooler: PoolerConfig | None = None
+    """An embedding model's pooling pipeline; None where the model only generates."""
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -109,7 +125,7 @@ class _Serving:
 
     layout: KVLayout
     kv: KVCacheManager
-    runner: ModelRunner
+    runner: ModelRunner | EncoderRunner
     tp: TensorParallelRanks | None
     connector: KVConnector | None
     scheduler: Scheduler
@@ -192,6 +208,8 @@ def _build_serving(config: EngineConfig, target: _Target, undo: contextlib.ExitS
     connector, the scheduler and the proposer."""
     loaded, options, drafter = target.loaded, target.options, target.drafter
     mc = loaded.config
+    if mc.bidirectional:
+        return _build_encoder_serving(config, target)
     draft_bytes = drafter.kv_bytes_per_block(config.block_size, options.dtype) if drafter else 0
     layout = plan_kv_layout(config, mc, options.dtype, draft_bytes)
     kv = KVCacheManager(
@@ -227,6 +245,48 @@ def _build_serving(config: EngineConfig, target: _Target, undo: contextlib.ExitS
     return _Serving(layout, kv, runner, tp, connector, scheduler, proposer)
 
 
+# Engine options that have no meaning for an encoder (no KV cache, nothing generated).
+_NOT_FOR_ENCODERS = (
+    ("speculative_method", None),
+    ("tensor_parallel_size", 1),
+    ("kv_role", None),
+    ("kv_offload_dir", None),
+    ("kv_cache_dtype", "auto"),
+)
+
+
+def _build_encoder_serving(config: EngineConfig, target: _Target) -> _Serving:
+    """An embedding encoder's parts: its runner and a scheduler that grants each input
+    whole (bidirectional attention cannot compute a chunk before the rest), over a KV
+    manager that only counts blocks (an encoder keeps no KV cache, so no pool)."""
+    loaded = target.loaded
+    assert loaded.pooler is not None, "the loader reads an encoder's pooling pipeline"
+    for name, default in _NOT_FOR_ENCODERS:
+        if getattr(config, name) != default:
+            raise ConfigError(
+                name, f"{name} does not apply to an embedding encoder ({loaded.config.name})"
+            )
+    max_tokens = loaded.pooler.max_tokens
+    # The step's budget holds at least one input of the model's longest.
+    budget = max(config.max_num_batched_tokens, max_tokens)
+    step_config = dataclasses.replace(
+        config, max_num_batched_tokens=budget, enable_prefix_caching=False
+    )
+    bs = config.block_size
+    num_blocks = -(-budget // bs) + config.max_num_seqs
+    layout = KVLayout(block_size=bs, num_blocks=num_blocks, max_model_len=max_tokens)
+    kv = KVCacheManager(num_blocks, bs, False, None, root_hash(config.kv_cache_dtype))
+    runner = build_encoder_runner(
+        config=loaded.config,
+        tensors=loaded.tensors,
+        pooler=loaded.pooler,
+        options=target.options,
+    )
+    scheduler = Scheduler(step_config, kv, max_tokens, whole_prompts=True)
+    gc.collect()
+    return _Serving(layout, kv, runner, None, None, scheduler, None)
+
+
 def _finish(config: EngineConfig, target: _Target, serving: _Serving, t0: float) -> EngineParts:
     """The sampler, the grammar compiler and the speculator (which times the finished
     runner and sampler), and the parts together."""
@@ -234,6 +294,7 @@ def _finish(config: EngineConfig, target: _Target, serving: _Serving, t0: float)
     sampler = Sampler(mc.vocab_size, config.seed, options.device)
     speculator = None
     if serving.proposer is not None and target.drafter is not None:
+        assert isinstance(serving.runner, ModelRunner), "encoders have no drafter"
         key = step_cost_key(config, target.drafter, target.loaded.path, options)
         on = (serving.runner, serving.kv, sampler)
         max_len = serving.layout.max_model_len
@@ -254,6 +315,7 @@ def _finish(config: EngineConfig, target: _Target, serving: _Serving, t0: float)
         kv_connector=serving.connector,
         tensor_parallel=serving.tp,
         startup_seconds=time.perf_counter() - t0,
+        pooler=target.loaded.pooler,
     )
 
 

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from sluice.config import LOCAL_KV_GROUP, EngineConfig
-from sluice.core.errors import RequestError
+from sluice.core.errors import ConfigError, RequestError
 from sluice.core.request import DraftRow, Request, RequestStatus, SamplingRow
 from sluice.engine.builder import EngineParts, build_engine, kv_block_format
 from sluice.engine.kv_connector import BlockFormat, KVConnector
+from sluice.engine.pooling import embedding_input, finish_vector
 from sluice.engine.request_output import (
     RequestGroup,
     SampledLogprob,
@@ -32,12 +33,16 @@ from sluice.engine.stats import EngineStats, ratio
 from sluice.engine.tensor_parallel import TensorParallelWorkers
 from sluice.outputs import RequestOutput
 from sluice.parallel import TPGroup
-from sluice.runner.model_runner import ModelOutput
+from sluice.runner.model_runner import ModelOutput, ModelRunner
 from sluice.runner.spec_verify import accepted_length
-from sluice.sampling_params import SamplingParams
+from sluice.sampling_params import PoolingParams, SamplingParams
 from sluice.structured import ConstraintMasks, advance, forced_tokens
 
 logger = logging.getLogger("sluice")
+
+# What an embedding request carries as sampling options: it samples nothing, but the
+# runner and the scheduler read a request's (prompt logprobs, priorities).
+_POOLING_SAMPLING = SamplingParams(max_tokens=1)
 
 
 @dataclass
@@ -66,6 +71,11 @@ class LLMEngine:
         self.sampler, self.grammars = parts.sampler, parts.grammars
         self.constraint_masks = ConstraintMasks(parts.model_config.vocab_size)
         self.cpu_kernels = parts.cpu_kernels
+        # An embedding model's pipeline (None: a model that only generates).
+        self.pooler = parts.pooler
+        # The token the tokenizer appends to every input (BERT's [SEP]), kept when an
+        # embedding input is truncated; None where it appends none.
+        self._end_token = self.tokenizer.appended_token()
         self.startup_seconds = parts.startup_seconds
         self.weight_bytes = parts.runner.weight_bytes()
         # State: set aside or replaced while the engine runs (tests, a new disk tier).
@@ -110,6 +120,8 @@ class LLMEngine:
         """What one KV block's bytes mean here: a stored block is reused only where all
         of it matches."""
         options = self.parts.options
+        if not isinstance(self.runner, ModelRunner):
+            raise ConfigError("model", "an embedding encoder keeps no KV blocks")
         return kv_block_format(self.config, self.model_path, options, self.runner)
 
     # ---- requests in ----------------------------------------------------------
@@ -134,11 +146,22 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> None:
+        """Queue a request: one that generates (SamplingParams) or, on a model that
+        embeds, one that pools its prompt into a vector (PoolingParams)."""
+        if isinstance(params, PoolingParams):
+            self._add_pooling(request_id, prompt, params, priority, arrival_time)
+            return
+        if self.model_config.bidirectional:
+            raise RequestError(
+                "model",
+                f"{self.model_config.name} is an embedding model: it does not generate text "
+                "(embed with /v1/embeddings or LLM.embed)",
+            )
         params = params or SamplingParams()
         ids = self._check_request(request_id, prompt, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -152,6 +175,33 @@ class LLMEngine:
         self.groups[request_id] = group
         self._seqs.update((seq.request_id, seq) for seq in group.seqs)
         self.scheduler.add(group.seqs[0])
+
+    def _add_pooling(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: PoolingParams,
+        priority: int,
+        arrival_time: float | None,
+    ) -> None:
+        """Queue an embedding request: its prompt is computed once and pooled."""
+        if self.pooler is None:
+            raise RequestError("model", f"{self.model_config.name} is not an embedding model")
+        if request_id in self.groups:
+            raise RequestError("request_id", f"request id {request_id!r} is already in use")
+        ids = embedding_input(self.encode_prompt(prompt), params, self.pooler, self._end_token)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=_POOLING_SAMPLING,
+            priority=priority,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            pooling=params,
+        )
+        text = prompt if isinstance(prompt, str) else None
+        self.groups[request_id] = RequestGroup(request_id, text, ids, [req], [0])
+        self._seqs[request_id] = req
+        self.scheduler.add(req)
 
     def _check_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
@@ -275,13 +325,23 @@ class LLMEngine:
         self._track_waste()
         for req_id, (start, logits) in result.prompt_logits.items():
             add_prompt_logprobs(self._seqs[req_id], start, logits)
+        touched: dict[str, RequestGroup] = {}
+        for req_id, vector in result.pooled.items():
+            req = self._seqs[req_id]
+            assert self.pooler is not None and req.pooling is not None
+            req.embedding = finish_vector(vector, req.pooling, self.pooler)
+            req.metrics.first_token_time = req.metrics.finished_time = time.monotonic()
+            self._retire(req, RequestStatus.FINISHED_STOPPED)
+            touched[req.group_id] = self.groups[req.group_id]
+        if not result.sampling_requests:
+            self.num_steps += 1
+            return [self._make_output(g) for g in touched.values()]
 
         seqs, rows, logits = self._sampling_rows(result)
         stop_ids = [self._stop_token_ids(r.sampling_params) for r in rows]
         sampled = self.sampler(logits, rows, stop_ids, self.constraint_masks(rows))
 
         finished_at = time.monotonic()
-        touched: dict[str, RequestGroup] = {}
         num_emitted = 0
         for req, first, count in seqs:
             if req.pending_forks:

@@ -74,7 +74,18 @@ def new_group(
 
 def make_output(group: RequestGroup) -> RequestOutput:
     """The group's output now: each sequence's text so far and what is new since the
-    last output."""
+    last output (an embedding request's: its vector, once finished)."""
+    leader = group.seqs[0]
+    if leader.pooling is not None:
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=[],
+            finished=group.finished,
+            metrics=_metrics(group),
+            embedding=leader.embedding,
+        )
     outs = []
     for i, seq in enumerate(group.seqs):
         st = seq.output
@@ -96,7 +107,6 @@ def make_output(group: RequestGroup) -> RequestOutput:
                 delta_token_ids=new_ids,
             )
         )
-    leader = group.seqs[0]
     return RequestOutput(
         request_id=group.request_id,
         prompt=group.prompt,

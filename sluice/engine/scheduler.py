@@ -60,8 +60,13 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         connector: KVConnectorScheduler | None = None,
+        *,
+        whole_prompts: bool = False,
     ) -> None:
+        """whole_prompts: a request's prompt is granted in one step or not at all (an
+        encoder's, whose attention looks both ways); the budget must hold the longest."""
         self.config = config
+        self.whole_prompts = whole_prompts
         self.kv = kv
         # The scheduler half of a KV connector (the disk tier): prefix blocks it can
         # load count as computed, like a prefix-cache hit.
@@ -143,9 +148,10 @@ class Scheduler:
                 continue
             hit = self.kv.find_cached_prefix(req) if fresh else CacheHit([], 0)
             loadable = self._loadable_tokens(req, hit) if fresh else 0
-            num_new = min(
-                req.num_tokens - req.num_computed_tokens - hit.num_tokens - loadable, budget
-            )
+            wanted = req.num_tokens - req.num_computed_tokens - hit.num_tokens - loadable
+            num_new = min(wanted, budget)
+            if self.whole_prompts and num_new < wanted:
+                break  # it goes first next step, with the whole budget
             if not self.kv.allocate_slots(req, num_new, hit, loadable):
                 break
             self.waiting.popleft()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from sluice.config import ModelConfig
+from sluice.config import ModelConfig, PoolerConfig
 from sluice.core.errors import ModelNotFoundError
 from sluice.core.quantized_tensor import QuantizedTensor
 from sluice.settings import cache_dir
@@ -18,6 +18,7 @@ from .gguf_tokenizer import tokenizer_from_gguf
 from .hf_loader import config_from_hf, load_hf_dir, model_dir_name, read_json
 from .memory import MemoryBudget
 from .resolve import KNOWN_MODELS, resolve_model_path
+from .sentence_transformers import is_sentence_transformers, read_pooler
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -43,6 +44,10 @@ class LoadedModel:
     tensors: dict[str, torch.Tensor | QuantizedTensor]
     tokenizer: Tokenizer
     path: Path
+    # An embedding model's pipeline after the transformer (pooling, dense layers,
+    # normalization); None for a model that generates. Its dense layers' weights are
+    # among `tensors` (sentence_dense.N.*).
+    pooler: PoolerConfig | None = None
 
     @property
     def quantized(self) -> bool:
@@ -58,7 +63,11 @@ def load_model(
     path = resolve_model_path(model, revision, budget)
     if path.is_dir():
         config, dense, tokenizer = load_hf_dir(path)
-        return LoadedModel(config, dict(dense), tokenizer, path)
+        tensors: dict[str, torch.Tensor | QuantizedTensor] = dict(dense)
+        if not (config.bidirectional or is_sentence_transformers(path)):
+            return LoadedModel(config, tensors, tokenizer, path)
+        pooler, pooler_weights = read_pooler(path, config)
+        return LoadedModel(config, {**tensors, **pooler_weights}, tokenizer, path, pooler)
     config, tensors, tokenizer = load_gguf(path)
     return LoadedModel(config, tensors, tokenizer, path)
 
@@ -70,6 +79,6 @@ def load_tokenizer(
     that tokenizes and routes for engines running in other processes."""
     path = resolve_model_path(model, revision, budget)
     if path.is_dir():
-        cfg = read_json(path / "config.json")
-        return config_from_hf(cfg, name=model_dir_name(path)), Tokenizer.from_hf_dir(path)
+        config = config_from_hf(read_json(path / "config.json"), name=model_dir_name(path))
+        return config, Tokenizer.from_hf_dir(path, post_process=config.bidirectional)
     return load_gguf_header(path)

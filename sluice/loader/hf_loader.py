@@ -134,5 +134,5 @@ def load_hf_dir(
     directory = Path(path)
     cfg = read_json(directory / "config.json")
     config = config_from_hf(cfg, name=model_dir_name(directory))
-    tokenizer = Tokenizer.from_hf_dir(directory)
+    tokenizer = Tokenizer.from_hf_dir(directory, post_process=config.bidirectional)
     return config, tensors_from_hf_dir(directory, config), tokenizer

@@ -53,8 +53,12 @@ class Tokenizer:
         add_bos: bool = False,
         special_token_ids: set[int] | None = None,
         vocab_size: int | None = None,
+        post_process: bool = False,
     ) -> None:
+        """post_process: special tokens come from the tokenizer's own post-processor
+        (an embedding model's: BERT's [CLS] ... [SEP]), not from add_bos."""
         self._backend = backend
+        self.post_process = post_process
         self.bos_token_id = bos_token_id
         # Primary eos first (it is what templates call eos_token), the rest deduplicated.
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos_token_ids))
@@ -80,12 +84,21 @@ class Tokenizer:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.post_process:
+            return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
         # The backend's post-processor is bypassed: BOS is added here, only if the model wants it,
         # so GGUF- and HF-built tokenizers behave the same.
         ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def appended_token(self) -> int | None:
+        """The special token encoding puts after any text (BERT's [SEP]), or None."""
+        with_specials, plain = self.encode("a"), self.encode("a", add_special_tokens=False)
+        if len(with_specials) > len(plain) and with_specials[-1] != plain[-1]:
+            return with_specials[-1]
+        return None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -160,6 +173,7 @@ class Tokenizer:
             "add_bos": self.add_bos,
             "special_token_ids": sorted(self.special_token_ids),
             "vocab_size": self.vocab_size,
+            "post_process": self.post_process,
         }
         (directory / "sluice_tokenizer.json").write_text(json.dumps(meta))
 
@@ -175,18 +189,24 @@ class Tokenizer:
             add_bos=meta["add_bos"],
             special_token_ids=set(meta["special_token_ids"]),
             vocab_size=meta["vocab_size"],
+            post_process=bool(meta.get("post_process", False)),
         )
 
     # -- constructors ------------------------------------------------------------------------
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
-        """Build from a Hugging Face model directory (tokenizer.json and friends)."""
+    def from_hf_dir(cls, path: str | Path, post_process: bool = False) -> Tokenizer:
+        """Build from a Hugging Face model directory (tokenizer.json and friends);
+        post_process: an embedding model's, whose post-processor adds its special
+        tokens. Padding and truncation a tokenizer.json may carry are off: inputs are
+        checked and cut against the model's limit by the engine."""
         directory = Path(path)
         tok_file = directory / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"{directory} has no tokenizer.json")
         backend = tokenizers.Tokenizer.from_file(str(tok_file))
+        backend.no_padding()
+        backend.no_truncation()
         config = _read_json(directory / "tokenizer_config.json")
         gen_config = _read_json(directory / "generation_config.json")
         model_config = _read_json(directory / "config.json")
@@ -230,6 +250,7 @@ class Tokenizer:
             chat_template=template,
             add_bos=add_bos,
             special_token_ids=special,
+            post_process=post_process,
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sluice.architectures import spec_of
 from sluice.config import ModelConfig
+from sluice.models.encoder import BertEncoder
 from sluice.models.gemma3 import Gemma3ForCausalLM
 from sluice.models.llama import LlamaForCausalLM
 
@@ -18,9 +19,32 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
+# The encoders of embedding models (bidirectional attention, no KV cache), by the same
+# key. BERT and MPNet share one; EmbeddingGemma is Gemma 3 run both ways.
+ENCODER_CLASSES: dict[str, type[BertEncoder]] = {
+    "encoder": BertEncoder,
+}
+
+
+def encoder_class(config: ModelConfig) -> type[BertEncoder]:
+    """The encoder class of a bidirectional `config`."""
+    key = spec_of(config.architecture).model
+    if key not in ENCODER_CLASSES:
+        raise ValueError(f"{spec_of(config.architecture).title} has no bidirectional encoder")
+    return ENCODER_CLASSES[key]
+
+
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
     """The decoder class of `config`'s architecture (an unknown one is refused by name)."""
     return MODEL_CLASSES[spec_of(config.architecture).model]
 
 
-__all__ = ["MODEL_CLASSES", "Gemma3ForCausalLM", "LlamaForCausalLM", "model_class"]
+__all__ = [
+    "ENCODER_CLASSES",
+    "MODEL_CLASSES",
+    "BertEncoder",
+    "Gemma3ForCausalLM",
+    "LlamaForCausalLM",
+    "encoder_class",
+    "model_class",
+]

@@ -12,16 +12,18 @@ from dataclasses import dataclass
 import torch
 
 from sluice.attention import kv_int8, select_backend
-from sluice.config import ModelConfig
+from sluice.config import ModelConfig, PoolerConfig
 from sluice.core.choices import WeightQuantization
 from sluice.core.errors import ConfigError
 from sluice.core.quantized_tensor import Weight
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import make_linear_method
-from sluice.models import model_class
+from sluice.models import encoder_class, model_class
 from sluice.models.llama import LlamaForCausalLM
 from sluice.models.llama_decode_stack import LlamaDecodeStack
+from sluice.models.pooler import Pooler
 from sluice.models.tp_shard import Collectives, local_config, shard_checkpoint
+from sluice.runner.encoder_runner import EncoderRunner
 from sluice.runner.kv_layout import KVLayout, allocate_kv_pools
 from sluice.runner.model_runner import ModelRunner, StepFollowers, check_tensor_parallel
 
@@ -135,3 +137,42 @@ def _build_model(
             if isinstance(layer, Linear):
                 layer.method = make_linear_method(options.quantization, output_head=layer is head)
     return model
+
+
+# The dense layers' weights among an embedding model's tensors (the loader's names).
+_DENSE_PREFIX = "sentence_dense."
+
+
+def build_encoder_runner(
+    *,
+    config: ModelConfig,
+    tensors: dict[str, Weight],
+    pooler: PoolerConfig,
+    options: RunnerOptions,
+) -> EncoderRunner:
+    """An embedding model's runner: its encoder in the compute dtype, its pooler's dense
+    layers in fp32; consumes `tensors`."""
+    if options.quantization not in ("none", "gguf"):
+        raise ConfigError(
+            "quantization", f"quantization={options.quantization!r} does not run encoders yet"
+        )
+    dense = {
+        name.removeprefix(_DENSE_PREFIX): tensors.pop(name)
+        for name in [n for n in tensors if n.startswith(_DENSE_PREFIX)]
+    }
+    head = Pooler(pooler)
+    head.dense.load_state_dict(dense)
+    dense_only = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+    if len(dense_only) != len(tensors):
+        raise ConfigError("quantization", "an encoder's weights must be float tensors")
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(options.dtype)
+    try:
+        with torch.device(options.device):
+            model = encoder_class(config)(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.load_weights(dense_only)
+    tensors.clear()
+    model.eval()
+    return EncoderRunner(config=config, model=model, pooler=head.eval(), device=options.device)

@@ -37,6 +37,9 @@ class ModelOutput:
     # A runner built with return_features: each scheduled request's final-normed hidden
     # states, one row per token it computed (what an EAGLE head drafts from).
     features: dict[Request, torch.Tensor] | None = None
+    # Embedding requests whose input is complete: request id -> its pooled vector
+    # (before the per-request cut and normalization), fp32 on the CPU.
+    pooled: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 @dataclass
