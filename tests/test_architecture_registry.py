@@ -24,7 +24,7 @@ from sluice.engine.speculative.eagle_load import check_head
 from sluice.loader import gguf_loader
 from sluice.loader.gguf_metadata import GGUFMetadata
 from sluice.loader.hf_loader import config_from_hf
-from sluice.models import MODEL_CLASSES, model_class
+from sluice.models import ENCODER_CLASSES, MODEL_CLASSES, encoder_class, model_class
 from sluice.runner.model_runner import check_tensor_parallel
 
 
@@ -32,9 +32,23 @@ def _config(arch: str) -> ModelConfig:
     return ModelConfig(arch, 10, 8, 16, 1, 2, 2, 4)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+DECODERS = [a for a in ARCHITECTURES if not REGISTRY[a].encoder]
+ENCODERS = [a for a in ARCHITECTURES if REGISTRY[a].encoder]
+
+
+@pytest.mark.parametrize("arch", ENCODERS)
+def test_every_encoder_has_its_class_and_checkpoint_names(arch: str) -> None:
+    spec = REGISTRY[arch]
+    assert spec.name == arch and spec.title and not spec.gguf_names
+    assert ENCODER_CLASSES[spec.model] is encoder_class(_config(arch))
+    assert spec.hf_classes and all(spec_for_hf(n) is spec for n in spec.hf_classes)
+    # Neither tensor parallelism nor an EAGLE head: no decoder layers to split or follow.
+    assert not spec.tensor_parallel and not spec.eagle_head
+
+
+@pytest.mark.parametrize("arch", DECODERS)
 def test_every_architecture_has_what_a_model_needs(arch: str) -> None:
-    spec = REGISTRY[arch]  # type: ignore[index]
+    spec = REGISTRY[arch]
     assert spec.name == arch and spec.title
     assert spec.model in MODEL_CLASSES
     assert model_class(_config(arch)) is MODEL_CLASSES[spec.model]
@@ -60,7 +74,9 @@ def test_names_are_claimed_once_and_every_model_class_is_used() -> None:
     hf_classes = [n for spec in REGISTRY.values() for n in spec.hf_classes]
     assert len(gguf_names) == len(set(gguf_names))
     assert len(hf_classes) == len(set(hf_classes))
-    assert {spec.model for spec in REGISTRY.values()} == set(MODEL_CLASSES)
+    decoders = {spec.model for spec in REGISTRY.values() if not spec.encoder}
+    assert decoders == set(MODEL_CLASSES)
+    assert {spec.model for spec in REGISTRY.values() if spec.encoder} == set(ENCODER_CLASSES)
 
 
 def test_an_unregistered_name_is_refused_naming_what_is_supported() -> None:
@@ -68,11 +84,11 @@ def test_an_unregistered_name_is_refused_naming_what_is_supported() -> None:
     hf_classes = (
         "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
         "Qwen3ForCausalLM, Gemma3ForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, "
-        "OlmoeForCausalLM"
+        "OlmoeForCausalLM, BertModel, BertForMaskedLM, MPNetModel, MPNetForMaskedLM"
     )
     for lookup, name, known in [
         (spec_for_gguf, "gpt2", gguf_names),
-        (spec_of, "gpt2", gguf_names),
+        (spec_of, "gpt2", f"{gguf_names}, bert, mpnet"),
         (spec_for_hf, "PhiForCausalLM", hf_classes),
     ]:
         with pytest.raises(ValueError) as err:

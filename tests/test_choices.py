@@ -18,7 +18,7 @@ from sluice.core.choices import (
     WEIGHT_QUANTIZATIONS,
 )
 from sluice.core.errors import ConfigError
-from sluice.models import MODEL_CLASSES, model_class
+from sluice.models import ENCODER_CLASSES, MODEL_CLASSES, encoder_class, model_class
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,8 +72,12 @@ def test_architectures_have_a_model_and_loaders_map_into_them() -> None:
     assert tuple(REGISTRY) == ARCHITECTURES
     for arch in ARCHITECTURES:
         config = ModelConfig(arch, 10, 8, 16, 1, 2, 2, 4)
-        assert model_class(config) is MODEL_CLASSES[REGISTRY[arch].model]
-        assert REGISTRY[arch].gguf_names and REGISTRY[arch].hf_classes
+        spec = REGISTRY[arch]
+        if spec.encoder:  # embedding encoders: safetensors only
+            assert encoder_class(config) is ENCODER_CLASSES[spec.model] and spec.hf_classes
+            continue
+        assert model_class(config) is MODEL_CLASSES[spec.model]
+        assert spec.gguf_names and spec.hf_classes
     with pytest.raises(ValueError, match="sluice supports: llama, qwen2, qwen3"):
         ModelConfig("gpt2", 10, 8, 16, 1, 2, 2, 4)
 

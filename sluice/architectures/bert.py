@@ -52,6 +52,7 @@ BERT = ArchitectureSpec(
     hf_renames=(("bert.", ""),),
     tensor_parallel=False,
     eagle_head=False,
+    encoder=True,
 )
 
 MPNET = ArchitectureSpec(
@@ -72,4 +73,5 @@ MPNET = ArchitectureSpec(
     ),
     tensor_parallel=False,
     eagle_head=False,
+    encoder=True,
 )

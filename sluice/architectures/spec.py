@@ -141,6 +141,9 @@ class ArchitectureSpec:
     # tp_shard.py), can an EAGLE head draft for it (speculative_method="eagle").
     tensor_parallel: bool = True
     eagle_head: bool = True
+    # An encoder of embedding models (bidirectional, no KV cache): `model` names a
+    # class of sluice.models.ENCODER_CLASSES, not a decoder.
+    encoder: bool = False
 
     def hf_tensor_name(self, gguf_name: str) -> str | None:
         """The HF name of a GGUF tensor of this family, None for one it does not know."""
