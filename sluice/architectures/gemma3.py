@@ -61,8 +61,6 @@ def _hf_fields(cfg: Mapping[str, Any], hf_class: str) -> Fields:
             "attn_logit_softcapping is not supported "
             f"(attn_logit_softcapping={cfg['attn_logit_softcapping']})"
         )
-    if cfg.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention=True is not supported (causal LM only)")
     layers = int(cfg["num_hidden_layers"])
     pattern = int(cfg.get("sliding_window_pattern", 6))
     types = cfg.get("layer_types") or [
@@ -74,8 +72,14 @@ def _hf_fields(cfg: Mapping[str, Any], hf_class: str) -> Fields:
         scaling = rope_from_hf(dict(cfg["rope_scaling"]))[1]
     local_theta = rope_from_hf(params.get("sliding_attention") or {})[0]
     softcap = cfg.get("final_logit_softcapping")
+    bidirectional = bool(cfg.get("use_bidirectional_attention", False))
+    window = int(cfg.get("sliding_window") or 4096)
+    if bidirectional:
+        # Both ways, transformers reads the window as half on each side: a key is seen
+        # less than window // 2 + 1 positions away (its Gemma3TextConfig).
+        window = window // 2 + 1
     return dict(
-        sliding_window=int(cfg.get("sliding_window") or 4096),
+        sliding_window=window,
         sliding_window_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
         rope_theta=global_theta or float(cfg.get("rope_theta", 1_000_000.0)),
         rope_scaling=scaling,
@@ -85,6 +89,8 @@ def _hf_fields(cfg: Mapping[str, Any], hf_class: str) -> Fields:
         hidden_act=str(cfg.get("hidden_activation", "gelu_pytorch_tanh")),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         qk_norm=True,
+        # EmbeddingGemma: the layers attend both ways, for embeddings only.
+        bidirectional=bidirectional,
     )
 
 
@@ -102,7 +108,8 @@ SPEC = ArchitectureSpec(
     title="Gemma 3",
     model="gemma3",
     gguf_names=("gemma3",),
-    hf_classes=("Gemma3ForCausalLM",),
+    # Gemma3TextModel: the bare backbone, as EmbeddingGemma's folder holds it.
+    hf_classes=("Gemma3ForCausalLM", "Gemma3TextModel"),
     gguf_fields=_gguf_fields,
     hf_fields=_hf_fields,
     gguf_layer_names=LAYER_NAMES_GEMMA3,

@@ -99,6 +99,10 @@ def tensors_from_hf_dir(directory: Path, config: ModelConfig) -> dict[str, torch
     for shard in shards:
         for name, tensor in _load_shard(shard).items():
             tensors[spec.hf_checkpoint_name(name)] = tensor.float()
+    if not spec.encoder and not any(n.startswith("model.") for n in tensors):
+        # A bare backbone (transformers' *Model classes: EmbeddingGemma's
+        # Gemma3TextModel) saves its layers without the causal LM's "model." prefix.
+        tensors = {f"model.{n}": t for n, t in tensors.items()}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # same layout as a GGUF: tied means no lm_head
     if config.is_moe:

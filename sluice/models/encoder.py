@@ -1,4 +1,5 @@
-"""Bidirectional encoders (BERT, MPNet) over a packed batch of whole sequences.
+"""Bidirectional encoders over a packed batch of whole sequences: BERT and MPNet, and a
+decoder's layers run both ways (EmbeddingGemma).
 
 A step's sequences arrive concatenated ([T] token ids, as the runner gives a decoder's),
 with their lengths. Every linear layer runs on the packed rows, so no padding is ever
@@ -15,52 +16,19 @@ MPNet spec renames its checkpoint's (sluice/architectures/mpnet.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sluice.attention.bidirectional import (
+    BidirectionalBackend,
+    BidirectionalMetadata,
+    PackedSequences,
+)
+from sluice.attention.step import StepContext, step_context
 from sluice.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class PackedSequences:
-    """Where each sequence of a packed batch lies, and the padded view attention uses."""
-
-    lens: list[int]
-    # Row of each packed token in the padded [B * L] view.
-    pad_index: torch.Tensor
-    # [B, L]: True where a padded slot holds a token.
-    valid: torch.Tensor
-
-    @classmethod
-    def of(cls, lens: list[int], device: torch.device) -> PackedSequences:
-        longest = max(lens)
-        length = torch.tensor(lens, device=device)
-        valid = torch.arange(longest, device=device)[None, :] < length[:, None]
-        pad_index = valid.reshape(-1).nonzero().squeeze(1)
-        return cls(lens, pad_index, valid)
-
-    @property
-    def longest(self) -> int:
-        return int(self.valid.shape[1])
-
-    def positions(self) -> torch.Tensor:
-        """Each token's index in its sequence, [T]."""
-        return torch.arange(self.longest, device=self.valid.device).repeat(len(self.lens))[
-            self.pad_index
-        ]
-
-    def pad(self, rows: torch.Tensor) -> torch.Tensor:
-        """[T, C] packed -> [B, L, C], zeros in the padding."""
-        out = rows.new_zeros(len(self.lens) * self.longest, rows.shape[1])
-        out[self.pad_index] = rows
-        return out.view(len(self.lens), self.longest, rows.shape[1])
-
-    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
-        """[B, L, C] -> [T, C]."""
-        return padded.reshape(-1, padded.shape[-1])[self.pad_index]
+from sluice.models.llama import LlamaForCausalLM
 
 
 def relative_position_bucket(
@@ -159,7 +127,7 @@ class BertEncoder(nn.Module):
     def _mask(self, seqs: PackedSequences, dtype: torch.dtype) -> torch.Tensor:
         """What SDPA adds to the scores: the keys in padding masked out, and MPNet's
         relative position bias ([B or 1, heads or 1, L, L])."""
-        keys = seqs.valid[:, None, None, :]
+        keys = seqs.key_mask()
         if self.relative_bias is None:
             return keys
         pos = torch.arange(seqs.longest, device=keys.device)
@@ -219,3 +187,26 @@ def encoder_state(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str
                 raise ValueError(f"encoder layer {i} lacks its attention query/key/value {kind}")
             state[f"layers.{i}.qkv.{kind}"] = torch.cat([p for p in parts if p is not None])
     return state
+
+
+class BidirectionalDecoder(nn.Module):
+    """A decoder's layers run both ways over whole inputs (EmbeddingGemma: Gemma 3 with
+    bidirectional attention): the same modules and kernels as generation, with attention
+    through the bidirectional backend instead of the paged cache; returns each token's
+    final-normed hidden state."""
+
+    def __init__(self, decoder: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.backend = BidirectionalBackend()
+        # No KV pools: the backend reads none, and the context wants one entry a layer.
+        nothing = torch.empty(0)
+        self.no_cache = [(nothing, nothing)] * decoder.config.num_layers
+
+    def forward(self, input_ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        seqs = PackedSequences.of(lens, input_ids.device)
+        ctx = StepContext(self.backend, BidirectionalMetadata.of(seqs), self.no_cache)
+        with step_context(ctx):
+            hidden = self.decoder(input_ids, seqs.positions())
+        normed: torch.Tensor = self.decoder.norm(hidden)
+        return normed

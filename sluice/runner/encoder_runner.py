@@ -24,7 +24,7 @@ class EncoderRunner:
         self,
         *,
         config: ModelConfig,
-        model: nn.Module,
+        model: nn.Module,  # (token ids [T], input lengths) -> hidden states [T, hidden]
         pooler: Pooler,
         device: torch.device,
     ) -> None:

@@ -6,11 +6,15 @@ silently miss the others."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from sluice.architectures import spec_of
 from sluice.attention import kv_int8, select_backend
 from sluice.config import ModelConfig, PoolerConfig
 from sluice.core.choices import WeightQuantization
@@ -19,6 +23,7 @@ from sluice.core.quantized_tensor import Weight
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import make_linear_method
 from sluice.models import encoder_class, model_class
+from sluice.models.encoder import BidirectionalDecoder
 from sluice.models.llama import LlamaForCausalLM
 from sluice.models.llama_decode_stack import LlamaDecodeStack
 from sluice.models.pooler import Pooler
@@ -120,15 +125,10 @@ def _build_model(
 ) -> LlamaForCausalLM:
     """The module, built directly in the target dtype and device (no fp32 copy to
     convert), each Linear given the quantization method."""
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(options.dtype)
-    try:
-        with torch.device(options.device):
-            model = (variant.model_type or model_class(config))(config)
-            if variant.output_ids is not None:
-                model.restrict_output(variant.output_ids)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    with _default_dtype(options.dtype), torch.device(options.device):
+        model = (variant.model_type or model_class(config))(config)
+        if variant.output_ids is not None:
+            model.restrict_output(variant.output_ids)
     if options.quantization != "none":
         if options.device.type != "cpu":
             raise ValueError(f"quantization={options.quantization!r} runs on CPU kernels only")
@@ -165,14 +165,28 @@ def build_encoder_runner(
     dense_only = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}
     if len(dense_only) != len(tensors):
         raise ConfigError("quantization", "an encoder's weights must be float tensors")
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(options.dtype)
-    try:
-        with torch.device(options.device):
-            model = encoder_class(config)(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    model.load_weights(dense_only)
+    model: nn.Module
+    if spec_of(config.architecture).encoder:
+        with _default_dtype(options.dtype), torch.device(options.device):
+            encoder = encoder_class(config)(config)
+        encoder.load_weights(dense_only)
+        model = encoder
+    else:  # a decoder family run both ways (EmbeddingGemma)
+        decoder = _build_model(config, options, TARGET)
+        decoder.load_weights(tensors)
+        decoder.init_rotary(pooler.max_tokens)
+        model = BidirectionalDecoder(decoder)
     tensors.clear()
     model.eval()
     return EncoderRunner(config=config, model=model, pooler=head.eval(), device=options.device)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Modules built inside get their parameters in `dtype` (no fp32 copy to convert)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
