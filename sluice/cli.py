@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import logging
 import sys
 import types
@@ -109,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API"))
     _add_generate(sub.add_parser("generate", help="generate from one prompt, streaming to stdout"))
     _add_chat(sub.add_parser("chat", help="interactive chat (reads stdin; /exit or EOF quits)"))
+    _add_embed(
+        sub.add_parser(
+            "embed",
+            help="print the embedding of each text (arguments, or stdin's lines) as JSON lines",
+        )
+    )
     _add_store(sub)
     _add_bench(
         sub.add_parser(
@@ -184,6 +191,18 @@ def _add_chat(chat: argparse.ArgumentParser) -> None:
     chat.add_argument("--system", default=None, help="a system prompt")
     _sampling_options(chat, 512)
     add_engine_options(chat, skip=_ONE_ENGINE | {"seed"})
+
+
+def _add_embed(embed: argparse.ArgumentParser) -> None:
+    embed.add_argument("texts", nargs="*", help="texts to embed (none: one a line from stdin)")
+    embed.add_argument("--dimensions", type=int, default=None, help="cut to this Matryoshka size")
+    embed.add_argument(
+        "--truncate-prompt-tokens",
+        type=int,
+        default=None,
+        help="cut longer inputs to this many tokens (default: refuse them)",
+    )
+    add_engine_options(embed, skip=_ONE_ENGINE | {"seed"})
 
 
 # What `pull` takes of the engine's options: where to fetch from, and what the memory
@@ -302,6 +321,28 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     _stream(engine, "generate-0", ids, params, sys.stdout)
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 0
+
+
+def _embed(args: argparse.Namespace) -> int:
+    """One JSON line a text: {"index", "text", "embedding"}, in the texts' order."""
+    from sluice.llm import LLM
+    from sluice.sampling_params import PoolingParams
+
+    params = PoolingParams(
+        dimensions=args.dimensions, truncate_prompt_tokens=args.truncate_prompt_tokens
+    )
+    texts = args.texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not texts:
+        print("sluice: nothing to embed", file=sys.stderr)
+        return 2
+    llm = LLM.from_config(engine_config(args))
+    for i, (text, out) in enumerate(
+        zip(texts, llm.embed(texts, params, use_tqdm=False), strict=True)
+    ):
+        line = {"index": i, "text": text, "embedding": out.outputs.embedding}
+        sys.stdout.write(json.dumps(line) + "\n")
     sys.stdout.flush()
     return 0
 
@@ -443,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chat":
             _params(args)
             return _chat(args)
+        if args.command == "embed":
+            return _embed(args)
         if args.command in _STORE_COMMANDS:
             return _STORE_COMMANDS[args.command](args)
         if args.command == "bench":

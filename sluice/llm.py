@@ -35,12 +35,22 @@ class LLM:
     max_num_batched_tokens, kv_cache_memory, seed, enable_prefix_caching, ...)."""
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        self.engine = LLMEngine.from_config(EngineConfig.from_kwargs(model=model, **engine_options))
+        self._start(EngineConfig.from_kwargs(model=model, **engine_options))
+
+    def _start(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine.from_config(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
         if self.engine.tp_workers is not None:
             # Tensor-parallel workers stop with this object (or at exit at the latest).
             weakref.finalize(self, self.engine.shutdown)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM over a finished EngineConfig (the CLI's, built from its flags)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); a no-op without."""

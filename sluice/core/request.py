@@ -17,6 +17,10 @@ from sluice.core.outputs import Logprob
 from sluice.core.pooling_params import PoolingParams
 from sluice.core.sampling_params import SamplingParams
 
+# What a request asks for: text (sampling options) or, from an embedding model, its
+# prompt's vector (pooling options). Every layer that passes requests on takes either.
+RequestParams = SamplingParams | PoolingParams
+
 
 class RequestStatus(enum.Enum):
     # A finished status's value is its finish reason.

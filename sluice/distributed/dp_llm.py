@@ -31,6 +31,7 @@ from sluice.core.errors import (
     QueueFullError,
     RequestError,
 )
+from sluice.core.request import RequestParams
 from sluice.distributed.backend import StartReplica
 from sluice.distributed.messages import (
     AbortRequest,
@@ -48,7 +49,6 @@ from sluice.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS, RequestStre
 from sluice.engine.stats import FrontEndStats
 from sluice.loader import MemoryBudget, load_tokenizer, resolve_chat_template
 from sluice.outputs import RequestOutput
-from sluice.sampling_params import SamplingParams
 
 logger = logging.getLogger("sluice.distributed")
 
@@ -81,7 +81,7 @@ class _Inflight:
 
     request_id: str
     prompt: list[int]
-    params: SamplingParams
+    params: RequestParams
     priority: int
     arrival: float  # this process's monotonic clock
     stream: weakref.ref[RequestStream]
@@ -161,7 +161,7 @@ class DataParallelLLM:
     async def generate(
         self,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: RequestParams,
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,

@@ -11,15 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.core.request import RequestParams
 from sluice.outputs import RequestOutput
-from sluice.sampling_params import SamplingParams
 
 
 @dataclass
 class AddRequest:
     request_id: str
     prompt: list[int]
-    params: SamplingParams
+    params: RequestParams
     priority: int
     # Seconds since the request arrived at the front end: monotonic clocks differ
     # between machines, so the replica takes its own clock minus this.

@@ -25,6 +25,7 @@ from typing import Any, Protocol, cast
 
 from sluice.config import EngineConfig
 from sluice.core.errors import EngineShutdownError, EngineStepError, QueueFullError
+from sluice.core.request import RequestParams
 from sluice.engine.engine import LLMEngine
 from sluice.engine.stats import FrontEndStats
 from sluice.outputs import RequestOutput
@@ -46,7 +47,7 @@ class EngineLike(Protocol):
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: RequestParams | None = None,
         *,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -65,7 +66,7 @@ class EngineLike(Protocol):
 class _Add:
     request_id: str
     prompt: str | list[int]
-    params: SamplingParams
+    params: RequestParams
     priority: int
     arrival_time: float
     stream: weakref.ref[RequestStream]  # weak: the command may outlive its handling
@@ -165,7 +166,7 @@ class EngineClient(Protocol):
     async def generate(
         self,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: RequestParams,
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -248,7 +249,7 @@ class AsyncLLM:
     async def generate(
         self,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: RequestParams,
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -264,7 +265,11 @@ class AsyncLLM:
             raise EngineShutdownError("the engine is shutting down")
         rid = request_id or self.new_request_id()
         grammars = getattr(self.engine, "grammars", None)
-        if params.structured_output is not None and grammars is not None:
+        if (
+            isinstance(params, SamplingParams)
+            and params.structured_output is not None
+            and grammars is not None
+        ):
             # Off the engine loop (the library releases the GIL while it compiles); the
             # engine then finds it in the cache. A rejected grammar raises here.
             await asyncio.to_thread(grammars.compile, params.structured_output)

@@ -159,8 +159,8 @@ class LLMEngine:
         if self.model_config.bidirectional:
             raise RequestError(
                 "model",
-                f"{self.model_config.name} is an embedding model: it does not generate text "
-                "(embed with /v1/embeddings or LLM.embed)",
+                "this is an embedding model: it does not generate text (embed with "
+                "/v1/embeddings or LLM.embed)",
             )
         params = params or SamplingParams()
         ids = self._check_request(request_id, prompt, params)
@@ -186,7 +186,11 @@ class LLMEngine:
     ) -> None:
         """Queue an embedding request: its prompt is computed once and pooled."""
         if self.pooler is None:
-            raise RequestError("model", f"{self.model_config.name} is not an embedding model")
+            raise RequestError(
+                "model",
+                "this model does not embed: serve an embedding model (all-minilm-l6-v2, "
+                "all-mpnet-base-v2, embeddinggemma-300m or a sentence-transformers folder)",
+            )
         if request_id in self.groups:
             raise RequestError("request_id", f"request id {request_id!r} is already in use")
         ids = embedding_input(self.encode_prompt(prompt), params, self.pooler, self._end_token)

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from sluice.core.request import RequestParams
 from sluice.engine.async_engine import RequestStream
 from sluice.outputs import CompletionOutput, RequestOutput
 from sluice.sampling_params import SamplingParams
@@ -99,7 +100,7 @@ async def merge(tracked: list[Tracked]) -> AsyncGenerator[tuple[int, RequestOutp
 async def submit(
     ctx: ServerContext,
     prompts: list[list[int]],
-    params: SamplingParams,
+    params: RequestParams,
     base_id: str,
     priority: int,
     prompt_param: str,
@@ -119,7 +120,8 @@ async def submit(
                 stream = await ctx.llm.generate(
                     ids, params, rid, priority, arrival, replayable=not streamed
                 )
-                tracked.append(Tracked(stream, ctx.metrics, params.n))
+                n = params.n if isinstance(params, SamplingParams) else 1
+                tracked.append(Tracked(stream, ctx.metrics, n))
     except BaseException:
         for t in tracked:
             t.stream.abort()

@@ -18,7 +18,10 @@ __all__ = [
     "ChatCompletionRequest",
     "CompletionRequest",
     "DetokenizeRequest",
+    "EmbeddingRequest",
     "OpenAIError",
+    "RerankRequest",
+    "ScoreRequest",
     "StreamOptions",
     "TokenizeRequest",
     "bad_request",
@@ -99,6 +102,44 @@ class ChatCompletionRequest(_SamplingFields):
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's /v1/embeddings body, with vLLM's extensions."""
+
+    model: str | None = None
+    # A string, token ids, or a list of either; checked in routes/embeddings.py so the
+    # errors name the input.
+    input: Any = None
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM's: cut inputs past this many tokens instead of refusing them; normalize.
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+    priority: int = 0
+
+
+class ScoreRequest(_Strict):
+    """vLLM's /v1/score: text_1 (one or as many as text_2) against each text_2."""
+
+    model: str | None = None
+    text_1: Any = None
+    text_2: Any = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+
+class RerankRequest(_Strict):
+    """The Jina/Cohere rerank body (/v1/rerank, /rerank) that vLLM and llama.cpp accept."""
+
+    model: str | None = None
+    query: Any = None
+    documents: Any = None
+    top_n: int | None = None
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
 
 
 class TokenizeRequest(_Strict):

@@ -3,6 +3,7 @@
 from sluice.server.routes import (
     chat,
     completions,
+    embeddings,
     health,
     messages,
     models,
@@ -15,6 +16,7 @@ ROUTERS = [
     models.router,
     completions.router,
     chat.router,
+    embeddings.router,
     messages.router,
     responses.router,
     playground.router,
