@@ -25,6 +25,8 @@ from sluice.attention.bidirectional import (
     BidirectionalBackend,
     BidirectionalMetadata,
     PackedSequences,
+    SequenceGroup,
+    attend_padded,
 )
 from sluice.attention.step import StepContext, step_context
 from sluice.config import ModelConfig
@@ -67,11 +69,17 @@ class EncoderLayer(nn.Module):
         self.down = nn.Linear(config.intermediate_size, h)
         self.mlp_norm = nn.LayerNorm(h, eps=eps)
 
-    def forward(self, x: torch.Tensor, seqs: PackedSequences, mask: torch.Tensor) -> torch.Tensor:
-        b, length = seqs.valid.shape
-        qkv = seqs.pad(self.qkv(x)).view(b, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)
-        attn_rows = seqs.unpad(attn.transpose(1, 2).reshape(b, length, -1))
+    def forward(
+        self, x: torch.Tensor, seqs: PackedSequences, masks: list[torch.Tensor | None]
+    ) -> torch.Tensor:
+        qkv = self.qkv(x)
+        parts = []
+        for group, mask in zip(seqs.groups, masks, strict=True):
+            b, length = group.valid.shape
+            heads = group.pad(qkv).view(b, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            attn = attend_padded(heads[0], heads[1], heads[2], mask)
+            parts.append(group.unpad(attn.transpose(1, 2).reshape(b, length, -1)))
+        attn_rows = torch.cat(parts) if len(parts) > 1 else parts[0]
         x = self.attn_norm(x + self.out(attn_rows))
         out: torch.Tensor = self.mlp_norm(x + self.down(F.gelu(self.up(x))))
         return out
@@ -97,14 +105,14 @@ class BertEncoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
         seqs = PackedSequences.of(lens, input_ids.device)
-        positions = seqs.positions() + self.config.position_offset
+        positions = seqs.positions(input_ids.device) + self.config.position_offset
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
         if self.token_type_embeddings is not None:
             x = x + self.token_type_embeddings.weight[0]  # one segment: type 0
         x = self.embed_norm(x)
-        mask = self._mask(seqs, x.dtype)
+        masks = [self._mask(group, x.dtype) for group in seqs.groups]
         for layer in self.layers:
-            x = layer(x, seqs, mask)
+            x = layer(x, seqs, masks)
         out: torch.Tensor = x
         return out
 
@@ -124,17 +132,19 @@ class BertEncoder(nn.Module):
                 )
         self.load_state_dict(state)
 
-    def _mask(self, seqs: PackedSequences, dtype: torch.dtype) -> torch.Tensor:
-        """What SDPA adds to the scores: the keys in padding masked out, and MPNet's
-        relative position bias ([B or 1, heads or 1, L, L])."""
-        keys = seqs.key_mask()
+    def _mask(self, group: SequenceGroup, dtype: torch.dtype) -> torch.Tensor | None:
+        """What SDPA adds to a group's scores: the keys in padding masked out, and
+        MPNet's relative position bias ([B or 1, heads or 1, L, L]); None: nothing."""
+        keys = group.key_mask()
         if self.relative_bias is None:
             return keys
-        pos = torch.arange(seqs.longest, device=keys.device)
+        pos = torch.arange(group.longest, device=group.valid.device)
         bucket = relative_position_bucket(
             pos[None, :] - pos[:, None], self.config.relative_attention_buckets
         )
         bias: torch.Tensor = self.relative_bias(bucket).permute(2, 0, 1)[None].to(dtype)
+        if keys is None:
+            return bias  # [1, H, L, L]
         return bias.masked_fill(~keys, torch.finfo(dtype).min)  # [B, H, L, L]
 
 
@@ -207,6 +217,6 @@ class BidirectionalDecoder(nn.Module):
         seqs = PackedSequences.of(lens, input_ids.device)
         ctx = StepContext(self.backend, BidirectionalMetadata.of(seqs), self.no_cache)
         with step_context(ctx):
-            hidden = self.decoder(input_ids, seqs.positions())
+            hidden = self.decoder(input_ids, seqs.positions(input_ids.device))
         normed: torch.Tensor = self.decoder.norm(hidden)
         return normed

@@ -40,6 +40,8 @@ class EncoderRunner:
             assert req.num_computed_tokens == 0 and n == req.num_prompt_tokens, (
                 "an encoder computes an input whole"
             )
+        # Shortest first: attention pads inputs of similar length together.
+        scheduled = sorted(scheduled, key=lambda rn: rn[1])
         ids = [t for req, _ in scheduled for t in req.prompt_token_ids]
         lens = [n for _, n in scheduled]
         hidden = self.model(torch.tensor(ids, device=self.device), lens)
