@@ -327,7 +327,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _embed(args: argparse.Namespace) -> int:
     """One JSON line a text: {"index", "text", "embedding"}, in the texts' order."""
-    from sluice.llm import LLM
+    from sluice.engine.engine import LLMEngine
     from sluice.sampling_params import PoolingParams
 
     params = PoolingParams(
@@ -337,11 +337,14 @@ def _embed(args: argparse.Namespace) -> int:
     if not texts:
         print("sluice: nothing to embed", file=sys.stderr)
         return 2
-    llm = LLM.from_config(engine_config(args))
-    for i, (text, out) in enumerate(
-        zip(texts, llm.embed(texts, params, use_tqdm=False), strict=True)
-    ):
-        line = {"index": i, "text": text, "embedding": out.outputs.embedding}
+    engine = LLMEngine.from_config(engine_config(args))
+    for i, text in enumerate(texts):
+        engine.add_request(str(i), text, params)
+    vectors: dict[str, list[float] | None] = {}
+    while engine.has_unfinished_requests():
+        vectors.update((out.request_id, out.embedding) for out in engine.step() if out.finished)
+    for i, text in enumerate(texts):
+        line = {"index": i, "text": text, "embedding": vectors[str(i)]}
         sys.stdout.write(json.dumps(line) + "\n")
     sys.stdout.flush()
     return 0

@@ -14,6 +14,7 @@ from sluice.core.outputs import EmbeddingOutput, EmbeddingRequestOutput, Request
 from sluice.core.pooling_params import PoolingParams
 from sluice.core.sampling_params import SamplingParams
 from sluice.engine.engine import LLMEngine
+from sluice.engine.pooling import text_head
 
 Message = dict[str, str]
 
@@ -35,22 +36,13 @@ class LLM:
     max_num_batched_tokens, kv_cache_memory, seed, enable_prefix_caching, ...)."""
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        self._start(EngineConfig.from_kwargs(model=model, **engine_options))
-
-    def _start(self, config: EngineConfig) -> None:
+        config = EngineConfig.from_kwargs(model=model, **engine_options)
         self.engine = LLMEngine.from_config(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
         if self.engine.tp_workers is not None:
             # Tensor-parallel workers stop with this object (or at exit at the latest).
             weakref.finalize(self, self.engine.shutdown)
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> LLM:
-        """An LLM over a finished EngineConfig (the CLI's, built from its flags)."""
-        llm = cls.__new__(cls)
-        llm._start(config)
-        return llm
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); a no-op without."""
@@ -132,8 +124,8 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """The vector of each input (a string or token ids), in order, from an embedding
         model (`out.outputs.embedding`); the engine batches them as it batches prompts."""
-        prompt_list = _prompt_list(prompts)
         params = pooling_params or PoolingParams()
+        prompt_list = self._tokenized(_prompt_list(prompts), params)
         ids = []
         try:
             for prompt in prompt_list:
@@ -150,6 +142,21 @@ class LLM:
             for o in outputs
             if o.embedding is not None
         ]
+
+    def _tokenized(
+        self, prompts: list[str | list[int]], params: PoolingParams
+    ) -> list[str | list[int]]:
+        """The texts among `prompts` tokenized together (the backend runs them in
+        parallel), each only as far as the request reads it."""
+        pooler = self.engine.pooler
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str) and p]
+        if pooler is None or not texts:
+            return prompts
+        heads = [text_head(cast(str, prompts[i]), params, pooler) for i in texts]
+        out = list(prompts)
+        for i, ids in zip(texts, self.tokenizer.encode_batch(heads), strict=True):
+            out[i] = ids
+        return out
 
     def _run(self, ids: list[str], use_tqdm: bool, what: str = "generating") -> list[RequestOutput]:
         wanted = set(ids)

@@ -18,7 +18,7 @@ from sluice.core.errors import ConfigError, RequestError
 from sluice.core.request import DraftRow, Request, RequestStatus, SamplingRow
 from sluice.engine.builder import EngineParts, build_engine, kv_block_format
 from sluice.engine.kv_connector import BlockFormat, KVConnector
-from sluice.engine.pooling import embedding_input, finish_vector
+from sluice.engine.pooling import embedding_input, finish_vector, text_head
 from sluice.engine.request_output import (
     RequestGroup,
     SampledLogprob,
@@ -193,6 +193,8 @@ class LLMEngine:
             )
         if request_id in self.groups:
             raise RequestError("request_id", f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            prompt = text_head(prompt, params, self.pooler)
         ids = embedding_input(self.encode_prompt(prompt), params, self.pooler, self._end_token)
         req = Request(
             request_id=request_id,

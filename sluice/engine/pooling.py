@@ -9,6 +9,18 @@ from sluice.config import PoolerConfig
 from sluice.core.errors import RequestError
 from sluice.core.pooling_params import PoolingParams
 
+# A text to be truncated is cut to this many characters a token of the model's limit
+# before it is tokenized: a token is rarely longer, and a 20 MB input is never
+# tokenized whole.
+CHARS_PER_TOKEN = 64
+
+
+def text_head(text: str, params: PoolingParams, pooler: PoolerConfig) -> str:
+    """What of a text needs tokenizing: its head where the request truncates."""
+    if params.truncate_prompt_tokens is None:
+        return text
+    return text[: CHARS_PER_TOKEN * min(params.truncate_prompt_tokens, pooler.max_tokens)]
+
 
 def embedding_input(
     ids: list[int], params: PoolingParams, pooler: PoolerConfig, end_token: int | None

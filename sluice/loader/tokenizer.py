@@ -93,6 +93,13 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text (special tokens added), the texts tokenized in parallel
+        by the backend."""
+        if not self.post_process:
+            return [self.encode(t) for t in texts]
+        return [list(e.ids) for e in self._backend.encode_batch(list(texts))]
+
     def appended_token(self) -> int | None:
         """The special token encoding puts after any text (BERT's [SEP]), or None."""
         with_specials, plain = self.encode("a"), self.encode("a", add_special_tokens=False)

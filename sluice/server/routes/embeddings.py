@@ -17,6 +17,7 @@ import torch
 from fastapi import APIRouter, Request
 
 from sluice.core.errors import RequestError
+from sluice.engine.pooling import CHARS_PER_TOKEN
 from sluice.outputs import RequestOutput
 from sluice.sampling_params import PoolingParams
 from sluice.server.context import ServerContext, server_context
@@ -29,9 +30,6 @@ router = APIRouter()
 
 # Inputs one request may hold (OpenAI's limit for /v1/embeddings).
 MAX_INPUTS = 2048
-# A text to be truncated is cut to this many characters a token of the limit before it
-# is tokenized: a token is rarely longer, and a 20 MB input is never tokenized whole.
-_CHARS_PER_TOKEN = 64
 _ENCODINGS = ("float", "base64")
 
 
@@ -67,7 +65,7 @@ def input_ids(ctx: ServerContext, value: Any, param: str, truncate: int | None) 
             if truncate is None:
                 check_text_length(ctx, item, param)
             else:
-                item = item[: _CHARS_PER_TOKEN * ctx.max_model_len]
+                item = item[: CHARS_PER_TOKEN * min(truncate, ctx.max_model_len)]
             result.append(ctx.tokenizer.encode(item))
         else:
             check_token_ids(ctx, param, item)
