@@ -143,12 +143,15 @@ def test_openai_client_embeddings_float_and_base64(
     assert as_float.usage.prompt_tokens == sum(
         len(reference.tokenize([t])["input_ids"][0]) for t in SHORT
     )
+    one = client.embeddings.create(model=MINILM, input=SHORT[0], encoding_format="float")
     raw = client.embeddings.create(model=MINILM, input=SHORT[0], encoding_format="base64")
     decoded = np.frombuffer(base64.b64decode(raw.data[0].embedding), dtype="<f4")
-    assert np.allclose(decoded, as_float.data[0].embedding)
+    assert np.array_equal(decoded, np.float32(one.data[0].embedding))
     # The client's default asks for base64 and decodes it itself.
     default = client.embeddings.create(model=MINILM, input=SHORT[0])
-    assert np.allclose(default.data[0].embedding, as_float.data[0].embedding)
+    assert np.array_equal(default.data[0].embedding, decoded)
+    # Alone or in a batch of three: the same vector (to the GEMM's row blocking).
+    assert np.allclose(one.data[0].embedding, as_float.data[0].embedding, atol=1e-6)
     ids = reference.tokenize([SHORT[0]])["input_ids"][0].tolist()
     by_ids = client.embeddings.create(model=MINILM, input=[ids], encoding_format="float")
     assert np.allclose(by_ids.data[0].embedding, as_float.data[0].embedding, atol=1e-6)

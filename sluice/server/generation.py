@@ -112,20 +112,26 @@ async def submit(
     if ctx.draining:
         raise shutting_down()
     arrival = time.monotonic()
-    tracked: list[Tracked] = []
-    try:
+    n = params.n if isinstance(params, SamplingParams) else 1
+
+    async def add(i: int, ids: list[int]) -> RequestStream:
+        rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+        return await ctx.llm.generate(ids, params, rid, priority, arrival, replayable=not streamed)
+
+    # All at once: the engine loop takes every add waiting between two steps, so the
+    # prompts of one request (an embeddings batch) share its steps instead of joining
+    # one a step.
+    added = await asyncio.gather(
+        *(add(i, ids) for i, ids in enumerate(prompts)), return_exceptions=True
+    )
+    streams = [a for a in added if not isinstance(a, BaseException)]
+    failed = [a for a in added if isinstance(a, BaseException)]
+    if failed:
+        for stream in streams:
+            stream.abort()
         with engine_errors(prompt_param):
-            for i, ids in enumerate(prompts):
-                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                stream = await ctx.llm.generate(
-                    ids, params, rid, priority, arrival, replayable=not streamed
-                )
-                n = params.n if isinstance(params, SamplingParams) else 1
-                tracked.append(Tracked(stream, ctx.metrics, n))
-    except BaseException:
-        for t in tracked:
-            t.stream.abort()
-        raise
+            raise failed[0]
+    tracked = [Tracked(stream, ctx.metrics, n) for stream in streams]
     ctx.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
     return tracked
 
