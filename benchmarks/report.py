@@ -822,6 +822,49 @@ def _hub_download(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _embeddings(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        summary, ratio = d["summary"], d["ratio_of_medians"]["sluice"]["texts_per_s"]
+        servers, lat = d.get("servers"), d.get("latency_seconds")
+        server_cells = ["-", "-", "-"]
+        if servers:
+            s = servers["summary"]
+            server_cells = [
+                fmt_spread(s["sluice serve"]["texts_per_s"], digits=1),
+                fmt_spread(s["llama-server"]["texts_per_s"], digits=1),
+                f"{servers['ratio_of_medians']['sluice serve']['texts_per_s']:.2f}x",
+            ]
+        rows.append(
+            [
+                *_run_cells(name, d),
+                f"{d['model']} ({d['dtype']})",
+                f"{d['num_texts']:,} cut at {d['max_tokens']}",
+                fmt_spread(summary["sluice"]["texts_per_s"], digits=1),
+                fmt_spread(summary["sentence-transformers"]["texts_per_s"], digits=1),
+                f"{ratio:.2f}x",
+                f"{d['cosine_to_reference']['min']:.5f}",
+                *server_cells,
+                f"{lat['p50'] * 1e3:.1f} / {lat['p90'] * 1e3:.1f}" if lat else "-",
+                str(d["rounds"]),
+            ]
+        )
+    headers = [
+        "model",
+        "ShareGPT first turns",
+        "texts/s: sluice",
+        "sentence-transformers",
+        "ratio",
+        "min cosine",
+        "texts/s: sluice serve",
+        "llama-server",
+        "ratio",
+        "16-token query p50 / p90 ms",
+        "rounds",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
 def _swa_pool(results: Sequence[Result]) -> str:
     rows = []
     for name, d in results:
@@ -907,6 +950,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "few_rows": _few_rows,
     "tool_calls": _tool_calls,
     "hub_download": _hub_download,
+    "embeddings": _embeddings,
     "cuda_check": _cuda_check,
 }
 

@@ -14,6 +14,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -117,13 +118,6 @@ def test_bad_embedding_requests_name_their_field(llm: LLM) -> None:
     assert err.value.param == "truncate_prompt_tokens"
     assert not engine.has_unfinished_requests()
     assert llm.embed("still serving", use_tqdm=False)[0].outputs.embedding
-
-
-def test_a_chat_model_refuses_embedding_requests() -> None:
-    engine = LLM().engine  # the default SmolLM2 generates only
-    with pytest.raises(RequestError) as err:
-        engine.add_request("e", "hi", PoolingParams())
-    assert err.value.param == "model"
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +269,85 @@ def test_a_dense_layer_of_the_wrong_shape_is_refused(folder_copy: Path) -> None:
         ModelFileError, match=r"linear.weight must be a float tensor of \(64, 384\)"
     ):
         read_pooler(folder_copy, config)
+
+
+# ---- a decoder embeds too -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_decoder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """A small random Llama (transformers) with SmolLM2's tokenizer, and the model."""
+    from benchmarks.random_models import SMALL, build_model
+    from sluice.loader import load_tokenizer
+
+    directory = tmp_path_factory.mktemp("decoder")
+    model = build_model("llama", SMALL, directory)
+    _, tok = load_tokenizer("smollm2-135m")
+    (directory / "tokenizer.json").write_text(tok.backend.to_str())
+    return directory, model
+
+
+def _hidden(model: Any, ids: list[int]) -> torch.Tensor:
+    """transformers' final-normed hidden states of one input, [tokens, hidden]."""
+    with torch.no_grad():
+        return model.model(torch.tensor([ids])).last_hidden_state[0]
+
+
+def test_a_decoder_embeds_with_its_last_token_beside_generation(
+    tiny_decoder: tuple[Path, Any],
+) -> None:
+    directory, model = tiny_decoder
+    # 32-token steps: the 150-token input is computed in chunks, its last one pooled.
+    llm = LLM(str(directory), dtype="float32", max_num_batched_tokens=32, max_num_seqs=8)
+    texts = ["Rivers run to the sea. " * 25, "hi there"]
+    engine = llm.engine
+    engine.add_request("gen", "Once upon a time", SamplingParams(max_tokens=8, temperature=0))
+    for i, text in enumerate(texts):
+        engine.add_request(f"e{i}", text, PoolingParams())
+    done: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert len(done["gen"].outputs[0].token_ids) == 8  # generation ran beside them
+    for i in range(len(texts)):
+        out = done[f"e{i}"]
+        ref = torch.nn.functional.normalize(_hidden(model, out.prompt_token_ids)[-1], dim=0)
+        assert (
+            torch.nn.functional.cosine_similarity(torch.tensor(out.embedding), ref, dim=0) > 0.99999
+        )
+        assert abs(float(torch.tensor(out.embedding).norm()) - 1) < 1e-5
+    assert len(done["e0"].prompt_token_ids) > 100
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+
+
+def test_a_decoder_folder_pooling_the_mean_adds_up_its_chunks(
+    tiny_decoder: tuple[Path, Any], tmp_path: Path
+) -> None:
+    directory, model = tiny_decoder
+    folder = tmp_path / "mean"
+    shutil.copytree(directory, folder)
+    transformer = {
+        "idx": 0,
+        "name": "0",
+        "path": "",
+        "type": "sentence_transformers.models.Transformer",
+    }
+    pooling = {
+        "idx": 1,
+        "name": "1",
+        "path": "1_Pooling",
+        "type": "sentence_transformers.models.Pooling",
+    }
+    (folder / "modules.json").write_text(json.dumps([transformer, pooling]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode_mean_tokens": True})
+    )
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=16, max_num_seqs=4)
+    text = "Rivers run to the sea. " * 10
+    out = llm.embed(text, use_tqdm=False)[0]
+    ref = _hidden(model, out.prompt_token_ids).mean(0)  # no Normalize module: as pooled
+    assert len(out.prompt_token_ids) > 40
+    assert torch.allclose(torch.tensor(out.outputs.embedding), ref, atol=1e-4)
 
 
 # ---- the larger models (make test-slow) -------------------------------------------------

@@ -41,6 +41,32 @@ def test_rms_norm_with_and_without_residual(
     assert close(add_out, ref_add_out, dtype)
 
 
+@pytest.mark.parametrize("rows", [1, 300])
+def test_rms_norm_of_bf16_rows_with_fp32_scales(
+    rows: int, monkeypatch: pytest.MonkeyPatch, fused_kernels: str
+) -> None:
+    """An encoder's norms keep 1 + w in fp32 (models/llama.py's _put_norm): the kernel
+    reads them as fp32, as torch's norm in fp32 rounded once to bf16 does, and lands
+    closer to the exact norm than with the scale rounded to bf16 first."""
+    torch.manual_seed(2)
+    x, res = (torch.randn(rows, 768, dtype=torch.bfloat16) * 20 for _ in range(2))
+    w = 1.0 + torch.randn(768) * 0.01  # Gemma's scales: 1 plus a small stored offset
+    out, _ = fused.rms_norm(x, w, 1e-6)
+    add_out, add_h = fused.rms_norm(x, w, 1e-6, res.clone())
+    rounded_scale, _ = fused.rms_norm(x, w.bfloat16(), 1e-6)
+    monkeypatch.setattr(fused.kernels, "load", lambda: None)
+    ref_out, _ = fused.rms_norm(x, w, 1e-6)
+    ref_add_out, ref_add_h = fused.rms_norm(x, w, 1e-6, res.clone())
+    assert close(out, ref_out, torch.bfloat16) and torch.equal(add_h, ref_add_h)
+    assert close(add_out, ref_add_out, torch.bfloat16)
+    exact = torch.nn.functional.rms_norm(x.double(), (768,), w.double(), 1e-6)
+
+    def error(t: torch.Tensor) -> float:
+        return float((t.double() - exact).abs().mean())
+
+    assert error(out) < 0.8 * error(rounded_scale)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_place_on_a_strided_slice(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, fused_kernels: str

@@ -131,6 +131,9 @@ class Request:
     metrics: RequestMetrics = field(init=False)
     # An embedding request's vector, once its prompt is computed.
     embedding: list[float] | None = field(init=False, default=None)
+    # An embedding request on a decoder, computed in chunks: what its chunks so far
+    # pooled (the runner's running sum for mean pooling, a tensor), reset at its start.
+    pool_state: Any = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

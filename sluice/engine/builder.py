@@ -117,6 +117,9 @@ class _Target:
     options: RunnerOptions
     needs_features: bool
     drafter: DraftSource | None
+    pooler: PoolerConfig
+    """How the model embeds: its sentence-transformers pipeline, or a decoder's last
+    token, normalized (as vLLM's pooling runner embeds with a decoder)."""
 
 
 @dataclass(frozen=True)
@@ -200,7 +203,21 @@ def _load_target(config: EngineConfig, device: torch.device) -> _Target:
     )
     method = METHODS[config.speculative_method] if config.speculative_method else None
     drafter = method.load(DraftLoad(config, loaded, options)) if method else None
-    return _Target(loaded, options, method is not None and method.needs_features, drafter)
+    needs_features = method is not None and method.needs_features
+    return _Target(loaded, options, needs_features, drafter, _pooler(config, loaded))
+
+
+def _pooler(config: EngineConfig, loaded: LoadedModel) -> PoolerConfig:
+    """What embedding requests get from this model: an encoder's (or a decoder's
+    sentence-transformers folder's) pipeline, else a decoder's last token, normalized,
+    up to its context."""
+    mc, pooler = loaded.config, loaded.pooler
+    if pooler is not None and pooler.dense and not mc.bidirectional:
+        raise ConfigError("model", "dense layers after a decoder's pooling are not supported")
+    if pooler is not None:
+        return pooler
+    limit = (config.max_model_len or mc.max_position_embeddings) - 1
+    return PoolerConfig(mode="last", normalize=True, dimension=mc.hidden_size, max_tokens=limit)
 
 
 def _build_serving(config: EngineConfig, target: _Target, undo: contextlib.ExitStack) -> _Serving:
@@ -227,7 +244,7 @@ def _build_serving(config: EngineConfig, target: _Target, undo: contextlib.ExitS
         tensors=loaded.tensors,  # consumed: each weight is freed once its layer holds it
         options=options,
         layout=layout,
-        variant=ModelVariant(return_features=target.needs_features),
+        variant=ModelVariant(return_features=target.needs_features, pool_mode=target.pooler.mode),
         tp=tp.group if tp else None,
         followers=tp.workers if tp else None,
     )
@@ -259,14 +276,13 @@ def _build_encoder_serving(config: EngineConfig, target: _Target) -> _Serving:
     """An embedding encoder's parts: its runner and a scheduler that grants each input
     whole (bidirectional attention cannot compute a chunk before the rest), over a KV
     manager that only counts blocks (an encoder keeps no KV cache, so no pool)."""
-    loaded = target.loaded
-    assert loaded.pooler is not None, "the loader reads an encoder's pooling pipeline"
+    loaded, pooler = target.loaded, target.pooler
     for name, default in _NOT_FOR_ENCODERS:
         if getattr(config, name) != default:
             raise ConfigError(
                 name, f"{name} does not apply to an embedding encoder ({loaded.config.name})"
             )
-    max_tokens = loaded.pooler.max_tokens
+    max_tokens = pooler.max_tokens
     # The step's budget holds at least one input of the model's longest.
     budget = max(config.max_num_batched_tokens, max_tokens)
     step_config = dataclasses.replace(
@@ -279,7 +295,7 @@ def _build_encoder_serving(config: EngineConfig, target: _Target) -> _Serving:
     runner = build_encoder_runner(
         config=loaded.config,
         tensors=loaded.tensors,
-        pooler=loaded.pooler,
+        pooler=pooler,
         options=target.options,
     )
     scheduler = Scheduler(step_config, kv, max_tokens, whole_prompts=True)
@@ -315,8 +331,16 @@ def _finish(config: EngineConfig, target: _Target, serving: _Serving, t0: float)
         kv_connector=serving.connector,
         tensor_parallel=serving.tp,
         startup_seconds=time.perf_counter() - t0,
-        pooler=target.loaded.pooler,
+        pooler=_within_context(target.pooler, serving.layout, mc),
     )
+
+
+def _within_context(pooler: PoolerConfig, layout: KVLayout, mc: ModelConfig) -> PoolerConfig:
+    """A decoder embeds inputs its KV pool can hold (one token short of its context, as
+    any prompt); an encoder's limit is its own."""
+    if mc.bidirectional:
+        return pooler
+    return dataclasses.replace(pooler, max_tokens=min(pooler.max_tokens, layout.max_model_len - 1))
 
 
 def _start_tensor_parallel(

@@ -305,8 +305,13 @@ class KVCacheManager:
 
     def may_reuse_prefix(self, request: Request) -> bool:
         """Whether a prefix computed elsewhere (the cache, a KV connector) may stand in
-        for computing it: not where the prompt's own logits are asked for."""
-        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+        for computing it: not where the prompt's own logits are asked for, nor for an
+        embedding request, which pools the prompt's hidden states (the cache keeps K/V)."""
+        return (
+            self.enable_prefix_caching
+            and request.sampling_params.prompt_logprobs is None
+            and request.pooling is None
+        )
 
     def find_cached_prefix(self, request: Request) -> CacheHit:
         """Longest run of the prompt's full blocks already in the cache.

@@ -27,6 +27,10 @@ _MAX_DIM = c_function("sluice_fused_max_dim", INT)
 _ADD_RMS_NORM = c_function(
     "sluice_add_rms_norm", None, INT, POINTER, POINTER, POINTER, POINTER, INT64, INT, FLOAT
 )
+# x (bf16, may be null), residual (bf16), weight (fp32), out, rows, dim, eps
+_ADD_RMS_NORM_F32_WEIGHT = c_function(
+    "sluice_add_rms_norm_f32_weight", None, POINTER, POINTER, POINTER, POINTER, INT64, INT, FLOAT
+)
 # bf16, x, rows, row stride, heads, head_dim, cos, sin
 _ROTARY = c_function("sluice_rotary", None, INT, POINTER, INT64, INT64, INT, INT, POINTER, POINTER)
 # bf16, gate_up, out, rows, inter
@@ -46,12 +50,19 @@ def add_rms_norm(
     lib: Library,
     x: torch.Tensor | None,  # [..., dim] added into the residual first; None: no add
     residual: torch.Tensor,  # [..., dim] contiguous; updated in place when x is given
-    weight: torch.Tensor,  # [dim], residual's dtype
+    weight: torch.Tensor,  # [dim], residual's dtype, or fp32 beside bf16 rows
     eps: float,
 ) -> torch.Tensor:
     """norm(residual (+ x)) * weight, a new tensor; residual += x in place."""
     dim = residual.shape[-1]
     out = torch.empty_like(residual)
+    if weight.dtype != residual.dtype:
+        assert weight.dtype == torch.float32 and is_bf16(residual), "fp32 weights, bf16 rows"
+        _ADD_RMS_NORM_F32_WEIGHT(
+            lib, ptr_or_null(x), ptr(residual), ptr(weight), ptr(out), residual.numel() // dim,
+            dim, eps,
+        )  # fmt: skip
+        return out
     _ADD_RMS_NORM(
         lib,
         is_bf16(residual),

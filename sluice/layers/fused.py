@@ -37,9 +37,13 @@ def rms_norm(
     On the fused path the residual tensor is updated in place."""
     lib = _lib(x)
     dim = x.shape[-1]
+    # The kernel takes the weight in x's dtype, or fp32 beside bf16 (an encoder's norms).
+    weight_ok = weight.dtype == x.dtype or (
+        weight.dtype == torch.float32 and x.dtype == torch.bfloat16
+    )
     if (
         lib is None
-        or weight.dtype != x.dtype
+        or not weight_ok
         or dim > fused_kernels.max_dim(lib)  # the kernel's row buffer
         or not x.is_contiguous()
         or (residual is not None and not residual.is_contiguous())

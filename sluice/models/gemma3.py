@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from sluice.config import ModelConfig
+from sluice.core.quantized_tensor import Weight
 from sluice.layers import fused
 from sluice.layers.rotary import RotaryEmbedding
 from sluice.models.checkpoint import Checkpoint
@@ -95,8 +96,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
             self._put_norm(ck, getattr(layer, name), f"{p}{name}.weight")
 
-    def _put_norm(self, ck: Checkpoint, norm: RMSNorm, name: str) -> None:
+    def _norm_scale(self, ck: Checkpoint, stored: Weight) -> Weight:
         """Gemma's checkpoints store each norm's scale minus 1 (HF convention; the GGUF
         loader converts llama.cpp's stored scale to it, as transformers does). The sum
         is taken in fp32, as transformers computes 1 + weight."""
-        ck.put(norm.weight, ck.dense_float(ck.take(name)) + 1.0)
+        return ck.dense_float(stored) + 1.0

@@ -266,8 +266,20 @@ class LlamaForCausalLM(nn.Module):
         self._put_norm(ck, layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
 
     def _put_norm(self, ck: Checkpoint, norm: RMSNorm, name: str) -> None:
-        """An RMSNorm's weight as the checkpoint stores it (Gemma's norms add 1)."""
-        ck.put(norm.weight, ck.take(name))
+        """An RMSNorm's weight. An encoder (a decoder's layers run both ways for
+        embeddings) keeps it in fp32 whatever the model's dtype, as transformers computes
+        the scale: Gemma's stored offsets from 1 lose most of their digits once 1 + w is
+        rounded to bf16, which moved EmbeddingGemma's vectors off the fp32 reference
+        where transformers' own bf16 stays on it."""
+        scale = self._norm_scale(ck, ck.take(name))
+        if self.config.bidirectional:
+            norm.weight = nn.Parameter(ck.dense_float(scale), requires_grad=False)
+        else:
+            ck.put(norm.weight, scale)
+
+    def _norm_scale(self, ck: Checkpoint, stored: Weight) -> Weight:
+        """What an RMSNorm multiplies by, from its stored weight (Gemma's add 1)."""
+        return stored
 
     def _load_head(self, ck: Checkpoint) -> None:
         """A separate output weight, or the embedding's (tied: one copy in memory); only

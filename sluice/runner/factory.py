@@ -17,7 +17,7 @@ from torch import nn
 from sluice.architectures import spec_of
 from sluice.attention import kv_int8, select_backend
 from sluice.config import ModelConfig, PoolerConfig
-from sluice.core.choices import WeightQuantization
+from sluice.core.choices import PoolingMode, WeightQuantization
 from sluice.core.errors import ConfigError
 from sluice.core.quantized_tensor import Weight
 from sluice.layers.linear import Linear
@@ -61,6 +61,8 @@ class ModelVariant:
     """Logits for these vocabulary ids only (a draft's restricted output head)."""
     return_features: bool = False
     """Each step also returns every token's final-normed hidden state."""
+    pool_mode: PoolingMode = "last"
+    """How embedding requests pool their prompt's final-normed hidden states."""
 
 
 TARGET = ModelVariant()
@@ -117,6 +119,7 @@ def build_runner(
         tp=tp,
         followers=followers,
         return_features=variant.return_features,
+        pool_mode=variant.pool_mode,
     )
 
 

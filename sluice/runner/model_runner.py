@@ -14,6 +14,7 @@ from sluice.architectures import spec_of
 from sluice.attention import AttentionBackend, AttentionMetadata, PrefillSpan
 from sluice.attention.step import StepContext, step_context
 from sluice.config import GLOBAL_KV_GROUP, ModelConfig
+from sluice.core.choices import PoolingMode
 from sluice.core.errors import ConfigError
 from sluice.core.request import Request
 from sluice.layers.block_quant import weight_bytes
@@ -57,6 +58,8 @@ class StepInputs:
     local_meta: AttentionMetadata | None = None
     # Per token, a feature the model takes beside the token (an EAGLE head's), or None.
     features: torch.Tensor | None = None
+    # Rows whose final-normed hidden states embedding requests pool (on CPU), or None.
+    pool_rows: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> StepInputs:
         """The same step with its device tensors on `device` (a CUDA rank's own GPU)."""
@@ -69,6 +72,7 @@ class StepInputs:
             self.logit_rows,
             self.prompt_rows,
             None if self.local_meta is None else _moved(self.local_meta, device),
+            pool_rows=self.pool_rows,
         )
 
 
@@ -85,6 +89,18 @@ def _moved(obj: Any, device: torch.device) -> Any:
         changes = {f.name: _moved(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
         return dataclasses.replace(obj, **changes)
     return obj
+
+
+@dataclass(frozen=True)
+class PoolSpan:
+    """An embedding request's rows in a step's pooled states: `count` rows from `first`;
+    `start` is its chunk's first position, `completes` whether the chunk ends its prompt."""
+
+    request: Request
+    first: int
+    count: int
+    start: int
+    completes: bool
 
 
 class StepFollowers(Protocol):
@@ -169,12 +185,14 @@ class ModelRunner:
         tp: Collectives | None = None,
         followers: StepFollowers | None = None,
         return_features: bool = False,
+        pool_mode: PoolingMode = "last",
     ) -> None:
         """config: this rank's (a tensor-parallel rank's slice); forward: the model or
         its compiled form; decode_stack: the fused C++ decode path where all of the
         model runs on our kernels; followers: rank 0's handle on the other ranks of a
         tensor-parallel group; return_features: every step's ModelOutput carries the
-        final-normed hidden states of every token (what an EAGLE head drafts from)."""
+        final-normed hidden states of every token (what an EAGLE head drafts from);
+        pool_mode: how embedding requests pool their prompt's final-normed states."""
         self.config = config
         self.model = model
         self.forward = forward
@@ -196,6 +214,7 @@ class ModelRunner:
         self.tp = tp
         self.followers = followers
         self.return_features = return_features
+        self.pool_mode = pool_mode
 
     def expert_tokens(self) -> list[list[int]]:
         """Tokens routed to each expert of each Mixture-of-Experts layer since load,
@@ -260,30 +279,82 @@ class ModelRunner:
         takes them (an EAGLE head)."""
         scheduled = sorted(scheduled, key=lambda rn: rn[1] > SMALL_CHUNK_TOKENS)
         inputs, sampling, rows_per_req, prompt_starts = self._prepare(scheduled)
+        pool_spans = self._pool_spans(scheduled, inputs)
         if features is not None:
             inputs.features = torch.cat([features[r] for r, _ in scheduled]).to(self.device)
         if self.followers is not None:
             self.followers.run_step(inputs)  # the other ranks run the same step
-        logits, prompt_logits, normed = self.run_step(inputs)
+        logits, prompt_logits, normed, pooled = self.run_step(inputs)
         prompt = {
             rid: (start, chunk)
             for (rid, start), chunk in zip(prompt_starts, prompt_logits, strict=True)
         }
         out = ModelOutput(logits, sampling, rows_per_req, prompt)
+        if pool_spans:
+            assert pooled is not None
+            out.pooled = self._pool(pool_spans, pooled)
         if normed is not None:
             starts = list(itertools.accumulate((n for _, n in scheduled), initial=0))
             spans = zip(scheduled, starts[:-1], starts[1:], strict=True)
             out.features = {r: normed[a:b] for (r, _), a, b in spans}
         return out
 
+    def _pool_spans(
+        self, scheduled: list[tuple[Request, int]], inputs: StepInputs
+    ) -> list[PoolSpan]:
+        """The rows each embedding request of the step pools (its last row once its prompt
+        is complete, its first position's, or every row for a mean), set on `inputs`."""
+        spans: list[PoolSpan] = []
+        rows: list[int] = []
+        offset = 0
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            if req.pooling is not None:
+                completes = start + n == req.num_prompt_tokens
+                if self.pool_mode == "mean":
+                    mine = list(range(offset, offset + n))
+                elif self.pool_mode == "cls":
+                    mine = [offset] if start == 0 else []
+                else:
+                    mine = [offset + n - 1] if completes else []
+                spans.append(PoolSpan(req, len(rows), len(mine), start, completes))
+                rows.extend(mine)
+            offset += n
+        if spans:
+            inputs.pool_rows = torch.tensor(rows, dtype=torch.long)
+        return spans
+
+    def _pool(self, spans: list[PoolSpan], states: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each embedding request's pooled vector once its prompt is complete (fp32, on
+        CPU); a mean's chunks add up on the request (its pool_state) until then."""
+        pooled = {}
+        states = states.float().cpu()
+        for span in spans:
+            req, part = span.request, states[span.first : span.first + span.count]
+            if self.pool_mode == "mean":
+                total = part.sum(0)
+                req.pool_state = total if span.start == 0 else req.pool_state + total
+            elif self.pool_mode == "cls" and span.start == 0:
+                req.pool_state = part[0]
+            elif self.pool_mode == "last" and span.completes:
+                req.pool_state = part[-1]
+            if span.completes:
+                vector = req.pool_state
+                if self.pool_mode == "mean":
+                    vector = vector / req.num_prompt_tokens
+                pooled[req.request_id] = vector
+                req.pool_state = None
+        return pooled
+
     @torch.inference_mode()
     def run_step(
         self, inputs: StepInputs
-    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
         """The forward pass of a prepared step: (the sampling rows' logits, each prompt
         chunk's logits, with return_features every token's final-normed hidden state,
-        else None). Every rank of a tensor-parallel group runs it on the same inputs;
-        rank 0's logits are the whole vocabulary's."""
+        else None, and the final-normed states of inputs.pool_rows, else None). Every
+        rank of a tensor-parallel group runs it on the same inputs; rank 0's logits are
+        the whole vocabulary's."""
         meta = inputs.meta
         if self.decode_stack is not None and self.decode_stack.accepts(
             inputs.input_ids.numel(), meta
@@ -296,10 +367,13 @@ class ModelRunner:
                 hidden = self.forward(inputs.input_ids, inputs.positions.to(self.device), *extra)
         prompt = [self.model.compute_logits(hidden[a:b]) for a, b in inputs.prompt_rows]
         rows = inputs.logit_rows.to(self.device)
+        pooled = None
+        if inputs.pool_rows is not None:
+            pooled = self.model.norm(hidden[inputs.pool_rows.to(self.device)])
         if not self.return_features:
-            return self.model.compute_logits(hidden[rows]), prompt, None
+            return self.model.compute_logits(hidden[rows]), prompt, None, pooled
         normed = self.model.norm(hidden)  # the features, and the head's input: one norm
-        return self.model.compute_logits(normed[rows], normed=True), prompt, normed
+        return self.model.compute_logits(normed[rows], normed=True), prompt, normed, pooled
 
     def _layer_metadata(self, inputs: StepInputs) -> list[AttentionMetadata] | None:
         """Each layer's metadata where a split cache gives its groups their own; None
@@ -334,7 +408,7 @@ class ModelRunner:
         for i, (r, n) in enumerate(scheduled):
             end = offsets[i + 1]
             count = starts_l[i] + n - r.num_tokens + 1
-            if count > 0:
+            if count > 0 and r.pooling is None:  # an embedding request samples nothing
                 sampling.append(r)
                 rows.extend(range(end - count, end))
                 rows_per_req.append(count)

@@ -79,6 +79,13 @@ void sluice_add_rms_norm(int bf16, const void* x, void* residual, const void* we
                          eps);
 }
 
+void sluice_add_rms_norm_f32_weight(const void* x, void* residual, const void* weight, void* out,
+                                    int64_t rows, int dim, float eps) {
+  sluice::add_rms_norm(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(residual),
+                       static_cast<const float*>(weight), static_cast<uint16_t*>(out), rows, dim,
+                       eps);
+}
+
 void sluice_rotary(int bf16, void* x, int64_t rows, int64_t stride, int heads, int dim,
                    const void* cos, const void* sin) {
   if (bf16)

@@ -14,9 +14,11 @@ namespace sluice {
 // Parallel only when there is enough work to pay for waking the other threads.
 constexpr int64_t kParallelElems = 1 << 16;
 
-// residual += x (when x is given), then out = residual / rms(residual) * weight.
-template <typename T>
-void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, int dim,
+// residual += x (when x is given), then out = residual / rms(residual) * weight. The
+// weight is in the rows' dtype, or fp32 beside bf16 rows (an encoder's norm scales: 1 + w
+// rounded to bf16 loses most of a small w).
+template <typename T, typename W = T>
+void add_rms_norm(const T* x, T* residual, const W* weight, T* out, int64_t rows, int dim,
                   float eps) {
 #pragma omp parallel for if (rows * dim > kParallelElems) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
