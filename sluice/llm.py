@@ -148,11 +148,10 @@ class LLM:
     ) -> list[str | list[int]]:
         """The texts among `prompts` tokenized together (the backend runs them in
         parallel), each only as far as the request reads it."""
-        pooler = self.engine.pooler
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str) and p]
-        if pooler is None or not texts:
+        if not texts:
             return prompts
-        heads = [text_head(cast(str, prompts[i]), params, pooler) for i in texts]
+        heads = [text_head(cast(str, prompts[i]), params, self.engine.pooler) for i in texts]
         out = list(prompts)
         for i, ids in zip(texts, self.tokenizer.encode_batch(heads), strict=True):
             out[i] = ids

@@ -93,8 +93,8 @@ class EngineParts:
     kv_connector: KVConnector | None
     tensor_parallel: TensorParallelRanks | None
     startup_seconds: float
-    pooler: PoolerConfig | None = None
-    """An embedding model's pooling pipeline; None where the model only generates."""
+    pooler: PoolerConfig
+    """How the model embeds: an encoder's pipeline, or a decoder's last token."""
 
     @property
     def kv_cache_dtype(self) -> str:

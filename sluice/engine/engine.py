@@ -71,7 +71,8 @@ class LLMEngine:
         self.sampler, self.grammars = parts.sampler, parts.grammars
         self.constraint_masks = ConstraintMasks(parts.model_config.vocab_size)
         self.cpu_kernels = parts.cpu_kernels
-        # An embedding model's pipeline (None: a model that only generates).
+        # How embedding requests become vectors (an encoder's pipeline, or a decoder's
+        # last token).
         self.pooler = parts.pooler
         # The token the tokenizer appends to every input (BERT's [SEP]), kept when an
         # embedding input is truncated; None where it appends none.
@@ -185,12 +186,6 @@ class LLMEngine:
         arrival_time: float | None,
     ) -> None:
         """Queue an embedding request: its prompt is computed once and pooled."""
-        if self.pooler is None:
-            raise RequestError(
-                "model",
-                "this model does not embed: serve an embedding model (all-minilm-l6-v2, "
-                "all-mpnet-base-v2, embeddinggemma-300m or a sentence-transformers folder)",
-            )
         if request_id in self.groups:
             raise RequestError("request_id", f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -331,14 +326,7 @@ class LLMEngine:
         self._track_waste()
         for req_id, (start, logits) in result.prompt_logits.items():
             add_prompt_logprobs(self._seqs[req_id], start, logits)
-        touched: dict[str, RequestGroup] = {}
-        for req_id, vector in result.pooled.items():
-            req = self._seqs[req_id]
-            assert self.pooler is not None and req.pooling is not None
-            req.embedding = finish_vector(vector, req.pooling, self.pooler)
-            req.metrics.first_token_time = req.metrics.finished_time = time.monotonic()
-            self._retire(req, RequestStatus.FINISHED_STOPPED)
-            touched[req.group_id] = self.groups[req.group_id]
+        touched = self._finish_pooled(result.pooled)
         if not result.sampling_requests:
             self.num_steps += 1
             return [self._make_output(g) for g in touched.values()]
@@ -369,6 +357,18 @@ class LLMEngine:
         self.num_steps += 1
         self.num_generated_tokens += num_emitted
         return [self._make_output(g) for g in touched.values()]
+
+    def _finish_pooled(self, pooled: dict[str, torch.Tensor]) -> dict[str, RequestGroup]:
+        """Embedding requests whose prompt is complete get their vector and end."""
+        touched: dict[str, RequestGroup] = {}
+        for req_id, vector in pooled.items():
+            req = self._seqs[req_id]
+            assert req.pooling is not None
+            req.embedding = finish_vector(vector, req.pooling, self.pooler)
+            req.metrics.first_token_time = req.metrics.finished_time = time.monotonic()
+            self._retire(req, RequestStatus.FINISHED_STOPPED)
+            touched[req.group_id] = self.groups[req.group_id]
+        return touched
 
     def _sampling_rows(
         self, result: ModelOutput
