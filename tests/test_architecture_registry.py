@@ -83,8 +83,9 @@ def test_an_unregistered_name_is_refused_naming_what_is_supported() -> None:
     gguf_names = "llama, qwen2, qwen3, gemma3, qwen2moe, qwen3moe, olmoe"
     hf_classes = (
         "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
-        "Qwen3ForCausalLM, Gemma3ForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, "
-        "OlmoeForCausalLM, BertModel, BertForMaskedLM, MPNetModel, MPNetForMaskedLM"
+        "Qwen3ForCausalLM, Gemma3ForCausalLM, Gemma3TextModel, Qwen2MoeForCausalLM, "
+        "Qwen3MoeForCausalLM, OlmoeForCausalLM, BertModel, BertForMaskedLM, MPNetModel, "
+        "MPNetForMaskedLM"
     )
     for lookup, name, known in [
         (spec_for_gguf, "gpt2", gguf_names),

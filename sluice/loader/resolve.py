@@ -204,8 +204,10 @@ def _part_path(part: ModelPart) -> Path | None:
     if part.version is not None:
         wheel = part.wheel_path()
         return wheel if wheel.is_file() else None
-    root = _find_package_dir(part.module)
-    if root is not None:
+    if part.module.isidentifier():
+        root = _find_package_dir(part.module)
+        if root is None:
+            return None
         path = root / part.relpath
     else:  # a directory name that is no module name (dashes): ask the distribution
         try:
