@@ -60,6 +60,3 @@ class EncoderRunner:
 
     def copy_blocks(self, copies: list[tuple[int, int]], group: int = 0) -> None:
         assert not copies, "an encoder shares no blocks (no prefix cache)"
-
-    def kv_block_layout(self) -> str:
-        return "none"
