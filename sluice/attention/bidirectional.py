@@ -134,13 +134,30 @@ def attend_padded(
     return torch.matmul(scores.softmax(-1), v)
 
 
+def attend_groups(
+    seqs: PackedSequences,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    masks: list[torch.Tensor | None],
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention within each input of a packed batch: q, k, v [T, heads, D] rows, one
+    mask a group (`key_mask`, or an additive bias); [T, heads, D]."""
+    outs = []
+    for group, mask in zip(seqs.groups, masks, strict=True):
+        qp, kp, vp = (group.pad(t).transpose(1, 2) for t in (q, k, v))  # [B, heads, L, D]
+        outs.append(group.unpad(attend_padded(qp, kp, vp, mask, scale).transpose(1, 2)))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
 @dataclass
 class BidirectionalMetadata(AttentionMetadata):
     """A step of whole inputs: their layout, and the masks built at the first layer."""
 
     seqs: PackedSequences | None = None
-    # Per (group, window): its key mask, built at the first layer that needs it.
-    masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
+    # Per window: each group's key mask, built at the first layer that needs it.
+    masks: dict[int | None, list[torch.Tensor | None]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, seqs: PackedSequences) -> BidirectionalMetadata:
@@ -166,11 +183,6 @@ class BidirectionalBackend(AttentionBackend):
         scale: float | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta, BidirectionalMetadata) and meta.seqs is not None
-        outs = []
-        for i, group in enumerate(meta.seqs.groups):
-            if (i, window) not in meta.masks:
-                meta.masks[i, window] = group.key_mask(window)
-            qp, kp, vp = (group.pad(t).transpose(1, 2) for t in (q, k, v))  # [B, heads, L, D]
-            out = attend_padded(qp, kp, vp, meta.masks[i, window], scale)
-            outs.append(group.unpad(out.transpose(1, 2)))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        if window not in meta.masks:
+            meta.masks[window] = [group.key_mask(window) for group in meta.seqs.groups]
+        return attend_groups(meta.seqs, q, k, v, meta.masks[window], scale)

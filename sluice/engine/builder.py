@@ -204,19 +204,19 @@ def _load_target(config: EngineConfig, device: torch.device) -> _Target:
     method = METHODS[config.speculative_method] if config.speculative_method else None
     drafter = method.load(DraftLoad(config, loaded, options)) if method else None
     needs_features = method is not None and method.needs_features
-    return _Target(loaded, options, needs_features, drafter, _pooler(config, loaded))
+    return _Target(loaded, options, needs_features, drafter, _pooler(loaded))
 
 
-def _pooler(config: EngineConfig, loaded: LoadedModel) -> PoolerConfig:
+def _pooler(loaded: LoadedModel) -> PoolerConfig:
     """What embedding requests get from this model: an encoder's (or a decoder's
-    sentence-transformers folder's) pipeline, else a decoder's last token, normalized,
-    up to its context."""
+    sentence-transformers folder's) pipeline, else a decoder's last token, normalized
+    (a decoder's limit is its KV layout's, set by `_within_context`)."""
     mc, pooler = loaded.config, loaded.pooler
     if pooler is not None and pooler.dense and not mc.bidirectional:
         raise ConfigError("model", "dense layers after a decoder's pooling are not supported")
     if pooler is not None:
         return pooler
-    limit = (config.max_model_len or mc.max_position_embeddings) - 1
+    limit = mc.max_position_embeddings - 1
     return PoolerConfig(mode="last", normalize=True, dimension=mc.hidden_size, max_tokens=limit)
 
 

@@ -10,7 +10,7 @@ request is one forward pass over its whole input.
 BERT and MPNet share the post-layer-norm block; MPNet adds a relative position bias
 (T5's bidirectional buckets, one table shared by every layer), starts its absolute
 positions after the padding id and has no token types. Weight names are BERT's; the
-MPNet spec renames its checkpoint's (sluice/architectures/mpnet.py).
+MPNet spec renames its checkpoint's (sluice/architectures/bert.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from sluice.attention.bidirectional import (
     BidirectionalMetadata,
     PackedSequences,
     SequenceGroup,
-    attend_padded,
+    attend_groups,
 )
 from sluice.attention.step import StepContext, step_context
 from sluice.config import ModelConfig
@@ -72,15 +72,9 @@ class EncoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, seqs: PackedSequences, masks: list[torch.Tensor | None]
     ) -> torch.Tensor:
-        qkv = self.qkv(x)
-        parts = []
-        for group, mask in zip(seqs.groups, masks, strict=True):
-            b, length = group.valid.shape
-            heads = group.pad(qkv).view(b, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-            attn = attend_padded(heads[0], heads[1], heads[2], mask)
-            parts.append(group.unpad(attn.transpose(1, 2).reshape(b, length, -1)))
-        attn_rows = torch.cat(parts) if len(parts) > 1 else parts[0]
-        x = self.attn_norm(x + self.out(attn_rows))
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.heads, -1).unbind(1)
+        attn = attend_groups(seqs, q, k, v, masks).reshape(x.shape[0], -1)
+        x = self.attn_norm(x + self.out(attn))
         out: torch.Tensor = self.mlp_norm(x + self.down(F.gelu(self.up(x))))
         return out
 

@@ -165,14 +165,14 @@ def build_encoder_runner(
     }
     head = Pooler(pooler)
     head.dense.load_state_dict(dense)
-    dense_only = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}
-    if len(dense_only) != len(tensors):
-        raise ConfigError("quantization", "an encoder's weights must be float tensors")
     model: nn.Module
     if spec_of(config.architecture).encoder:
+        floats = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+        if len(floats) != len(tensors):
+            raise ConfigError("quantization", "an encoder's weights must be float tensors")
         with _default_dtype(options.dtype), torch.device(options.device):
             encoder = encoder_class(config)(config)
-        encoder.load_weights(dense_only)
+        encoder.load_weights(floats)
         model = encoder
     else:  # a decoder family run both ways (EmbeddingGemma)
         decoder = _build_model(config, options, TARGET)
