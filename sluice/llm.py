@@ -151,7 +151,8 @@ class LLM:
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str) and p]
         if not texts:
             return prompts
-        heads = [text_head(cast(str, prompts[i]), params, self.engine.pooler) for i in texts]
+        limit, truncate = self.engine.pooler.max_tokens, params.truncate_prompt_tokens
+        heads = [text_head(cast(str, prompts[i]), truncate, limit) for i in texts]
         out = list(prompts)
         for i, ids in zip(texts, self.tokenizer.encode_batch(heads), strict=True):
             out[i] = ids

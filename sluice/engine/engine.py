@@ -189,7 +189,7 @@ class LLMEngine:
         if request_id in self.groups:
             raise RequestError("request_id", f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
-            prompt = text_head(prompt, params, self.pooler)
+            prompt = text_head(prompt, params.truncate_prompt_tokens, self.pooler.max_tokens)
         ids = embedding_input(self.encode_prompt(prompt), params, self.pooler, self._end_token)
         req = Request(
             request_id=request_id,

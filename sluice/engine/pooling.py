@@ -15,11 +15,12 @@ from sluice.core.pooling_params import PoolingParams
 CHARS_PER_TOKEN = 64
 
 
-def text_head(text: str, params: PoolingParams, pooler: PoolerConfig) -> str:
-    """What of a text needs tokenizing: its head where the request truncates."""
-    if params.truncate_prompt_tokens is None:
+def text_head(text: str, truncate: int | None, limit: int) -> str:
+    """What of a text needs tokenizing: its head where the request truncates it to
+    `truncate` tokens (and the model's `limit`), else all of it."""
+    if truncate is None:
         return text
-    return text[: CHARS_PER_TOKEN * min(params.truncate_prompt_tokens, pooler.max_tokens)]
+    return text[: CHARS_PER_TOKEN * min(truncate, limit)]
 
 
 def embedding_input(

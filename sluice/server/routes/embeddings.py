@@ -17,7 +17,7 @@ import torch
 from fastapi import APIRouter, Request
 
 from sluice.core.errors import RequestError
-from sluice.engine.pooling import CHARS_PER_TOKEN
+from sluice.engine.pooling import text_head
 from sluice.outputs import RequestOutput
 from sluice.sampling_params import PoolingParams
 from sluice.server.context import ServerContext, server_context
@@ -65,7 +65,7 @@ def input_ids(ctx: ServerContext, value: Any, param: str, truncate: int | None) 
             if truncate is None:
                 check_text_length(ctx, item, param)
             else:
-                item = item[: CHARS_PER_TOKEN * min(truncate, ctx.max_model_len)]
+                item = text_head(item, truncate, ctx.max_model_len)
             result.append(ctx.tokenizer.encode(item))
         else:
             check_token_ids(ctx, param, item)
