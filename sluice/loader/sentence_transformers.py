@@ -14,6 +14,7 @@ defect names the file.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,6 @@ def _modules(directory: Path) -> list[tuple[str, str]]:
     """(type without the package prefix, path) of each module in order."""
     path = directory / "modules.json"
     try:
-        import json
-
         listed = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelFileError(str(path), f"not valid JSON: {exc}") from None
@@ -84,7 +83,7 @@ def _pooling_mode(path: Path) -> PoolingMode:
     return chosen[0]
 
 
-def _dense_layer(directory: Path, index: int) -> DenseLayer:
+def _dense_layer(directory: Path) -> DenseLayer:
     path = directory / "config.json"
     cfg = read_json(path)
     fields = {k: cfg.get(k) for k in ("in_features", "out_features")}
@@ -184,7 +183,7 @@ def read_pooler(
             continue
         if len(dense) == _MAX_DENSE:
             raise ModelFileError(str(directory / "modules.json"), "too many Dense modules")
-        layer = _dense_layer(directory / where, len(dense))
+        layer = _dense_layer(directory / where)
         if layer.in_features != width:
             raise ModelFileError(
                 str(directory / where / "config.json"),
