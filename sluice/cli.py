@@ -44,7 +44,7 @@ def _flag_type(annotation: Any) -> tuple[Any, tuple[str, ...] | None]:
     if typing.get_origin(annotation) is typing.Literal:
         return str, typing.get_args(annotation)
     if typing.get_origin(annotation) is tuple:
-        return _int_list, None
+        return (str if typing.get_args(annotation)[0] is str else _int_list), None
     return (annotation if isinstance(annotation, type) else str), None
 
 
@@ -77,9 +77,12 @@ def add_engine_options(parser: argparse.ArgumentParser, skip: frozenset[str] = f
                 help=_help(f),
             )
         else:
+            # tuple[str, ...] fields take space-separated values (--lora-modules a=x b=y).
+            many = typing.get_origin(hints[f.name]) is tuple and kind is str
             group.add_argument(
                 flag,
                 type=kind,
+                nargs="+" if many else None,
                 choices=choices,
                 default=argparse.SUPPRESS,
                 metavar=None if choices else f.name.upper(),

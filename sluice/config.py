@@ -552,6 +552,43 @@ class EngineConfig:
         ),
     )
 
+    enable_lora: bool = field(
+        default=False,
+        metadata=doc(
+            "serve LoRA adapters beside the base model: a request names one as its `model` "
+            "(the server) or passes lora_request (Python); requests for different adapters "
+            "and for the base run in one step, the base weights shared"
+        ),
+    )
+    lora_modules: tuple[str, ...] = field(
+        default=(),
+        metadata=doc(
+            "with --enable-lora, adapters served by name: NAME=PATH each (a PEFT adapter "
+            "folder or a llama.cpp .gguf adapter), space-separated on the command line; more "
+            "load at run time (POST /v1/load_lora_adapter)",
+            default_text="none",
+        ),
+    )
+    max_loras: int = field(
+        default=4,
+        metadata=doc(
+            "with --enable-lora, adapters that can run in one step (slots beside every "
+            "adapted layer); a request for another adapter waits until a slot's requests finish"
+        ),
+    )
+    max_lora_rank: int = field(
+        default=16,
+        metadata=doc("with --enable-lora, the highest adapter rank accepted (the slots' size)"),
+    )
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata=doc(
+            "with --enable-lora, adapters kept loaded in memory (at least max_loras), least "
+            "recently used dropped (reloaded from their files when asked for again)",
+            default_text="max_loras",
+        ),
+    )
+
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)
@@ -599,6 +636,7 @@ class EngineConfig:
         self._check_offload()
         self._check_kv_transfer()
         self._check_tensor_parallel()
+        self._check_lora()
         for name in ("chat_template", "revision"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -675,6 +713,46 @@ class EngineConfig:
                     "tensor_parallel_size",
                     f"tensor_parallel_size > 1 cannot be combined with {name}="
                     f"{getattr(self, name)!r} (not implemented)",
+                )
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(name, f"{name} must be a positive integer, got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (
+            not isinstance(cpu, int) or isinstance(cpu, bool) or cpu < self.max_loras
+        ):
+            raise ConfigError(
+                "max_cpu_loras", f"max_cpu_loras must be an integer >= max_loras, got {cpu!r}"
+            )
+        modules = self.lora_modules
+        if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
+            raise ConfigError(
+                "lora_modules", f"lora_modules must be NAME=PATH strings, got {modules!r}"
+            )
+        self.lora_modules = tuple(modules)
+        for entry in self.lora_modules:
+            name, _, path = entry.partition("=")
+            if not name.strip() or not path.strip():
+                raise ConfigError(
+                    "lora_modules", f"lora_modules entries are NAME=PATH, got {entry!r}"
+                )
+        names = [m.partition("=")[0] for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ConfigError("lora_modules", f"lora_modules names an adapter twice: {names}")
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ConfigError("lora_modules", "lora_modules needs enable_lora")
+            return
+        clashes = {"tensor_parallel_size": self.tensor_parallel_size > 1, "compile": self.compile}
+        for name, clash in clashes.items():
+            if clash:
+                raise ConfigError(
+                    "enable_lora",
+                    f"enable_lora cannot be combined with {name}={getattr(self, name)!r} "
+                    "(not implemented)",
                 )
 
     def _check_kv_cache_dtype(self) -> None:

@@ -10,6 +10,7 @@ from typing import Any, cast
 from tqdm import tqdm
 
 from sluice.config import EngineConfig
+from sluice.core.lora import LoRARequest
 from sluice.core.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from sluice.core.pooling_params import PoolingParams
 from sluice.core.sampling_params import SamplingParams
@@ -28,6 +29,18 @@ def _prompt_list(
     ):
         return [cast("str | list[int]", prompts)]
     return list(cast("Sequence[str | list[int]]", prompts))
+
+
+def _per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    """One adapter (or none) for every prompt, or one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"lora_request has {len(loras)} entries for {n} prompts")
+    return loras
 
 
 class LLM:
@@ -55,10 +68,13 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string or a list of token ids); outputs keep the
-        order of the prompts."""
+        order of the prompts. lora_request: the LoRA adapter to run them through (one
+        for all, or one per prompt, None for the base model; needs enable_lora=True)."""
         prompt_list = _prompt_list(prompts)
+        loras = _per_prompt(lora_request, len(prompt_list))
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
@@ -81,6 +97,7 @@ class LLM:
                     prompt,
                     params,
                     priority=priority[i] if priority else 0,
+                    lora_request=loras[i],
                 )
                 ids.append(rid)
             return self._run(ids, use_tqdm)
@@ -96,6 +113,7 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
@@ -113,7 +131,7 @@ class LLM:
             )
             for conv in convs
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def embed(
         self,

@@ -41,6 +41,12 @@ ARCHITECTURES: tuple[Architecture, ...] = get_args(Architecture)
 PoolingMode = Literal["mean", "cls", "last"]
 POOLING_MODES: tuple[PoolingMode, ...] = get_args(PoolingMode)
 
+# The projections a LoRA adapter may adapt, by the names PEFT and transformers give
+# them in Llama-family decoders (sluice/layers/lora.py maps them onto the fused q/k/v
+# and gate/up layers).
+LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS: tuple[LoRATarget, ...] = get_args(LoRATarget)
+
 # How the KV cache stores K and V: "auto" in the compute dtype, "int8" as int8 rows
 # with an fp16 scale per 32 channels (sluice/attention/kv_int8.py).
 KVCacheDType = Literal["auto", "int8"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sluice.core.choices import FinishReason
+from sluice.core.lora import LoRAAdapter
 from sluice.core.outputs import Logprob
 from sluice.core.pooling_params import PoolingParams
 from sluice.core.sampling_params import SamplingParams
@@ -100,6 +101,9 @@ class Request:
     seed: int | None = None
     # An embedding request: computes its prompt once and pools it, samples nothing.
     pooling: PoolingParams | None = None
+    # The LoRA adapter it runs with (the runner gives it a slot), None for the base
+    # model. Held here, so unloading the adapter lets running requests finish with it.
+    lora: LoRAAdapter | None = None
 
     all_token_ids: list[int] = field(init=False)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)

@@ -41,6 +41,7 @@ from sluice.engine.kv_connector import (
     pd_prefill_connector,
 )
 from sluice.engine.kv_sizing import plan_kv_layout
+from sluice.engine.lora import LoRARegistry
 from sluice.engine.prefix_cache import root_hash
 from sluice.engine.scheduler import Scheduler
 from sluice.engine.speculative import Speculator
@@ -64,6 +65,7 @@ from sluice.runner.factory import (
     build_runner,
 )
 from sluice.runner.kv_layout import KVLayout, check_kv_cache_dtype
+from sluice.runner.lora_table import LoRACapacity
 from sluice.runner.model_runner import ModelRunner, check_tensor_parallel
 from sluice.runner.sampler import Sampler
 from sluice.structured import GrammarCompiler
@@ -95,6 +97,8 @@ class EngineParts:
     startup_seconds: float
     pooler: PoolerConfig
     """How the model embeds: an encoder's pipeline, or a decoder's last token."""
+    lora: LoRARegistry | None = None
+    """The LoRA adapters it serves (enable_lora), lora_modules loaded."""
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -120,6 +124,8 @@ class _Target:
     pooler: PoolerConfig
     """How the model embeds: its sentence-transformers pipeline, or a decoder's last
     token, normalized (as vLLM's pooling runner embeds with a decoder)."""
+    lora: LoRARegistry | None
+    """The adapters of lora_modules, loaded and checked against the model."""
 
 
 @dataclass(frozen=True)
@@ -204,7 +210,8 @@ def _load_target(config: EngineConfig, device: torch.device) -> _Target:
     method = METHODS[config.speculative_method] if config.speculative_method else None
     drafter = method.load(DraftLoad(config, loaded, options)) if method else None
     needs_features = method is not None and method.needs_features
-    return _Target(loaded, options, needs_features, drafter, _pooler(loaded))
+    lora = LoRARegistry.from_config(config, mc) if not mc.bidirectional else None
+    return _Target(loaded, options, needs_features, drafter, _pooler(loaded), lora)
 
 
 def _pooler(loaded: LoadedModel) -> PoolerConfig:
@@ -244,7 +251,11 @@ def _build_serving(config: EngineConfig, target: _Target, undo: contextlib.ExitS
         tensors=loaded.tensors,  # consumed: each weight is freed once its layer holds it
         options=options,
         layout=layout,
-        variant=ModelVariant(return_features=target.needs_features, pool_mode=target.pooler.mode),
+        variant=ModelVariant(
+            return_features=target.needs_features,
+            pool_mode=target.pooler.mode,
+            lora=LoRACapacity(config.max_loras, config.max_lora_rank) if target.lora else None,
+        ),
         tp=tp.group if tp else None,
         followers=tp.workers if tp else None,
     )
@@ -269,6 +280,7 @@ _NOT_FOR_ENCODERS = (
     ("kv_role", None),
     ("kv_offload_dir", None),
     ("kv_cache_dtype", "auto"),
+    ("enable_lora", False),
 )
 
 
@@ -332,6 +344,7 @@ def _finish(config: EngineConfig, target: _Target, serving: _Serving, t0: float)
         tensor_parallel=serving.tp,
         startup_seconds=time.perf_counter() - t0,
         pooler=_within_context(target.pooler, serving.layout, mc),
+        lora=target.lora,
     )
 
 

@@ -15,6 +15,7 @@ import torch
 
 from sluice.config import LOCAL_KV_GROUP, EngineConfig
 from sluice.core.errors import ConfigError, RequestError
+from sluice.core.lora import LoRAAdapter, LoRARequest
 from sluice.core.request import DraftRow, Request, RequestStatus, SamplingRow
 from sluice.engine.builder import EngineParts, build_engine, kv_block_format
 from sluice.engine.kv_connector import BlockFormat, KVConnector
@@ -74,6 +75,8 @@ class LLMEngine:
         # How embedding requests become vectors (an encoder's pipeline, or a decoder's
         # last token).
         self.pooler = parts.pooler
+        # The LoRA adapters it serves (None without enable_lora).
+        self.lora = parts.lora
         # The token the tokenizer appends to every input (BERT's [SEP]), kept when an
         # embedding input is truncated; None where it appends none.
         self._end_token = self.tokenizer.appended_token()
@@ -151,11 +154,15 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request: one that generates (SamplingParams) or, on a model that
-        embeds, one that pools its prompt into a vector (PoolingParams)."""
+        embeds, one that pools its prompt into a vector (PoolingParams); with
+        `lora_request`, through that LoRA adapter (loaded now if it is not in memory)."""
+        adapter = self._adapter(lora_request)
         if isinstance(params, PoolingParams):
             self._add_pooling(request_id, prompt, params, priority, arrival_time)
+            self._seqs[request_id].lora = adapter
             return
         if self.model_config.bidirectional:
             raise RequestError(
@@ -173,9 +180,23 @@ class LLMEngine:
         group = new_group(
             request_id, prompt, ids, params, self.tokenizer, grammar, priority, arrival
         )
+        for seq in group.seqs:
+            seq.lora = adapter
         self.groups[request_id] = group
         self._seqs.update((seq.request_id, seq) for seq in group.seqs)
         self.scheduler.add(group.seqs[0])
+
+    def _adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+        """The loaded adapter a request names (None: the base model)."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise RequestError("lora_request", "lora_request must be a LoRARequest")
+        if self.lora is None:
+            raise RequestError(
+                "lora_request", "LoRA adapters need the engine started with enable_lora=True"
+            )
+        return self.lora.resolve(lora_request)
 
     def _add_pooling(
         self,

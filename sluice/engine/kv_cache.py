@@ -313,6 +313,14 @@ class KVCacheManager:
             and request.pooling is None
         )
 
+    def root(self, request: Request) -> int:
+        """The seed of a request's hash chain: a LoRA adapter's requests chain from one
+        of their own (its content key), so KV computed through one adapter never
+        answers for the base model or another adapter."""
+        if request.lora is None:
+            return self.hash_root
+        return hash((self.hash_root, "lora", request.lora.key))
+
     def find_cached_prefix(self, request: Request) -> CacheHit:
         """Longest run of the prompt's full blocks already in the cache.
 
@@ -323,7 +331,7 @@ class KVCacheManager:
             return CacheHit([], 0)
         bs = self.block_size
         hashes = extend_block_hashes(
-            request.block_hashes, request.all_token_ids, request.num_tokens, bs, self.hash_root
+            request.block_hashes, request.all_token_ids, request.num_tokens, bs, self.root(request)
         )
         max_blocks = (request.num_tokens - 1) // bs
         blocks: list[int] = []
@@ -439,7 +447,11 @@ class KVCacheManager:
         # before any request of the batch reads them. The names stay provisional until
         # the step has finished (commit_names). Each group names its own blocks.
         hashes = extend_block_hashes(
-            request.block_hashes, request.all_token_ids, num_tokens, self.block_size, self.hash_root
+            request.block_hashes,
+            request.all_token_ids,
+            num_tokens,
+            self.block_size,
+            self.root(request),
         )
         num_full = num_tokens // self.block_size
         for group in self.groups:

@@ -76,6 +76,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._priority = config.scheduling_policy == "priority"
+        # The model's LoRA slots: at most this many distinct adapters run at once.
+        self.max_loras = config.max_loras if config.enable_lora else 0
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -139,12 +141,18 @@ class Scheduler:
         blocks the KV connector can load."""
         if self._priority and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=self._order_key))
-        parked: list[Request] = []  # their KV is on its way: they keep their place
+        # Parked keep their place: their KV is on its way, or their adapter needs a slot.
+        parked: list[Request] = []
+        adapters = {r.lora.key for r in self.running if r.lora is not None}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             fresh = req.num_computed_tokens == 0
             if fresh and self.connector is not None and not self.connector.is_ready(req):
                 parked.append(self.waiting.popleft())
+                continue
+            new_adapter = req.lora is not None and req.lora.key not in adapters
+            if new_adapter and len(adapters) >= self.max_loras:
+                parked.append(self.waiting.popleft())  # every slot is busy this step
                 continue
             hit = self.kv.find_cached_prefix(req) if fresh else CacheHit([], 0)
             loadable = self._loadable_tokens(req, hit) if fresh else 0
@@ -164,6 +172,8 @@ class Scheduler:
                 self.kv.record_prefix_query(req.num_prompt_tokens, hit.num_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.lora is not None:
+                adapters.add(req.lora.key)
             out.scheduled.append((req, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(parked))

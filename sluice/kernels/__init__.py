@@ -46,7 +46,7 @@ from sluice import settings
 
 # The binding modules, one per kernel: importing them declares their C functions, which
 # `_build` applies to every library it loads.
-from sluice.kernels import attention, cpu, decode_stack, fused, matmul, qblock
+from sluice.kernels import attention, cpu, decode_stack, fused, lora, matmul, qblock
 from sluice.kernels._ffi import (
     STRING,
     Library,
@@ -66,6 +66,7 @@ __all__ = [
     "fused",
     "large_allocations_mapped",
     "load",
+    "lora",
     "matmul",
     "qblock",
     "release_freed_heap",

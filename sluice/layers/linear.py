@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.kernels import cpu
+from sluice.layers.lora import LoRASlots
 
 
 def onednn_packable(weight: torch.Tensor) -> bool:
@@ -98,9 +99,14 @@ class Linear(nn.Module):
         # Tensor parallelism sets this on row-parallel layers (o_proj, down_proj): each
         # rank's output is a partial sum, made whole by the group's all-reduce.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Adapter slots (attach_lora_slots, with LoRA enabled): each row of a step adds
+        # its own adapter's low-rank product to the base output.
+        self.lora: LoRASlots | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
+        if self.lora is not None:
+            y = self.lora(x, y)
         return y if self.reduce is None else self.reduce(y)
 
     def extra_repr(self) -> str:

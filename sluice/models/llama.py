@@ -16,6 +16,7 @@ from torch import nn
 
 from sluice.attention.step import attend
 from sluice.config import ModelConfig
+from sluice.core.choices import LoRATarget
 from sluice.core.quantized_tensor import (
     QuantizedTensor,
     Weight,
@@ -178,6 +179,23 @@ class LlamaForCausalLM(nn.Module):
                 layer.mlp.split_experts(tp)  # expert parallel
             else:
                 layer.mlp.down_proj.reduce = tp.all_reduce
+
+    def lora_linears(self) -> list[tuple[int, Linear, tuple[LoRATarget, ...], tuple[int, ...]]]:
+        """What a LoRA adapter may adapt: (layer, the Linear, the projections it fuses
+        in output order, their output widths). A Mixture-of-Experts layer's experts are
+        not adapted."""
+        out: list[tuple[int, Linear, tuple[LoRATarget, ...], tuple[int, ...]]] = []
+        hidden = self.config.hidden_size
+        for i, layer in enumerate(self.layers):
+            att = layer.self_attn
+            widths = (att.q_size, att.kv_size, att.kv_size)
+            out.append((i, att.qkv_proj, ("q_proj", "k_proj", "v_proj"), widths))
+            out.append((i, att.o_proj, ("o_proj",), (hidden,)))
+            if isinstance(layer.mlp, MLP):
+                inter = layer.mlp.inter
+                out.append((i, layer.mlp.gate_up_proj, ("gate_proj", "up_proj"), (inter, inter)))
+                out.append((i, layer.mlp.down_proj, ("down_proj",), (hidden,)))
+        return out
 
     def init_rotary(self, max_positions: int) -> None:
         c = self.config

@@ -30,6 +30,7 @@ from sluice.models.pooler import Pooler
 from sluice.models.tp_shard import Collectives, local_config, shard_checkpoint
 from sluice.runner.encoder_runner import EncoderRunner
 from sluice.runner.kv_layout import KVLayout, allocate_kv_pools
+from sluice.runner.lora_table import LoRACapacity, LoRASlotTable
 from sluice.runner.model_runner import ModelRunner, StepFollowers, check_tensor_parallel
 
 logger = logging.getLogger("sluice")
@@ -63,6 +64,8 @@ class ModelVariant:
     """Each step also returns every token's final-normed hidden state."""
     pool_mode: PoolingMode = "last"
     """How embedding requests pool their prompt's final-normed hidden states."""
+    lora: LoRACapacity | None = None
+    """Slots for LoRA adapters beside every adaptable layer (the target, with LoRA on)."""
 
 
 TARGET = ModelVariant()
@@ -95,6 +98,7 @@ def build_runner(
     model.load_weights(tensors)
     model.init_rotary(layout.max_model_len)
     model.eval()
+    lora = LoRASlotTable.attach(model, variant.lora) if variant.lora is not None else None
     if layout.kv_cache_dtype == "int8":
         kv_int8.check_head_dim(config.head_dim)
     backend = select_backend(options.device, options.dtype, config.head_dim)
@@ -120,6 +124,7 @@ def build_runner(
         followers=followers,
         return_features=variant.return_features,
         pool_mode=variant.pool_mode,
+        lora=lora,
     )
 
 

@@ -19,10 +19,12 @@ from sluice.core.errors import ConfigError
 from sluice.core.request import Request
 from sluice.layers.block_quant import weight_bytes
 from sluice.layers.experts import Experts
+from sluice.layers.lora import LoRAMapping, lora_step
 from sluice.models.llama import LlamaForCausalLM
 from sluice.models.llama_decode_stack import LlamaDecodeStack
 from sluice.models.tp_shard import Collectives
 from sluice.runner.kv_layout import KVLayout, KVPools
+from sluice.runner.lora_table import LoRASlotTable
 
 
 @dataclass
@@ -60,6 +62,9 @@ class StepInputs:
     features: torch.Tensor | None = None
     # Rows whose final-normed hidden states embedding requests pool (on CPU), or None.
     pool_rows: torch.Tensor | None = None
+    # Per token, the LoRA slot of its request's adapter (-1: none; int32 on CPU), or
+    # None where no request of the step has an adapter.
+    lora_slots: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> StepInputs:
         """The same step with its device tensors on `device` (a CUDA rank's own GPU)."""
@@ -73,6 +78,7 @@ class StepInputs:
             self.prompt_rows,
             None if self.local_meta is None else _moved(self.local_meta, device),
             pool_rows=self.pool_rows,
+            lora_slots=self.lora_slots,
         )
 
 
@@ -186,13 +192,15 @@ class ModelRunner:
         followers: StepFollowers | None = None,
         return_features: bool = False,
         pool_mode: PoolingMode = "last",
+        lora: LoRASlotTable | None = None,
     ) -> None:
         """config: this rank's (a tensor-parallel rank's slice); forward: the model or
         its compiled form; decode_stack: the fused C++ decode path where all of the
         model runs on our kernels; followers: rank 0's handle on the other ranks of a
         tensor-parallel group; return_features: every step's ModelOutput carries the
         final-normed hidden states of every token (what an EAGLE head drafts from);
-        pool_mode: how embedding requests pool their prompt's final-normed states."""
+        pool_mode: how embedding requests pool their prompt's final-normed states;
+        lora: the model's adapter slots, where LoRA is enabled."""
         self.config = config
         self.model = model
         self.forward = forward
@@ -215,6 +223,7 @@ class ModelRunner:
         self.followers = followers
         self.return_features = return_features
         self.pool_mode = pool_mode
+        self.lora = lora
 
     def expert_tokens(self) -> list[list[int]]:
         """Tokens routed to each expert of each Mixture-of-Experts layer since load,
@@ -280,6 +289,7 @@ class ModelRunner:
         scheduled = sorted(scheduled, key=lambda rn: rn[1] > SMALL_CHUNK_TOKENS)
         inputs, sampling, rows_per_req, prompt_starts = self._prepare(scheduled)
         pool_spans = self._pool_spans(scheduled, inputs)
+        inputs.lora_slots = self._lora_slots(scheduled)
         if features is not None:
             inputs.features = torch.cat([features[r] for r, _ in scheduled]).to(self.device)
         if self.followers is not None:
@@ -324,6 +334,17 @@ class ModelRunner:
             inputs.pool_rows = torch.tensor(rows, dtype=torch.long)
         return spans
 
+    def _lora_slots(self, scheduled: list[tuple[Request, int]]) -> torch.Tensor | None:
+        """Each token's adapter slot, the step's adapters given slots first; None where
+        no request has an adapter or this runner has no slots."""
+        adapters = [r.lora for r, _ in scheduled if r.lora is not None]
+        if not adapters or self.lora is None:  # a draft model drafts without adapters
+            return None
+        placed = self.lora.slots_for(adapters)
+        per_request = [-1 if r.lora is None else placed[r.lora.key] for r, _ in scheduled]
+        counts = torch.tensor([n for _, n in scheduled])
+        return torch.tensor(per_request, dtype=torch.int32).repeat_interleave(counts)
+
     def _pool(self, spans: list[PoolSpan], states: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each embedding request's pooled vector once its prompt is complete (fp32, on
         CPU); a mean's chunks add up on the request (its pool_state) until then."""
@@ -356,14 +377,17 @@ class ModelRunner:
         rank of a tensor-parallel group runs it on the same inputs; rank 0's logits are
         the whole vocabulary's."""
         meta = inputs.meta
-        if self.decode_stack is not None and self.decode_stack.accepts(
-            inputs.input_ids.numel(), meta
+        lora = None if inputs.lora_slots is None else LoRAMapping.of(inputs.lora_slots, self.device)
+        if (
+            lora is None  # the fused stack runs the base weights only
+            and self.decode_stack is not None
+            and self.decode_stack.accepts(inputs.input_ids.numel(), meta)
         ):
             hidden = self.decode_stack(inputs.input_ids, inputs.positions, meta)
         else:
             ctx = StepContext(self.backend, meta, self.kv_caches, self._layer_metadata(inputs))
             extra = () if inputs.features is None else (inputs.features,)
-            with step_context(ctx):
+            with step_context(ctx), lora_step(lora):
                 hidden = self.forward(inputs.input_ids, inputs.positions.to(self.device), *extra)
         prompt = [self.model.compute_logits(hidden[a:b]) for a, b in inputs.prompt_rows]
         rows = inputs.logit_rows.to(self.device)

@@ -1,0 +1,28 @@
+// C entry points of the LoRA shrink and expand (lora.h): fp32 or bf16 activations and
+// adapter matrices, fp32 low-rank products.
+#include "lora.h"
+
+extern "C" {
+
+void sluice_lora_shrink(int bf16, const void* x, int64_t rows, int in_dim, const void* a,
+                        int r_total, const int32_t* slots, float* u) {
+  if (bf16)
+    sluice::lora_shrink(static_cast<const uint16_t*>(x), rows, in_dim,
+                        static_cast<const uint16_t*>(a), r_total, slots, u);
+  else
+    sluice::lora_shrink(static_cast<const float*>(x), rows, in_dim, static_cast<const float*>(a),
+                        r_total, slots, u);
+}
+
+void sluice_lora_expand(int bf16, const float* u, int64_t rows, int rank, int n_slices,
+                        const int32_t* offsets, const void* bt, int out_dim,
+                        const int32_t* slots, void* y) {
+  if (bf16)
+    sluice::lora_expand(u, rows, rank, n_slices, offsets, static_cast<const uint16_t*>(bt),
+                        out_dim, slots, static_cast<uint16_t*>(y));
+  else
+    sluice::lora_expand(u, rows, rank, n_slices, offsets, static_cast<const float*>(bt), out_dim,
+                        slots, static_cast<float*>(y));
+}
+
+}  // extern "C"

@@ -1,0 +1,54 @@
+"""Bindings of the LoRA shrink and expand (csrc/lora.h): each row of a step gathers its
+own adapter's matrices by its slot index, so one call serves a batch that mixes
+adapters and rows without one.
+
+The layout checks (contiguity, dtypes) are the caller's, in `sluice.layers.lora`,
+which runs torch ops where they fail.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sluice.kernels._ffi import INT, INT64, POINTER, Library, c_function, is_bf16, ptr
+
+# bf16, x, rows, in_dim, a, r_total, slots, u
+_SHRINK = c_function("sluice_lora_shrink", None, INT, POINTER, INT64, INT, POINTER, INT, POINTER,
+                     POINTER)  # fmt: skip
+# bf16, u, rows, rank, n_slices, offsets, bt, out_dim, slots, y
+_EXPAND = c_function(
+    "sluice_lora_expand", None, INT, POINTER, INT64, INT, INT, POINTER, POINTER, INT, POINTER,
+    POINTER,
+)  # fmt: skip
+
+
+def shrink(
+    lib: Library,
+    x: torch.Tensor,  # [rows, in] contiguous, fp32 or bf16
+    a: torch.Tensor,  # [slots, r_total, in], x's dtype
+    slots: torch.Tensor,  # [rows] int32, -1: no adapter
+) -> torch.Tensor:
+    """u [rows, r_total] fp32: each row times its slot's A (zeros where the slot is -1)."""
+    rows, in_dim = x.shape
+    r_total = a.shape[1]
+    u = torch.empty(rows, r_total, dtype=torch.float32)
+    _SHRINK(lib, is_bf16(x), ptr(x), rows, in_dim, ptr(a), r_total, ptr(slots), ptr(u))
+    return u
+
+
+def expand(
+    lib: Library,
+    u: torch.Tensor,  # [rows, n_slices * rank] fp32 (shrink's)
+    bt: torch.Tensor,  # [slots, rank, out], y's dtype
+    offsets: torch.Tensor,  # [n_slices + 1] int32: each slice's first output column
+    slots: torch.Tensor,  # [rows] int32
+    y: torch.Tensor,  # [rows, out] contiguous: updated in place
+) -> None:
+    """y[t, slice j] += u[t, slice j's ranks] @ bt[slot(t)][:, slice j], in place."""
+    rows, out_dim = y.shape
+    rank = bt.shape[1]
+    n_slices = offsets.numel() - 1
+    _EXPAND(
+        lib, is_bf16(y), ptr(u), rows, rank, n_slices, ptr(offsets), ptr(bt), out_dim, ptr(slots),
+        ptr(y),
+    )  # fmt: skip

@@ -1,0 +1,136 @@
+"""LoRA adapters beside a Linear: a table of slots, each holding one adapter's low-rank
+pair for this layer, and the step's slot index per row.
+
+The base matmul runs once over every row (dense or quantized, untouched); then each
+row with an adapter adds its own adapter's x A^T B^T, the slot gathered per row by
+our kernels (sluice/kernels/lora.py), so requests for different adapters and for the
+base share one step. A fused layer (q/k/v, gate/up) has a slice per projection:
+each its own A, and B's columns of that slice.
+
+Like attention, a layer reaches the step's rows-to-slots mapping through a context
+(`lora_step`), not its arguments: the model's signature stays the same with or
+without adapters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sluice import kernels
+from sluice.core.choices import LoRATarget
+from sluice.core.lora import LoRAAdapter
+from sluice.kernels import lora as lora_kernels
+
+
+@dataclass(frozen=True)
+class LoRAMapping:
+    """A step's rows' adapter slots."""
+
+    slots: torch.Tensor
+    """[rows] int32 on the CPU, -1 where a row runs the base model alone."""
+    groups: tuple[tuple[int, torch.Tensor], ...]
+    """(slot, its rows) for each slot in use: the torch path's loop (off CPU)."""
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, device: torch.device) -> LoRAMapping:
+        used = [int(s) for s in torch.unique(slots) if s >= 0]
+        groups = tuple((s, torch.nonzero(slots == s)[:, 0].to(device)) for s in used)
+        return cls(slots.to(torch.int32).contiguous(), groups)
+
+
+_current: LoRAMapping | None = None
+
+
+@contextlib.contextmanager
+def lora_step(mapping: LoRAMapping | None) -> Iterator[None]:
+    """Run the layers inside with this step's mapping (None: no row has an adapter)."""
+    global _current
+    previous, _current = _current, mapping
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+class LoRASlots(nn.Module):
+    """One Linear's adapter slots: A [slots, slices * rank, in] and B^T [slots, rank,
+    out] in the compute dtype, zero where a slot (or a slice of it) holds nothing."""
+
+    def __init__(
+        self,
+        *,
+        layer: int,
+        targets: tuple[LoRATarget, ...],
+        widths: tuple[int, ...],
+        in_features: int,
+        max_loras: int,
+        max_rank: int,
+    ) -> None:
+        """targets and widths: the projections this layer fuses, in output order, and
+        how many output columns each has (built under the model's dtype and device)."""
+        super().__init__()
+        self.layer = layer
+        self.targets = targets
+        self.rank = max_rank
+        bounds = [0]
+        for w in widths:
+            bounds.append(bounds[-1] + w)
+        self.bounds = bounds
+        self.offsets = torch.tensor(bounds, dtype=torch.int32, device="cpu")
+        n = len(targets)
+        self.a: torch.Tensor
+        self.bt: torch.Tensor
+        self.register_buffer("a", torch.zeros(max_loras, n * max_rank, in_features), False)
+        self.register_buffer("bt", torch.zeros(max_loras, max_rank, bounds[-1]), False)
+
+    def load(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Put this layer's part of `adapter` into `slot` (None: empty it)."""
+        self.a[slot].zero_()
+        self.bt[slot].zero_()
+        if adapter is None:
+            return
+        for j, target in enumerate(self.targets):
+            m = adapter.modules.get((self.layer, target))
+            if m is None:
+                continue
+            r, first = m.a.shape[0], j * self.rank
+            self.a[slot, first : first + r] = m.a.to(self.a.dtype)
+            cols = slice(self.bounds[j], self.bounds[j + 1])
+            self.bt[slot, :r, cols] = m.b.t().to(self.bt.dtype)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (the base output for rows x) plus each row's adapter product."""
+        mapping = _current
+        if mapping is None:
+            return y
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        lib = _kernel_lib(x2, y2, self.a)
+        if lib is not None:
+            u = lora_kernels.shrink(lib, x2, self.a, mapping.slots)
+            lora_kernels.expand(lib, u, self.bt, self.offsets, mapping.slots, y2)
+            return y
+        for slot, rows in mapping.groups:
+            u = x2[rows].float() @ self.a[slot].float().t()
+            for j in range(len(self.targets)):
+                lo, hi = self.bounds[j], self.bounds[j + 1]
+                part = u[:, j * self.rank : (j + 1) * self.rank] @ self.bt[slot, :, lo:hi].float()
+                y2[rows, lo:hi] += part.to(y2.dtype)
+        return y
+
+
+def _kernel_lib(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor) -> kernels.Library | None:
+    """Our kernels where the layout allows (CPU, fp32/bf16, contiguous, eager)."""
+    if (
+        x.device.type != "cpu"
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or not (x.dtype == y.dtype == a.dtype)
+        or not (x.is_contiguous() and y.is_contiguous())
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    return kernels.load()

@@ -1,0 +1,337 @@
+"""LoRA adapter files -> a validated `LoRAAdapter`: PEFT folders (adapter_config.json +
+adapter_model.safetensors) and llama.cpp's GGUF adapters (general.type = adapter).
+
+Adapters are untrusted input, like model files: the file's size is bounded by what an
+adapter of the allowed rank can hold before anything is read, and every tensor's
+name, shape, rank and dtype is checked against the base model. A defect raises
+`LoRAAdapterError`, which names the adapter, its path and the tensor or key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf.quants import dequantize
+
+from sluice.architectures import spec_of
+from sluice.config import ModelConfig
+from sluice.core.choices import LORA_TARGETS, LoRATarget
+from sluice.core.errors import ModelFileError
+from sluice.core.lora import LoRAAdapter, LoRAModule
+from sluice.loader.gguf_metadata import GGUFMetadata
+from sluice.loader.hf_loader import check_safetensors
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_MAX_CONFIG_BYTES = 1 << 20
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# PEFT's names: base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight.
+_PEFT_RE = re.compile(
+    r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
+)
+# llama.cpp's: blk.N.attn_q.weight.lora_a.
+_GGUF_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])")
+_GGUF_TARGETS: dict[str, LoRATarget] = {
+    "attn_q": "q_proj",
+    "attn_k": "k_proj",
+    "attn_v": "v_proj",
+    "attn_output": "o_proj",
+    "ffn_gate": "gate_proj",
+    "ffn_up": "up_proj",
+    "ffn_down": "down_proj",
+}
+
+
+class LoRAAdapterError(ModelFileError):
+    """A LoRA adapter that is malformed or does not fit the base model."""
+
+    def __init__(self, name: str, path: str, defect: str) -> None:
+        super().__init__(path, defect)
+        self.args = (f"LoRA adapter {name!r} ({path}): {defect}",)
+        self.name = name
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple[type[LoRAAdapterError], tuple[str, str, str]]:  # type: ignore[override]
+        return type(self), (self.name, self.path, self.defect)
+
+
+def target_shape(config: ModelConfig, target: LoRATarget) -> tuple[int, int]:
+    """(in, out) of a projection of the base model."""
+    hidden, q = config.hidden_size, config.num_heads * config.head_dim
+    kv, inter = config.num_kv_heads * config.head_dim, config.intermediate_size
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }[target]
+
+
+def adaptable_targets(config: ModelConfig) -> tuple[LoRATarget, ...]:
+    """What an adapter may adapt on this model: attention, and a dense model's MLP (a
+    Mixture-of-Experts model's experts are not adapted)."""
+    if config.is_moe:
+        return ("q_proj", "k_proj", "v_proj", "o_proj")
+    return LORA_TARGETS
+
+
+def max_adapter_bytes(config: ModelConfig, max_rank: int) -> int:
+    """The most bytes an adapter of rank <= max_rank can hold for this model (fp32
+    every target of every layer), plus room for headers: a larger file is refused
+    before it is read."""
+    per_layer = sum(sum(target_shape(config, t)) for t in adaptable_targets(config))
+    return per_layer * max_rank * 4 * config.num_layers + (1 << 20)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What the readers share: the adapter's name, its path, the base and the limits."""
+
+    name: str
+    path: Path
+    config: ModelConfig
+    max_rank: int
+
+    def error(self, defect: str) -> LoRAAdapterError:
+        return LoRAAdapterError(self.name, str(self.path), defect)
+
+
+def load_lora_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """The adapter at `path` (a PEFT folder or a .gguf file) for base model `config`,
+    validated; ranks above `max_rank` are refused."""
+    p = Path(path).expanduser()
+    src = _Source(name, p, config, max_rank)
+    if p.is_file() and p.suffix == ".gguf":
+        return _load_gguf(src)
+    if p.is_dir():
+        return _load_peft(src)
+    raise src.error("not found: give a PEFT adapter folder (adapter_config.json) or a .gguf file")
+
+
+def _bounded_size(src: _Source, file: Path) -> int:
+    if not file.is_file():
+        raise src.error(f"{file.name} is missing")
+    size = file.stat().st_size
+    limit = max_adapter_bytes(src.config, src.max_rank)
+    if size > limit:
+        raise src.error(
+            f"{file.name} is {size:,} bytes, more than an adapter of rank <= {src.max_rank} "
+            f"can hold for {src.config.name} ({limit:,}): raise max_lora_rank if its rank is higher"
+        )
+    return size
+
+
+def _read_peft_config(src: _Source) -> dict[str, Any]:
+    file = src.path / CONFIG_FILE
+    if not file.is_file():
+        if (src.path / "adapter_model.bin").is_file():
+            raise src.error("pickled adapter_model.bin is not loaded: save it as safetensors")
+        raise src.error(f"{CONFIG_FILE} is missing: not a PEFT adapter folder")
+    if file.stat().st_size > _MAX_CONFIG_BYTES:
+        raise src.error(f"{CONFIG_FILE} is larger than {_MAX_CONFIG_BYTES:,} bytes")
+    try:
+        cfg = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise src.error(f"{CONFIG_FILE} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise src.error(f"{CONFIG_FILE} must hold a JSON object")
+    return cfg
+
+
+# PEFT options that change what the weights mean; an adapter that sets them is refused
+# rather than served wrong.
+_UNSUPPORTED = (
+    ("use_dora", "DoRA adapters"),
+    ("fan_in_fan_out", "fan_in_fan_out weights"),
+    ("modules_to_save", "fully trained modules (modules_to_save)"),
+    ("rank_pattern", "per-module ranks (rank_pattern)"),
+    ("alpha_pattern", "per-module alphas (alpha_pattern)"),
+    ("target_parameters", "adapted parameters (target_parameters)"),
+    ("lora_bias", "adapters with a bias on B (lora_bias)"),
+    ("trainable_token_indices", "trained token embeddings (trainable_token_indices)"),
+    ("layer_replication", "replicated layers (layer_replication)"),
+    ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens)"),
+    ("use_qalora", "QA-LoRA adapters (use_qalora)"),
+    ("use_bdlora", "block-diagonal LoRA (use_bdlora)"),
+)
+
+
+def _peft_scale(src: _Source, cfg: dict[str, Any]) -> tuple[int, float]:
+    """(rank, scale) from a PEFT config: lora_alpha / r, or / sqrt(r) with rsLoRA."""
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise src.error(f"peft_type {cfg.get('peft_type')!r} is not a LoRA adapter")
+    for key, what in _UNSUPPORTED:
+        if cfg.get(key):
+            raise src.error(f"{what} are not supported ({key} in {CONFIG_FILE})")
+    if cfg.get("bias", "none") != "none":
+        raise src.error(f"adapters that train biases are not supported (bias={cfg['bias']!r})")
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise src.error(f"r must be a positive integer in {CONFIG_FILE}, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+        raise src.error(f"lora_alpha must be a positive number in {CONFIG_FILE}, got {alpha!r}")
+    if not math.isfinite(alpha):
+        raise src.error(f"lora_alpha must be finite, got {alpha!r}")
+    rslora = cfg.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        raise src.error(f"use_rslora must be true or false, got {rslora!r}")
+    return rank, alpha / (math.sqrt(rank) if rslora else rank)
+
+
+def _check_targets(src: _Source, cfg: dict[str, Any]) -> None:
+    """target_modules, where it is a list, names only projections this model adapts
+    (a string is PEFT's regex over module names: the tensors then say what is adapted)."""
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str) or targets is None:
+        return
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise src.error(f"target_modules must be a list of names, got {targets!r}")
+    allowed = adaptable_targets(src.config)
+    for t in targets:
+        if t.rsplit(".", 1)[-1] not in allowed:
+            raise src.error(
+                f"target module {t!r} is not supported (supported: {', '.join(allowed)})"
+            )
+
+
+def _load_peft(src: _Source) -> LoRAAdapter:
+    cfg = _read_peft_config(src)
+    rank, scale = _peft_scale(src, cfg)
+    if rank > src.max_rank:
+        raise src.error(f"rank {rank} is above max_lora_rank {src.max_rank}")
+    _check_targets(src, cfg)
+    weights = src.path / WEIGHTS_FILE
+    _bounded_size(src, weights)
+    try:
+        check_safetensors(weights)
+        from safetensors.torch import load_file
+
+        tensors = load_file(weights)
+    except (ModelFileError, OSError, ValueError) as exc:
+        raise src.error(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from None
+    pairs = _pairs(src, tensors, _PEFT_RE, lambda n: n)
+    digest = hashlib.sha256((src.path / CONFIG_FILE).read_bytes())
+    digest.update(weights.read_bytes())
+    return _adapter(src, pairs, {t: rank for t in LORA_TARGETS}, scale, digest)
+
+
+_Pairs = dict[tuple[int, LoRATarget], tuple[torch.Tensor, torch.Tensor, str]]
+
+
+def _pairs(
+    src: _Source,
+    tensors: dict[str, torch.Tensor],
+    pattern: re.Pattern[str],
+    target_of: Any,
+) -> _Pairs:
+    """(layer, target) -> (A, B, A's name) from tensor names; anything else is refused."""
+    found: dict[tuple[int, LoRATarget], dict[str, tuple[str, torch.Tensor]]] = {}
+    allowed = adaptable_targets(src.config)
+    for name, t in tensors.items():
+        m = pattern.fullmatch(name)
+        target = target_of(m.group(2)) if m else None
+        if m is None or target not in allowed:
+            raise src.error(f"tensor {name} is not a LoRA weight of a supported projection")
+        layer = int(m.group(1))
+        if layer >= src.config.num_layers:
+            raise src.error(
+                f"tensor {name}: layer {layer} past the model's {src.config.num_layers}"
+            )
+        if t.dtype not in _FLOAT_DTYPES:
+            raise src.error(f"tensor {name} has dtype {t.dtype}; adapters are float32/16 or bf16")
+        found.setdefault((layer, target), {})[m.group(3).upper()] = (name, t)
+    if not found:
+        raise src.error("holds no LoRA weights")
+    pairs: _Pairs = {}
+    for key, parts in found.items():
+        if len(parts) != 2:
+            ((name, _),) = parts.values()
+            raise src.error(f"tensor {name} has no partner (every A needs its B)")
+        (a_name, a), (_, b) = parts["A"], parts["B"]
+        pairs[key] = (a, b, a_name)
+    return pairs
+
+
+def _adapter(
+    src: _Source,
+    pairs: _Pairs,
+    ranks: dict[LoRATarget, int] | None,
+    scale: float,
+    digest: Any,
+) -> LoRAAdapter:
+    """The checked modules (A [r, in], B [out, r] with `scale` folded in, fp32)."""
+    modules: dict[tuple[int, LoRATarget], LoRAModule] = {}
+    for (layer, target), (a, b, name) in sorted(pairs.items()):
+        fan_in, fan_out = target_shape(src.config, target)
+        r = a.shape[0] if a.dim() == 2 else -1
+        if a.dim() != 2 or a.shape[1] != fan_in or r > src.max_rank or r < 1:
+            raise src.error(
+                f"tensor {name} has shape {list(a.shape)}; expected [rank <= {src.max_rank}, "
+                f"{fan_in}] for {target} of {src.config.name}"
+            )
+        if ranks is not None and r != ranks[target]:
+            raise src.error(f"tensor {name} has rank {r}, the config says r={ranks[target]}")
+        if list(b.shape) != [fan_out, r]:
+            raise src.error(
+                f"the B of {name} has shape {list(b.shape)}; expected [{fan_out}, {r}] "
+                f"for {target} of {src.config.name}"
+            )
+        a32, b32 = a.float().contiguous(), (b.float() * scale).contiguous()
+        if not (torch.isfinite(a32).all() and torch.isfinite(b32).all()):
+            raise src.error(f"tensor {name} or its B holds inf or NaN values")
+        modules[(layer, target)] = LoRAModule(a32, b32)
+    key = int.from_bytes(digest.digest()[:8], "little") >> 1
+    rank = max(m.a.shape[0] for m in modules.values())
+    return LoRAAdapter(src.name, str(src.path), key, rank, modules)
+
+
+def _load_gguf(src: _Source) -> LoRAAdapter:
+    """llama.cpp's adapter format (convert_lora_to_gguf.py): lora_a [r, in] and lora_b
+    [out, r] per projection, adapter.lora.alpha; q/k's B rows permuted as the base's
+    q/k rows are, so the family's transform undoes it."""
+    _bounded_size(src, src.path)
+    try:
+        meta = GGUFMetadata.of(src.path)
+        kind = (meta.get("general.type"), meta.get("adapter.type"))
+        arch, alpha = meta.get("general.architecture"), meta.get("adapter.lora.alpha")
+    except (ModelFileError, OSError) as exc:
+        raise src.error(f"not a valid GGUF file: {exc}") from None
+    if kind != ("adapter", "lora"):
+        raise src.error("not a LoRA adapter GGUF (general.type adapter, adapter.type lora)")
+    spec = spec_of(src.config.architecture)
+    if arch not in spec.gguf_names:
+        raise src.error(f"made for a {arch!r} model; the base model is {spec.title}")
+    tensors: dict[str, torch.Tensor] = {}
+    for t in meta.reader.tensors:
+        data = dequantize(t.data, t.tensor_type)
+        shape = [int(d) for d in reversed(t.shape.tolist())]
+        tensors[t.name] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).reshape(
+            shape
+        )
+    pairs = _pairs(src, tensors, _GGUF_RE, _GGUF_TARGETS.get)
+    for (layer, target), (a, b, name) in pairs.items():
+        hf = f"model.layers.{layer}.self_attn.{target}.weight"
+        unpermuted = spec.gguf_weight(hf, b, src.config)
+        assert isinstance(unpermuted, torch.Tensor)  # a dense tensor stays dense
+        pairs[(layer, target)] = (a, unpermuted, name)
+    digest = hashlib.sha256(src.path.read_bytes())
+    ranks = {a.shape[0] for a, _, _ in pairs.values()}
+    if len(ranks) != 1:
+        raise src.error(f"projections of different ranks {sorted(ranks)} are not supported")
+    (rank,) = ranks
+    scale = float(alpha) / rank if alpha else 1.0
+    return _adapter(src, pairs, None, scale, digest)

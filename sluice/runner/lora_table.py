@@ -1,0 +1,96 @@
+"""Which adapter each of the model's LoRA slots holds.
+
+The model has `max_loras` slots beside every adaptable Linear (sluice/layers/lora.py).
+Before a step, the adapters of its requests get slots: one already holding the
+adapter keeps it; a new one takes a free slot, else the least recently used slot
+that no request of this step needs, and its weights are copied in. The scheduler
+admits at most `max_loras` distinct adapters among the running requests, so a step
+always finds room.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sluice.core.lora import LoRAAdapter
+from sluice.layers.lora import LoRASlots
+from sluice.models.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class LoRACapacity:
+    """How many adapters a model holds at once, and their largest rank."""
+
+    max_loras: int
+    max_rank: int
+
+
+class LoRASlotTable:
+    """The slots of every adapted layer of one model, filled least recently used out."""
+
+    def __init__(self, layers: list[LoRASlots], max_loras: int) -> None:
+        self.layers = layers
+        self.keys: list[int | None] = [None] * max_loras
+        self.last_used = [0] * max_loras
+        self.clock = 0
+        self.loads = 0  # adapters copied into a slot since start
+
+    @classmethod
+    def attach(cls, model: LlamaForCausalLM, capacity: LoRACapacity) -> LoRASlotTable:
+        """Give every adaptable Linear of `model` its slots (in the model's dtype and
+        device) and return their table."""
+        dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
+        layers = []
+        for layer, linear, targets, widths in model.lora_linears():
+            with torch.device(device):
+                slots = LoRASlots(
+                    layer=layer,
+                    targets=targets,
+                    widths=widths,
+                    in_features=linear.in_features,
+                    max_loras=capacity.max_loras,
+                    max_rank=capacity.max_rank,
+                ).to(dtype)
+            linear.lora = slots
+            layers.append(slots)
+        return cls(layers, capacity.max_loras)
+
+    @property
+    def num_loaded(self) -> int:
+        return sum(k is not None for k in self.keys)
+
+    def slots_for(self, adapters: list[LoRAAdapter]) -> dict[int, int]:
+        """adapter key -> slot for every adapter of a step, loading those not held."""
+        self.clock += 1
+        wanted = {a.key: a for a in adapters}
+        placed: dict[int, int] = {}
+        for slot, key in enumerate(self.keys):
+            if key is not None and key in wanted:
+                placed[key] = slot
+                self.last_used[slot] = self.clock
+        for key, adapter in wanted.items():
+            if key in placed:
+                continue
+            slot = self._victim(set(placed.values()))
+            for layer in self.layers:
+                layer.load(slot, adapter)
+            self.keys[slot] = key
+            self.last_used[slot] = self.clock
+            self.loads += 1
+            placed[key] = slot
+        return placed
+
+    def _victim(self, taken: set[int]) -> int:
+        """A free slot, else the least recently used one this step does not need."""
+        free = [s for s, k in enumerate(self.keys) if k is None]
+        if free:
+            return free[0]
+        candidates = [s for s in range(len(self.keys)) if s not in taken]
+        if not candidates:
+            raise RuntimeError(
+                f"a step needs more than max_loras={len(self.keys)} adapters (the "
+                "scheduler admits at most that many)"
+            )
+        return min(candidates, key=lambda s: self.last_used[s])
