@@ -812,6 +812,7 @@ class FakeEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> None:
         assert isinstance(prompt, list) and params is not None
         self.reqs[request_id] = (prompt, params, [])

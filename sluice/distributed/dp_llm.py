@@ -31,6 +31,7 @@ from sluice.core.errors import (
     QueueFullError,
     RequestError,
 )
+from sluice.core.lora import LoRARequest
 from sluice.core.request import RequestParams
 from sluice.distributed.backend import StartReplica
 from sluice.distributed.messages import (
@@ -90,10 +91,13 @@ class _Inflight:
     replica: int | None = None  # None: parked until a replica is up
     streamed: bool = False  # an output reached the stream: it can no longer move
     replayable: bool = False  # ...unless its consumer keeps only the final output
+    lora_request: LoRARequest | None = None
 
     def add_command(self) -> AddRequest:
         age = time.monotonic() - self.arrival
-        return AddRequest(self.request_id, self.prompt, self.params, self.priority, age)
+        return AddRequest(
+            self.request_id, self.prompt, self.params, self.priority, age, self.lora_request
+        )
 
 
 _Delivery = list[tuple[RequestStream, RequestOutput | BaseException]]
@@ -167,6 +171,7 @@ class DataParallelLLM:
         arrival_time: float | None = None,
         *,
         replayable: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Submit a request and return its output stream; its replica's validation
         errors and QueueFullError are raised here, before any output. A `replayable`
@@ -186,6 +191,7 @@ class DataParallelLLM:
             stream._loop,
             concurrent.futures.Future(),
             replayable=replayable,
+            lora_request=lora_request,
         )
         with self._lock:
             self._admit(entry)
@@ -208,6 +214,26 @@ class DataParallelLLM:
         entry = self._forget(request_id)
         if entry is not None and entry.replica is not None:
             self.replicas[entry.replica].send(AbortRequest(request_id))
+
+    def lora_adapters(self) -> dict[str, LoRARequest]:
+        """Every replica serves the lora_modules it was started with."""
+        named = (m.partition("=") for m in self.config.lora_modules)
+        return {
+            name: LoRARequest(name, i, path) for i, (name, _, path) in enumerate(named, start=1)
+        }
+
+    async def load_lora_adapter(self, request: LoRARequest) -> None:
+        raise RequestError(
+            "lora_name",
+            "loading adapters at run time is not supported with data_parallel_size > 1 "
+            "(give them with --lora-modules)",
+        )
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        raise RequestError(
+            "lora_name",
+            "unloading adapters at run time is not supported with data_parallel_size > 1",
+        )
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

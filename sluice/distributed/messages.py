@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.core.lora import LoRARequest
 from sluice.core.request import RequestParams
 from sluice.outputs import RequestOutput
 
@@ -24,6 +25,8 @@ class AddRequest:
     # Seconds since the request arrived at the front end: monotonic clocks differ
     # between machines, so the replica takes its own clock minus this.
     age: float
+    # The LoRA adapter it runs through (every replica serves the lora_modules).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

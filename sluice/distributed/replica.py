@@ -107,6 +107,7 @@ def _handle(engine: ReplicaEngine, channel: ReplicaChannel, commands: list[Comma
                 cmd.params,
                 priority=cmd.priority,
                 arrival_time=time.monotonic() - cmd.age,
+                lora_request=cmd.lora_request,
             )
         except Exception as exc:
             channel.send(Rejected(cmd.request_id, portable(exc)))

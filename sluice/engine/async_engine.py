@@ -24,9 +24,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from sluice.config import EngineConfig
-from sluice.core.errors import EngineShutdownError, EngineStepError, QueueFullError
+from sluice.core.errors import (
+    EngineShutdownError,
+    EngineStepError,
+    QueueFullError,
+    RequestError,
+)
+from sluice.core.lora import LoRARequest
 from sluice.core.request import RequestParams
 from sluice.engine.engine import LLMEngine
+from sluice.engine.lora import LoRARegistry
 from sluice.engine.stats import FrontEndStats
 from sluice.outputs import RequestOutput
 from sluice.sampling_params import SamplingParams
@@ -51,6 +58,7 @@ class EngineLike(Protocol):
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None: ...
 
     def abort_request(self, request_id: str) -> bool: ...
@@ -71,6 +79,7 @@ class _Add:
     arrival_time: float
     stream: weakref.ref[RequestStream]  # weak: the command may outlive its handling
     accepted: concurrent.futures.Future[None]
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -172,14 +181,28 @@ class EngineClient(Protocol):
         arrival_time: float | None = None,
         *,
         replayable: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """`replayable`: the consumer keeps only the final output (a non-streamed
-        response), so after a fault the request may be run again from the start."""
+        response), so after a fault the request may be run again from the start;
+        `lora_request`: the LoRA adapter it runs through."""
         ...
 
     def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+    def lora_adapters(self) -> dict[str, LoRARequest]:
+        """The LoRA adapters requests may name, by name (empty without enable_lora)."""
+        ...
+
+    async def load_lora_adapter(self, request: LoRARequest) -> None:
+        """Load and serve an adapter (RequestError naming lora_name if taken)."""
+        ...
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        """Stop serving an adapter; its running requests finish. False if unknown."""
+        ...
 
     def shutdown(self, timeout: float = 0.0) -> None: ...
 
@@ -255,6 +278,7 @@ class AsyncLLM:
         arrival_time: float | None = None,
         *,
         replayable: bool = False,  # one engine: a failed step has nowhere else to go
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Submit a request and return its output stream.
 
@@ -282,7 +306,11 @@ class AsyncLLM:
         stream = RequestStream(self, rid, loop)
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._inbox.put(_Add(rid, prompt, params, priority, arrival, weakref.ref(stream), accepted))
+        self._inbox.put(
+            _Add(
+                rid, prompt, params, priority, arrival, weakref.ref(stream), accepted, lora_request
+            )
+        )
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -298,6 +326,28 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if unknown or finished); takes effect within one step."""
         self._inbox.put(_Abort(request_id))
+
+    def _lora(self) -> LoRARegistry | None:
+        registry = getattr(self.engine, "lora", None)
+        return registry if isinstance(registry, LoRARegistry) else None
+
+    def lora_adapters(self) -> dict[str, LoRARequest]:
+        registry = self._lora()
+        return {} if registry is None else registry.names()
+
+    async def load_lora_adapter(self, request: LoRARequest) -> None:
+        registry = self._lora()
+        if registry is None:
+            raise RequestError(
+                "lora_name", "LoRA adapters need the server started with --enable-lora"
+            )
+        # Off the event loop: reading and checking the files takes a while. The
+        # registry is thread-safe against the engine loop resolving adapters.
+        await asyncio.to_thread(registry.register, request)
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        registry = self._lora()
+        return registry is not None and registry.unregister(name)
 
     def stats(self) -> dict[str, Any]:
         """The engine's stats as of its last step (a copy; safe from any thread)."""
@@ -431,6 +481,7 @@ class AsyncLLM:
                 cmd.params,
                 priority=cmd.priority,
                 arrival_time=cmd.arrival_time,
+                lora_request=cmd.lora_request,
             )
         except Exception as exc:
             cmd.accepted.set_exception(exc)

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from sluice.core.lora import LoRARequest
 from sluice.core.request import RequestParams
 from sluice.engine.async_engine import RequestStream
 from sluice.outputs import CompletionOutput, RequestOutput
@@ -106,9 +107,11 @@ async def submit(
     prompt_param: str,
     *,
     streamed: bool = True,
+    lora: LoRARequest | None = None,
 ) -> list[Tracked]:
     """Queue one request per prompt; all or nothing: a batch with one bad prompt runs none.
-    A request not `streamed` to its client may be run again after a replica fault."""
+    A request not `streamed` to its client may be run again after a replica fault; `lora`
+    is the adapter the request's `model` named (check_model)."""
     if ctx.draining:
         raise shutting_down()
     arrival = time.monotonic()
@@ -116,7 +119,9 @@ async def submit(
 
     async def add(i: int, ids: list[int]) -> RequestStream:
         rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-        return await ctx.llm.generate(ids, params, rid, priority, arrival, replayable=not streamed)
+        return await ctx.llm.generate(
+            ids, params, rid, priority, arrival, replayable=not streamed, lora_request=lora
+        )
 
     # All at once: the engine loop takes every add waiting between two steps, so the
     # prompts of one request (an embeddings batch) share its steps instead of joining

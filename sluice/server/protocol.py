@@ -19,11 +19,13 @@ __all__ = [
     "CompletionRequest",
     "DetokenizeRequest",
     "EmbeddingRequest",
+    "LoadLoRAAdapterRequest",
     "OpenAIError",
     "RerankRequest",
     "ScoreRequest",
     "StreamOptions",
     "TokenizeRequest",
+    "UnloadLoRAAdapterRequest",
     "bad_request",
     "error_body",
     "validation_error",
@@ -154,3 +156,17 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """POST /v1/load_lora_adapter, as vLLM takes it."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """POST /v1/unload_lora_adapter (vLLM's lora_int_id is accepted and not needed)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

@@ -12,6 +12,7 @@ from typing import Any, TypeVar, cast
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from sluice.core.lora import LoRARequest
 from sluice.sampling_params import SamplingParams, SamplingParamsError
 from sluice.server.context import ServerContext
 from sluice.server.errors import OpenAIError, bad_request, validation_error
@@ -93,14 +94,21 @@ async def parse(request: Request, model: type[M]) -> M:
         raise validation_error(exc) from None
 
 
-def check_model(ctx: ServerContext, name: str | None) -> None:
-    if name is not None and name != ctx.model_name:
-        raise OpenAIError(
-            404,
-            f"The model `{name}` does not exist. This server serves `{ctx.model_name}`.",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(ctx: ServerContext, name: str | None) -> LoRARequest | None:
+    """The LoRA adapter a request's `model` names, None for the base model (or no
+    model given); any other name is a 404."""
+    if name is None or name == ctx.model_name:
+        return None
+    adapters = ctx.llm.lora_adapters()
+    if name in adapters:
+        return adapters[name]
+    served = ", ".join(f"`{n}`" for n in [ctx.model_name, *adapters])
+    raise OpenAIError(
+        404,
+        f"The model `{name}` does not exist. This server serves {served}.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def check_token_ids(ctx: ServerContext, param: str, ids: list[int]) -> None:

@@ -147,7 +147,14 @@ async def chat_completions(request: Request) -> Response | dict[str, Any]:
     params, ids, plan = await prepare_chat(ctx, req)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tracked = await submit(
-        ctx, [ids], params, rid, req.priority, "messages", streamed=bool(req.stream)
+        ctx,
+        [ids],
+        params,
+        rid,
+        req.priority,
+        "messages",
+        streamed=bool(req.stream),
+        lora=check_model(ctx, req.model),
     )
     if req.stream:
         return streamed_response(

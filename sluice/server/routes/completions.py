@@ -104,7 +104,14 @@ async def completions(request: Request) -> Response | dict[str, Any]:
     params = await constrained(ctx, req, params)
     rid = f"cmpl-{uuid.uuid4().hex}"
     tracked = await submit(
-        ctx, prompts, params, rid, req.priority, "prompt", streamed=bool(req.stream)
+        ctx,
+        prompts,
+        params,
+        rid,
+        req.priority,
+        "prompt",
+        streamed=bool(req.stream),
+        lora=check_model(ctx, req.model),
     )
     if req.stream:
         return streamed_response(ctx, req, rid, params, tracked, prompts)

@@ -80,6 +80,12 @@ def _params(**fields: Any) -> PoolingParams:
         raise bad_request(exc.param, str(exc)) from None
 
 
+def _base_model(ctx: ServerContext, name: str | None) -> None:
+    """Embeddings run the base model: a LoRA adapter's name is refused."""
+    if check_model(ctx, name) is not None:
+        raise bad_request("model", f"embeddings through a LoRA adapter ({name}) are not supported")
+
+
 async def _embed(
     ctx: ServerContext,
     request: Request,
@@ -109,7 +115,7 @@ def _vector(out: RequestOutput, encoding: str) -> list[float] | str:
 async def embeddings(request: Request) -> dict[str, Any]:
     ctx = server_context(request)
     req = await parse(request, EmbeddingRequest)
-    check_model(ctx, req.model)
+    _base_model(ctx, req.model)
     if req.encoding_format not in _ENCODINGS:
         raise bad_request("encoding_format", f"encoding_format must be one of {_ENCODINGS}")
     params = _params(
@@ -147,7 +153,7 @@ async def _cosines(
 async def score(request: Request) -> dict[str, Any]:
     ctx = server_context(request)
     req = await parse(request, ScoreRequest)
-    check_model(ctx, req.model)
+    _base_model(ctx, req.model)
     first = input_ids(ctx, req.text_1, "text_1", req.truncate_prompt_tokens)
     second = input_ids(ctx, req.text_2, "text_2", req.truncate_prompt_tokens)
     if len(first) not in (1, len(second)):
@@ -170,7 +176,7 @@ async def score(request: Request) -> dict[str, Any]:
 async def rerank(request: Request) -> dict[str, Any]:
     ctx = server_context(request)
     req = await parse(request, RerankRequest)
-    check_model(ctx, req.model)
+    _base_model(ctx, req.model)
     if not isinstance(req.query, str) or not req.query:
         raise bad_request("query", "query must be a non-empty string")
     documents = _items(req.documents, "documents")

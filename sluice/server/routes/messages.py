@@ -237,7 +237,10 @@ async def messages(request: Request) -> Response | dict[str, Any]:
     with renamed_params(_PARAMS):
         params, ids, plan = await prepare_chat(ctx, chat)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
-    (tracked,) = await submit(ctx, [ids], params, rid, 0, "messages", streamed=req.stream)
+    lora = check_model(ctx, chat.model)
+    (tracked,) = await submit(
+        ctx, [ids], params, rid, 0, "messages", streamed=req.stream, lora=lora
+    )
     reasoning = reasoning_for(ctx, ids)
     if req.stream:
         return event_stream(_events(ctx, rid, len(ids), tracked, plan.new_parser, reasoning))

@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from sluice.core.lora import LoRARequest
 from sluice.server.context import ServerContext, server_context
 from sluice.server.errors import bad_request
 from sluice.server.messages import render_chat
@@ -27,17 +28,29 @@ def _card(ctx: ServerContext) -> dict[str, Any]:
     }
 
 
+def _adapter_card(ctx: ServerContext, adapter: LoRARequest) -> dict[str, Any]:
+    """A LoRA adapter's card, as vLLM lists one: its files as root, the base as parent."""
+    return {
+        **_card(ctx),
+        "id": adapter.lora_name,
+        "root": adapter.lora_path,
+        "parent": ctx.model_name,
+    }
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_card(server_context(request))]}
+    ctx = server_context(request)
+    adapters = [_adapter_card(ctx, a) for a in ctx.llm.lora_adapters().values()]
+    return {"object": "list", "data": [_card(ctx), *adapters]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(request: Request, model_id: str) -> dict[str, Any]:
     """One model's card; ids may hold a slash (org/name), hence the path converter."""
     ctx = server_context(request)
-    check_model(ctx, model_id)
-    return _card(ctx)
+    adapter = check_model(ctx, model_id)
+    return _card(ctx) if adapter is None else _adapter_card(ctx, adapter)
 
 
 @router.post("/tokenize")

@@ -33,7 +33,7 @@ from sluice.server.responses import (
 from sluice.server.routes.chat import prepare_chat, reasoning_for
 from sluice.server.streaming import event_stream
 from sluice.server.tool_calls import ToolCallParser
-from sluice.server.validation import parse
+from sluice.server.validation import check_model, parse
 
 router = APIRouter()
 
@@ -250,7 +250,8 @@ async def create_response(request: Request) -> Response | dict[str, Any]:
         chat = to_chat_request(req, conv)
         params, ids, plan = await prepare_chat(ctx, chat)
     rid = f"resp_{uuid.uuid4().hex}"
-    (tracked,) = await submit(ctx, [ids], params, rid, 0, "input", streamed=req.stream)
+    lora = check_model(ctx, chat.model)
+    (tracked,) = await submit(ctx, [ids], params, rid, 0, "input", streamed=req.stream, lora=lora)
     reasoning = reasoning_for(ctx, ids)
     output = _Output(
         plan.new_parser() if plan.new_parser else None, reasoning() if reasoning else None
