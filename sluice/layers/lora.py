@@ -113,14 +113,19 @@ class LoRASlots(nn.Module):
         if lib is not None:
             u = lora_kernels.shrink(lib, x2, self.a, mapping.slots)
             lora_kernels.expand(lib, u, self.bt, self.offsets, mapping.slots, y2)
-            return y
+        else:
+            self.add_with_torch(x2, y2, mapping)
+        return y
+
+    def add_with_torch(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> None:
+        """y [rows, out] += each row's adapter product, one slot at a time (torch ops:
+        CUDA, or where the kernels' layout checks fail)."""
         for slot, rows in mapping.groups:
-            u = x2[rows].float() @ self.a[slot].float().t()
+            u = x[rows].float() @ self.a[slot].float().t()
             for j in range(len(self.targets)):
                 lo, hi = self.bounds[j], self.bounds[j + 1]
                 part = u[:, j * self.rank : (j + 1) * self.rank] @ self.bt[slot, :, lo:hi].float()
-                y2[rows, lo:hi] += part.to(y2.dtype)
-        return y
+                y[rows, lo:hi] += part.to(y.dtype)
 
 
 def _kernel_lib(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor) -> kernels.Library | None:

@@ -1,0 +1,115 @@
+"""The LoRA slot layer and its shrink/expand kernels at every instruction-set level:
+each row adds its own adapter's product (a fused layer's slices each their own A and
+their columns of B), rows without an adapter are left as the base computed them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice import kernels
+from sluice.core.lora import LoRAAdapter, LoRAModule
+from sluice.layers.lora import LoRAMapping, LoRASlots, lora_step
+
+# A q/k/v layer: in 64, outputs 48 + 16 + 16.
+TARGETS = ("q_proj", "k_proj", "v_proj")
+WIDTHS = (48, 16, 16)
+IN = 64
+
+
+def _adapter(seed: int, rank: int, targets: tuple[str, ...]) -> LoRAAdapter:
+    g = torch.Generator().manual_seed(seed)
+    modules = {}
+    for t in targets:
+        width = WIDTHS[TARGETS.index(t)]
+        a = torch.randn(rank, IN, generator=g)
+        b = torch.randn(width, rank, generator=g) * 0.5
+        modules[(0, t)] = LoRAModule(a, b)
+    return LoRAAdapter(f"a{seed}", "/x", seed, rank, modules)  # type: ignore[arg-type]
+
+
+def _reference(
+    x: torch.Tensor, y: torch.Tensor, adapters: list[LoRAAdapter | None]
+) -> torch.Tensor:
+    """y + each row's adapter product, in fp64 from the adapters' own matrices."""
+    out = y.double().clone()
+    bounds = [0, 48, 64, 80]
+    for t, adapter in enumerate(adapters):
+        if adapter is None:
+            continue
+        for j, target in enumerate(TARGETS):
+            m = adapter.modules.get((0, target))  # type: ignore[call-overload]
+            if m is not None:
+                delta = x[t].double() @ m.a.double().t() @ m.b.double().t()
+                out[t, bounds[j] : bounds[j + 1]] += delta
+    return out
+
+
+def _slots(dtype: torch.dtype, max_rank: int = 16) -> LoRASlots:
+    return LoRASlots(
+        layer=0, targets=TARGETS, widths=WIDTHS, in_features=IN, max_loras=3, max_rank=max_rank
+    ).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_row_adds_its_own_adapter(kernel_level: str, dtype: torch.dtype) -> None:
+    assert kernels.variant() == kernel_level
+    layer = _slots(dtype)
+    ad = [
+        _adapter(1, 8, TARGETS),
+        _adapter(2, 16, ("q_proj", "v_proj")),
+        _adapter(3, 4, ("k_proj",)),
+    ]
+    for slot, a in enumerate(ad):
+        layer.load(slot, a)
+    rows = [0, None, 1, 2, 0, None, 2, 1, 1]  # adapter index per row, None: the base
+    x = torch.randn(len(rows), IN).to(dtype)
+    y = torch.randn(len(rows), 80).to(dtype)
+    slots = torch.tensor([-1 if r is None else r for r in rows], dtype=torch.int32)
+    want = _reference(x, y, [None if r is None else ad[r] for r in rows])
+    with lora_step(LoRAMapping.of(slots, torch.device("cpu"))):
+        got = layer(x, y.clone())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    scale = want.abs().max().item()
+    assert (got.double() - want).abs().max().item() <= tol * scale
+    base_rows = [i for i, r in enumerate(rows) if r is None]
+    assert torch.equal(got[base_rows], y[base_rows])  # untouched, bit for bit
+
+
+def test_torch_path_matches_kernels() -> None:
+    """The path off CPU (a loop over slots) gives what the kernels give."""
+    layer = _slots(torch.float32)
+    ad = [_adapter(4, 8, TARGETS), _adapter(5, 12, TARGETS)]
+    for slot, a in enumerate(ad):
+        layer.load(slot, a)
+    x, y = torch.randn(5, IN), torch.randn(5, 80)
+    slots = torch.tensor([1, -1, 0, 1, 0], dtype=torch.int32)
+    mapping = LoRAMapping.of(slots, torch.device("cpu"))
+    with lora_step(mapping):
+        fast = layer(x, y.clone())
+    slow = y.clone()
+    layer.add_with_torch(x, slow, mapping)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+def test_reloading_a_slot_replaces_every_slice() -> None:
+    """A slot taken by an adapter that adapts fewer projections holds nothing of the
+    one before it."""
+    layer = _slots(torch.float32)
+    layer.load(0, _adapter(6, 16, TARGETS))
+    smaller = _adapter(7, 4, ("k_proj",))
+    layer.load(0, smaller)
+    x, y = torch.randn(3, IN), torch.zeros(3, 80)
+    slots = torch.zeros(3, dtype=torch.int32)
+    with lora_step(LoRAMapping.of(slots, torch.device("cpu"))):
+        got = layer(x, y.clone())
+    want = _reference(x, y, [smaller] * 3)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    assert got[:, :48].abs().max() == 0 and got[:, 64:].abs().max() == 0
+
+
+def test_no_mapping_leaves_the_output_alone() -> None:
+    layer = _slots(torch.float32)
+    layer.load(0, _adapter(8, 8, TARGETS))
+    y = torch.randn(2, 80)
+    assert layer(torch.randn(2, IN), y) is y
