@@ -45,6 +45,8 @@ _DECODE_STACK = c_function(
     *(POINTER, POINTER, INT64, POINTER, POINTER, INT, INT),
     # qk_norm, experts, top_k, moe_inter, renormalize
     *(INT, INT, INT, INT, INT),
+    # lora_slots, lora_rank
+    *(POINTER, INT),
 )
 
 
@@ -119,6 +121,8 @@ class StackShape:
     top_k: int = 0
     moe_inter: int = 0
     renormalize: bool = False
+    # The LoRA slots' rank per slice (sluice/layers/lora.py); 0 without LoRA.
+    lora_rank: int = 0
 
 
 def decode_stack(
@@ -132,9 +136,11 @@ def decode_stack(
     block_tables: torch.Tensor,  # [S, max_blocks] int64, contiguous
     query_start: torch.Tensor,  # [S + 1] int64
     ctx_end: torch.Tensor,  # [S] int64
+    lora_slots: torch.Tensor | None = None,  # [rows] int32: each row's LoRA slot, -1: none
 ) -> torch.Tensor:
     """Run every layer on h, in place: h becomes the stack's output (before the final
-    norm), which is returned."""
+    norm), which is returned. With lora_slots, each adapted linear adds each row's
+    adapter product (the layers' slots are in the table)."""
     _DECODE_STACK(
         lib,
         is_bf16(h),
@@ -164,5 +170,7 @@ def decode_stack(
         shape.top_k,
         shape.moe_inter,
         int(shape.renormalize),
+        ptr_or_null(lora_slots),
+        shape.lora_rank,
     )
     return h

@@ -308,20 +308,24 @@ def _load_gguf(src: _Source) -> LoRAAdapter:
         meta = GGUFMetadata.of(src.path)
         kind = (meta.get("general.type"), meta.get("adapter.type"))
         arch, alpha = meta.get("general.architecture"), meta.get("adapter.lora.alpha")
+        activated = "adapter.alora.invocation_tokens" in meta
     except (ModelFileError, OSError) as exc:
         raise src.error(f"not a valid GGUF file: {exc}") from None
     if kind != ("adapter", "lora"):
         raise src.error("not a LoRA adapter GGUF (general.type adapter, adapter.type lora)")
+    if activated:
+        raise src.error("activated LoRA (adapter.alora.invocation_tokens) is not supported")
     spec = spec_of(src.config.architecture)
     if arch not in spec.gguf_names:
         raise src.error(f"made for a {arch!r} model; the base model is {spec.title}")
     tensors: dict[str, torch.Tensor] = {}
     for t in meta.reader.tensors:
-        data = dequantize(t.data, t.tensor_type)
-        shape = [int(d) for d in reversed(t.shape.tolist())]
-        tensors[t.name] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).reshape(
-            shape
-        )
+        try:
+            data = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            shape = [int(d) for d in reversed(t.shape.tolist())]
+            tensors[t.name] = torch.from_numpy(data).reshape(shape)
+        except (ValueError, TypeError, NotImplementedError, RuntimeError) as exc:
+            raise src.error(f"tensor {t.name} cannot be read: {exc}") from None
     pairs = _pairs(src, tensors, _GGUF_RE, _GGUF_TARGETS.get)
     for (layer, target), (a, b, name) in pairs.items():
         hf = f"model.layers.{layer}.self_attn.{target}.weight"
@@ -329,9 +333,16 @@ def _load_gguf(src: _Source) -> LoRAAdapter:
         assert isinstance(unpermuted, torch.Tensor)  # a dense tensor stays dense
         pairs[(layer, target)] = (a, unpermuted, name)
     digest = hashlib.sha256(src.path.read_bytes())
-    ranks = {a.shape[0] for a, _, _ in pairs.values()}
+    ranks = {a.shape[0] if a.dim() == 2 else 0 for a, _, _ in pairs.values()}
     if len(ranks) != 1:
         raise src.error(f"projections of different ranks {sorted(ranks)} are not supported")
     (rank,) = ranks
+    if rank < 1:
+        raise src.error("its lora_a tensors must be matrices of rank >= 1")
+    if alpha is not None and (
+        isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha < math.inf
+    ):
+        raise src.error(f"adapter.lora.alpha must be a positive number, got {alpha!r}")
+    # llama.cpp: alpha / rank, or 1 where the file gives no alpha.
     scale = float(alpha) / rank if alpha else 1.0
     return _adapter(src, pairs, None, scale, digest)

@@ -113,6 +113,9 @@ def _linear_fields(name: str, layer: Linear, bias_allowed: bool) -> tuple[int, F
     names = [f"{name}_{field}" for field in ("packed", "hbits", "scale", "min", "super")]
     fields: Fields = dict(zip(names, weights, strict=True))
     fields[f"{name}_format"] = fmt
+    lora = layer.lora  # its adapter slots, where LoRA is on (sluice/layers/lora.py)
+    fields[f"{name}_lora_a"] = None if lora is None else lora.a
+    fields[f"{name}_lora_bt"] = None if lora is None else lora.bt
     return fmt, fields
 
 
@@ -128,6 +131,7 @@ def _expert_fields(name: str, w: object) -> tuple[int, Fields] | None:
     fields: Fields = {n: t if t.numel() else None for n, t in zip(names, parts, strict=True)}
     fmt = decode_stack.qblock_format(w.bits, w.group)
     fields[f"{name}_format"] = fmt
+    fields[f"{name}_lora_a"] = fields[f"{name}_lora_bt"] = None  # experts are not adapted
     return fmt, fields
 
 
@@ -214,6 +218,12 @@ def _qk_norm_mode(c: ModelConfig) -> int:
     return decode_stack.QK_NORM_WHOLE
 
 
+def _lora_rank(model: LlamaForCausalLM) -> int:
+    """The rank per slice of the model's LoRA slots (0: LoRA is off)."""
+    slots = model.layers[0].self_attn.qkv_proj.lora if model.layers else None
+    return 0 if slots is None else slots.rank
+
+
 class LlamaDecodeStack:
     """Callable as `stack(input_ids, positions, meta) -> hidden` (the model's forward)."""
 
@@ -249,6 +259,7 @@ class LlamaDecodeStack:
             top_k=c.num_experts_per_tok,
             moe_inter=c.moe_intermediate_size,
             renormalize=c.norm_topk_prob,
+            lora_rank=_lora_rank(model),
         )
 
     @classmethod
@@ -310,8 +321,17 @@ class LlamaDecodeStack:
         that the eager model would run through exactly those kernels)."""
         return 0 < num_tokens <= self.max_rows and meta.num_small_tokens == num_tokens
 
+    @property
+    def has_lora(self) -> bool:
+        """Whether the model's LoRA slots are in the table (steps with adapters run here)."""
+        return self.shape.lora_rank > 0
+
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         model = self.model
         assert model.rotary is not None, "call init_rotary() first"
@@ -330,4 +350,5 @@ class LlamaDecodeStack:
             meta.small_block_tables,
             meta.small_query_start,
             meta.small_ctx_end,
+            lora_slots,
         )

@@ -378,12 +378,13 @@ class ModelRunner:
         the whole vocabulary's."""
         meta = inputs.meta
         lora = None if inputs.lora_slots is None else LoRAMapping.of(inputs.lora_slots, self.device)
+        stack = self.decode_stack
         if (
-            lora is None  # the fused stack runs the base weights only
-            and self.decode_stack is not None
-            and self.decode_stack.accepts(inputs.input_ids.numel(), meta)
+            stack is not None
+            and (lora is None or stack.has_lora)
+            and stack.accepts(inputs.input_ids.numel(), meta)
         ):
-            hidden = self.decode_stack(inputs.input_ids, inputs.positions, meta)
+            hidden = stack(inputs.input_ids, inputs.positions, meta, inputs.lora_slots)
         else:
             ctx = StepContext(self.backend, meta, self.kv_caches, self._layer_metadata(inputs))
             extra = () if inputs.features is None else (inputs.features,)

@@ -11,6 +11,10 @@
 // qblock layouts, each linear in its own format; sluice/models/llama.py), so its output
 // is bit-identical to that path (tests/test_decode_stack.py checks it).
 //
+// LoRA adapters (sluice/layers/lora.py): with a row-to-slot index, each adapted
+// linear's output gets each row's adapter product (lora.h) right where the eager
+// Linear adds it, so adapters keep the one-call path and its exactness.
+//
 // QK-norm (Qwen3 per head, OLMoE over the whole projections) and Mixture-of-Experts
 // MLPs (sluice/models/moe.py: the router, its top k, each chosen expert's gate/up and
 // down in one grouped qblock pass over the step's (row, expert) pairs, the weighted sum
@@ -24,6 +28,7 @@
 #include "dtype.h"
 #include "isa.h"
 #include "fused_ops.h"
+#include "lora.h"
 #include "paged_attention.h"
 #include "q4_matmul.h"
 #include "q8_matmul.h"
@@ -49,6 +54,10 @@ SLUICE_LINEAR_FIELDS(O)
 SLUICE_LINEAR_FIELDS(GateUp)
 SLUICE_LINEAR_FIELDS(Down)
 #undef SLUICE_LINEAR_FIELDS
+// lora_add() finds a linear's B^T right after its A.
+static_assert(kQkvLoraBt == kQkvLoraA + 1 && kOLoraBt == kOLoraA + 1 &&
+                  kGateUpLoraBt == kGateUpLoraA + 1 && kDownLoraBt == kDownLoraA + 1,
+              "LoRA fields");
 
 // A linear's format field (decode_stack_fields.h): the int4 kernel, the per-channel
 // int8 kernel, or qblock's bits * 100 + group.
@@ -72,6 +81,7 @@ struct Shape {
   // expert's intermediate size, whether the top k's weights are renormalized to sum 1.
   int experts, top_k, moe_inter;
   bool renormalize;
+  int lora_rank;  // the LoRA slots' rank per slice (0: no LoRA)
 };
 
 struct Batch {
@@ -82,11 +92,32 @@ struct Batch {
   const int64_t* q_start;   // [S + 1]
   const int64_t* ctx_end;   // [S]
   int seqs;
+  const int32_t* lora_slots;  // [M] each row's LoRA slot (-1: none); null: no adapter
 };
 
 template <typename T>
 const T* at(const int64_t* layer, Field f) {
   return reinterpret_cast<const T*>(layer[f]);
+}
+
+// A linear's LoRA: its A and B^T fields, its output slices' first columns.
+struct LoraLinear {
+  Field a;
+  std::vector<int32_t> offsets;
+};
+
+// y [M, N] += each row's adapter product over x [M, K] (every thread calls it; two
+// orphaned omp for loops, a barrier after each). A no-op where the linear has no slots.
+template <typename T>
+void lora_add(const Shape& s, const int64_t* L, const Batch& b, const LoraLinear& lin,
+              const T* x, int M, int K, std::vector<float>& u, T* y) {
+  const T* a = at<T>(L, lin.a);
+  if (b.lora_slots == nullptr || a == nullptr) return;
+  const int n_slices = static_cast<int>(lin.offsets.size()) - 1;
+  const int N = lin.offsets.back();
+  sluice::lora_shrink(x, M, K, a, n_slices * s.lora_rank, b.lora_slots, u.data());
+  sluice::lora_expand(u.data(), M, s.lora_rank, n_slices, lin.offsets.data(),
+                      at<T>(L, Field(lin.a + 1)), N, b.lora_slots, y);
 }
 
 // y [M, N] = x @ W.T for the linear whose fields start at `packed`, on the kernel its
@@ -269,6 +300,18 @@ void write_kv(const Shape& s, const int64_t* L, const Batch& b, const T* k, cons
                      sizeof(T));
 }
 
+// The QKV bias (none: a no-op) added to M rows of qkv, rounded to T.
+template <typename T>
+void add_bias(const int64_t* L, T* qkv, int M, int qkv_n) {
+  const T* bias = at<T>(L, kQkvBias);
+  if (bias == nullptr) return;
+  for (int r = 0; r < M; ++r)
+    for (int i = 0; i < qkv_n; ++i) {
+      T* p = qkv + static_cast<int64_t>(r) * qkv_n + i;
+      *p = sluice::round_to(p, sluice::to_float(*p) + sluice::to_float(bias[i]));
+    }
+}
+
 template <typename T>
 void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* cos,
          const T* sin) {
@@ -280,6 +323,11 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
   std::vector<T> gate_up(static_cast<size_t>(M) * 2 * s.inter), act(static_cast<size_t>(M) * s.inter);
   sluice::QBlockActivations xa;
   MoeScratch<T> moe_scratch(s, M);
+  const LoraLinear lora_qkv{kQkvLoraA, {0, q_size, q_size + kv_size, qkv_n}};
+  const LoraLinear lora_o{kOLoraA, {0, H}};
+  const LoraLinear lora_gate_up{kGateUpLoraA, {0, s.inter, 2 * s.inter}};
+  const LoraLinear lora_down{kDownLoraA, {0, H}};
+  std::vector<float> lora_u(b.lora_slots ? static_cast<size_t>(M) * 3 * s.lora_rank : 0);
 #pragma omp parallel
   for (int l = 0; l < s.layers; ++l) {
     const int64_t* L = fields + static_cast<int64_t>(l) * kLayerFields;
@@ -295,14 +343,14 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
       quantize_for(xa, L, kQkvPacked, x.data(), M, H);
     }
     linear(L, kQkvPacked, xa, M, H, qkv_n, qkv.data());
+    if (b.lora_slots != nullptr) {  // after the bias, as the eager Linear adds it
+#pragma omp single
+      add_bias(L, qkv.data(), M, qkv_n);
+      lora_add(s, L, b, lora_qkv, x.data(), M, H, lora_u, qkv.data());
+    }
 #pragma omp single
     {
-      if (const T* bias = at<T>(L, kQkvBias))
-        for (int r = 0; r < M; ++r)
-          for (int i = 0; i < qkv_n; ++i) {
-            T* p = qkv.data() + static_cast<int64_t>(r) * qkv_n + i;
-            *p = sluice::round_to(p, sluice::to_float(*p) + sluice::to_float(bias[i]));
-          }
+      if (b.lora_slots == nullptr) add_bias(L, qkv.data(), M, qkv_n);
       if (s.qk_norm != kNoQkNorm) qk_norm(s, L, qkv.data(), M, qkv_n);
       // q and k heads rotate together; then k and v go to the cache before attention.
       sluice::rotary(qkv.data(), M, qkv_n, s.heads + s.kv_heads, s.head_dim, cos, sin);
@@ -321,6 +369,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
 #pragma omp single
     quantize_for(xa, L, kOPacked, attn.data(), M, q_size);
     linear(L, kOPacked, xa, M, q_size, H, h);
+    lora_add(s, L, b, lora_o, attn.data(), M, q_size, lora_u, h);
     const bool sparse = L[kRouter] != 0;  // a Mixture-of-Experts layer
 #pragma omp single
     {
@@ -332,12 +381,14 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
       continue;
     }
     linear(L, kGateUpPacked, xa, M, H, 2 * s.inter, gate_up.data());
+    lora_add(s, L, b, lora_gate_up, x.data(), M, H, lora_u, gate_up.data());
 #pragma omp single
     {
       sluice::silu_and_mul(gate_up.data(), act.data(), M, s.inter);
       quantize_for(xa, L, kDownPacked, act.data(), M, s.inter);
     }
     linear(L, kDownPacked, xa, M, s.inter, H, h);
+    lora_add(s, L, b, lora_down, act.data(), M, s.inter, lora_u, h);
   }
   // The model's output is the last layer's MLP output plus the residual stream.
   for (int64_t i = 0; i < static_cast<int64_t>(M) * H; ++i)
@@ -359,18 +410,19 @@ const char* sluice_decode_stack_field(int i) {
 // cos/sin [rows, head_dim / 2]; slots, tables, q_start, ctx_end as for the paged kernel;
 // kv_int8: the layers' K/V pools are int8 rows (kv_int8.h). qk_norm: QkNorm; experts,
 // top_k, moe_inter, renormalize: the Mixture-of-Experts layers' routing and sizes (0
-// experts in a dense model).
+// experts in a dense model). lora_slots [rows] int32: each row's LoRA slot (-1: none),
+// null where no row has an adapter; lora_rank: the slots' rank per slice.
 void sluice_decode_stack(int bf16, const int64_t* fields, int layers, int hidden, int heads,
                          int kv_heads, int head_dim, int inter, int block_size, float eps,
                          float scale, void* h, const void* cos, const void* sin, int rows,
                          const int64_t* slots, const int64_t* tables, int64_t max_blocks,
                          const int64_t* q_start, const int64_t* ctx_end, int seqs,
                          int kv_int8, int qk_norm, int experts, int top_k, int moe_inter,
-                         int renormalize) {
+                         int renormalize, const int32_t* lora_slots, int lora_rank) {
   const Shape s{layers, hidden,     heads, kv_heads, head_dim,         inter,
                 block_size, eps,    scale, kv_int8 != 0, qk_norm,   experts,
-                top_k,  moe_inter, renormalize != 0};
-  const Batch b{rows, slots, tables, max_blocks, q_start, ctx_end, seqs};
+                top_k,  moe_inter, renormalize != 0, lora_rank};
+  const Batch b{rows, slots, tables, max_blocks, q_start, ctx_end, seqs, lora_slots};
   if (bf16)
     run(s, fields, b, static_cast<uint16_t*>(h), static_cast<const uint16_t*>(cos),
         static_cast<const uint16_t*>(sin));

@@ -23,6 +23,8 @@
 // layer) and its gate_up and down fields hold every expert's stacked weight (qblock
 // formats only: expert e is rows e * 2 * inter .. and e * hidden ..), expert_tokens an
 // int64 [experts] counter of the rows each expert has been given (it is added to).
+// Each linear's LoRA slots (lora.h: A [slots, slices * rank, in], B^T [slots, rank,
+// out], the activations' type) are null where LoRA is off or the linear is not adapted.
 #pragma once
 
 // X(enum suffix, field name)
@@ -59,4 +61,12 @@
   X(DownSuper, down_super)            \
   X(DownFormat, down_format)          \
   X(KCache, k_cache)                  \
-  X(VCache, v_cache)
+  X(VCache, v_cache)                  \
+  X(QkvLoraA, qkv_lora_a)             \
+  X(QkvLoraBt, qkv_lora_bt)           \
+  X(OLoraA, o_lora_a)                 \
+  X(OLoraBt, o_lora_bt)               \
+  X(GateUpLoraA, gate_up_lora_a)      \
+  X(GateUpLoraBt, gate_up_lora_bt)    \
+  X(DownLoraA, down_lora_a)           \
+  X(DownLoraBt, down_lora_bt)

@@ -9,6 +9,10 @@
 // multiplies u's columns j * rank .. (j + 1) * rank. Storing B transposed makes the
 // expand an axpy over the output row. Portable C++ with lane arrays that each level's
 // flags vectorize (the loops are short: a rank of 8-64).
+//
+// Both share their rows out with an orphaned `omp for` (a barrier at its end): the C
+// entry points open a parallel region around them, the decode stack calls them from
+// every thread of its own.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -25,7 +29,7 @@ void lora_shrink(const T* x, int64_t rows, int in_dim, const T* a, int r_total,
                  const int32_t* slots, float* u) {
   constexpr int kLanes = 16;  // partial sums, added in a fixed order at the end
   const int64_t items = rows * r_total;
-#pragma omp parallel for schedule(static) if (items * in_dim > (1 << 18))
+#pragma omp for schedule(static)
   for (int64_t i = 0; i < items; ++i) {
     const int64_t t = i / r_total;
     const int r = static_cast<int>(i % r_total);
@@ -64,7 +68,7 @@ void lora_expand(const float* u, int64_t rows, int rank, int n_slices, const int
   const int64_t n_chunks = static_cast<int64_t>(chunks.size());
   const int64_t items = rows * n_chunks;
   const int r_total = n_slices * rank;
-#pragma omp parallel for schedule(static) if (items * kChunk * rank > (1 << 18))
+#pragma omp for schedule(static)
   for (int64_t i = 0; i < items; ++i) {
     const int64_t t = i / n_chunks;
     const int32_t s = slots[t];
