@@ -321,7 +321,7 @@ def _load_gguf(src: _Source) -> LoRAAdapter:
     tensors: dict[str, torch.Tensor] = {}
     for t in meta.reader.tensors:
         try:
-            data = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            data = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy
             shape = [int(d) for d in reversed(t.shape.tolist())]
             tensors[t.name] = torch.from_numpy(data).reshape(shape)
         except (ValueError, TypeError, NotImplementedError, RuntimeError) as exc:
