@@ -95,8 +95,13 @@ def llama_cpp_adapter(gguf: Path, adapter: Path, src: Path, work: Path) -> Path:
     taken from the GGUF by transformers."""
     import transformers
 
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     base = work / "base-config"
-    transformers.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(base)
+    config = transformers.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A config read from a GGUF names no class; the converter picks its writer by it.
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    config.save_pretrained(base)
     out = work / "adapter.gguf"
     cmd = [sys.executable, str(src / "convert_lora_to_gguf.py"), "--base", str(base),
            "--outfile", str(out), "--outtype", "f32", str(adapter)]  # fmt: skip

@@ -175,3 +175,15 @@ def test_unload_under_load_loses_no_request(server: Server, offline: dict[str | 
     health = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                   "max_tokens": 2})  # fmt: skip
     assert health.status_code == 200
+
+
+def test_metrics_count_each_adapters_requests_and_tokens(server: Server) -> None:
+    before = server.metrics()
+    _ask(server.client(), "sql")
+    after = server.metrics()
+    key = "sluice_lora_requests{lora_name=sql}"
+    assert after[key] == before.get(key, 0) + 1
+    tokens = "sluice_lora_generated_tokens{lora_name=sql}"
+    assert after[tokens] >= before.get(tokens, 0) + 8
+    assert 1 <= after["sluice_lora_loaded_slots"] <= 2  # --max-loras 2
+    assert after["sluice_lora_slot_loads"] >= 1

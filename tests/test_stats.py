@@ -28,6 +28,7 @@ from sluice.engine.stats import (
     NotExported,
     PDDecodeStats,
     PDPrefillStats,
+    PerAdapter,
     PerLayerExpert,
     PerReplica,
     ReplicaStats,
@@ -47,6 +48,8 @@ def _value(f: StatField, n: int) -> Any:
         return n / 1000
     if isinstance(f.export, PerLayerExpert):  # 2 layers of 3 experts
         return [[n, n + 1, n + 2], [n + 3, n + 4, n + 5]]
+    if isinstance(f.export, PerAdapter):  # two adapters, one only some replicas know
+        return {"sql": n, f"only-{n}": n + 1}
     return f"{f.key}-{n}"
 
 
@@ -78,7 +81,7 @@ def scrape(stats: dict[str, Any]) -> dict[str, float]:
 def _export_declared(f: StatField) -> bool:
     if isinstance(f.export, NotExported):
         return bool(f.export.reason)  # "": no declaration at all
-    return isinstance(f.export, AsGauge | AsLabel | PerReplica | PerLayerExpert)
+    return isinstance(f.export, AsGauge | AsLabel | PerReplica | PerLayerExpert | PerAdapter)
 
 
 def test_every_engine_stat_declares_its_merge_and_export() -> None:
@@ -153,6 +156,11 @@ def test_every_gauge_is_on_a_scrape_with_its_value(connector: type[Any]) -> None
                 for expert, count in enumerate(row):
                     name = f"{f.export.name}{{expert={expert},layer={layer}}}"
                     assert samples[name] == float(count), name
+        elif isinstance(f.export, PerAdapter):
+            assert value
+            for adapter, count in value.items():
+                name = f"{f.export.name}{{lora_name={adapter}}}"
+                assert samples[name] == float(count), name
     info = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
     assert samples[f"sluice_engine_info{{{info}}}"] == 1.0
     assert labels  # the info gauge has its labels
@@ -202,6 +210,10 @@ def test_merged_stats_handle_every_stat(connector: type[Any] | None) -> None:
         elif f.merge is Merge.CELLWISE:
             a, b = ones[0][f.key], ones[1][f.key]
             want = [[x + y for x, y in zip(*r, strict=True)] for r in zip(a, b, strict=True)]
+            assert out[f.key] == want, f.key
+        elif f.merge is Merge.KEYWISE:
+            a, b = ones[0][f.key], ones[1][f.key]
+            want = {k: a.get(k, 0) + b.get(k, 0) for k in {*a, *b}}
             assert out[f.key] == want, f.key
         else:
             assert f.derive is not None

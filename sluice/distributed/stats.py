@@ -41,6 +41,8 @@ def merge(up: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             out[f.key] = sum(int(v) if f.type is int else v for v in values)
         elif f.merge is Merge.CELLWISE:
             out[f.key] = _cellwise_sum([s[f.key] for s in up if f.key in s])
+        elif f.merge is Merge.KEYWISE:
+            out[f.key] = _keywise_sum([s[f.key] for s in up if f.key in s])
         elif f.merge is Merge.SHARED:
             out[f.key] = next((s[f.key] for s in up if f.key in s), None)
         elif f.merge is Merge.DERIVED and f.derive is not None:
@@ -58,6 +60,15 @@ def _cellwise_sum(tables: Sequence[Sequence[Sequence[int]]]) -> list[list[int]]:
     if not tables:
         return []
     return [[sum(cells) for cells in zip(*rows, strict=True)] for rows in zip(*tables, strict=True)]
+
+
+def _keywise_sum(counts: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    """Counts by name added name by name (a name one replica lacks counts 0 there)."""
+    out: dict[str, int] = {}
+    for c in counts:
+        for name, n in c.items():
+            out[name] = out.get(name, 0) + n
+    return out
 
 
 def _one(r: ReplicaClient, load: int, counts: RouteCounts) -> dict[str, Any]:

@@ -91,6 +91,9 @@ class LLMEngine:
         self.waste = _WasteCounter()
         self.num_steps = 0
         self.num_generated_tokens = 0
+        # Per LoRA adapter name: requests run through it, tokens generated (/metrics).
+        self.lora_requests: dict[str, int] = {}
+        self.lora_tokens: dict[str, int] = {}
         self.num_forced_tokens = 0
 
     @classmethod
@@ -163,6 +166,7 @@ class LLMEngine:
         if isinstance(params, PoolingParams):
             self._add_pooling(request_id, prompt, params, priority, arrival_time)
             self._seqs[request_id].lora = adapter
+            self._count_lora_request(adapter)
             return
         if self.model_config.bidirectional:
             raise RequestError(
@@ -185,6 +189,11 @@ class LLMEngine:
         self.groups[request_id] = group
         self._seqs.update((seq.request_id, seq) for seq in group.seqs)
         self.scheduler.add(group.seqs[0])
+        self._count_lora_request(adapter)
+
+    def _count_lora_request(self, adapter: LoRAAdapter | None) -> None:
+        if adapter is not None:
+            self.lora_requests[adapter.name] = self.lora_requests.get(adapter.name, 0) + 1
 
     def _adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
         """The loaded adapter a request names (None: the base model)."""
@@ -372,6 +381,9 @@ class LLMEngine:
             logprobs = sampled.logprobs[first : first + accepted + 1]
             emitted = self._emit(req, tokens[: accepted + 1], logprobs, finished_at)
             num_emitted += emitted
+            if req.lora is not None:
+                name = req.lora.name
+                self.lora_tokens[name] = self.lora_tokens.get(name, 0) + emitted
             if drafts:
                 self._end_verification(req, len(drafts), accepted, emitted)
             touched[req.group_id] = self.groups[req.group_id]
@@ -530,6 +542,7 @@ class LLMEngine:
         accepted = spec.num_accepted_tokens if spec else 0
         emitted = spec.num_emitted_tokens if spec else 0
         steps = spec.num_verify_steps if spec else 0
+        lora = getattr(self.runner, "lora", None)  # the slots (a decoder with LoRA on)
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -560,6 +573,10 @@ class LLMEngine:
             connector=self.kv_connector.stats() if self.kv_connector else None,
             grammars_compiled=self.grammars.num_compiled,
             moe_expert_tokens=self.runner.expert_tokens(),
+            lora_loaded_slots=lora.num_loaded if lora else 0,
+            lora_slot_loads=lora.loads if lora else 0,
+            lora_requests=dict(self.lora_requests),
+            lora_generated_tokens=dict(self.lora_tokens),
             block_size=self.config.block_size,
             max_model_len=self.max_model_len,
             dtype=str(self.dtype).removeprefix("torch."),

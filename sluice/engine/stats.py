@@ -30,6 +30,7 @@ class Merge(enum.Enum):
     DERIVED = "derived"  # a rate or fraction: recomputed from the merged counts
     UNMERGED = "unmerged"  # left out of the merged stats; the declaration says why
     CELLWISE = "cellwise"  # a table of counts (one model's shape): added cell by cell
+    KEYWISE = "keywise"  # counts by name (each LoRA adapter's): added name by name
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,16 @@ class PerLayerExpert:
     help: str
 
 
-Export = AsGauge | AsLabel | PerReplica | PerLayerExpert | NotExported
+@dataclass(frozen=True)
+class PerAdapter:
+    """A {LoRA adapter name: count} dict, exported as this gauge with one series per
+    adapter, labelled lora_name (no series without LoRA)."""
+
+    name: str
+    help: str
+
+
+Export = AsGauge | AsLabel | PerReplica | PerLayerExpert | PerAdapter | NotExported
 _PER_REPLICA = PerReplica()
 
 # Keys of a dataclass field's metadata.
@@ -417,6 +427,28 @@ class EngineStats:
         PerLayerExpert(
             "sluice_moe_expert_tokens",
             "Tokens routed to each expert of each Mixture-of-Experts layer (since start).",
+        ),
+    )
+    # LoRA adapters: slots holding one now and adapters copied into slots since start
+    # (summed: each replica has its own slots), and each adapter's requests and
+    # generated tokens since start, by name.
+    lora_loaded_slots: int = stat(
+        Merge.SUMMED,
+        AsGauge("sluice_lora_loaded_slots", "LoRA slots holding an adapter (0 without LoRA)."),
+    )
+    lora_slot_loads: int = stat(
+        Merge.SUMMED,
+        AsGauge("sluice_lora_slot_loads", "LoRA adapters copied into a slot (since start)."),
+    )
+    lora_requests: dict[str, int] = stat(  # noqa: RUF009 (a field(), as every stat)
+        Merge.KEYWISE,
+        PerAdapter("sluice_lora_requests", "Requests run through each LoRA adapter (since start)."),
+    )
+    lora_generated_tokens: dict[str, int] = stat(  # noqa: RUF009 (a field(), as every stat)
+        Merge.KEYWISE,
+        PerAdapter(
+            "sluice_lora_generated_tokens",
+            "Tokens generated through each LoRA adapter (since start).",
         ),
     )
     block_size: int = stat(Merge.SHARED, _CONFIG)

@@ -26,6 +26,7 @@ from sluice.engine.stats import (
     AsLabel,
     EngineStats,
     FrontEndStats,
+    PerAdapter,
     PerLayerExpert,
     PerReplica,
     ReplicaStats,
@@ -77,6 +78,7 @@ _GAUGES = tuple((f.key, f.export) for f in _STATS if isinstance(f.export, AsGaug
 _INFO_LABELS = tuple(f.key for f in _STATS if isinstance(f.export, AsLabel))
 _REPLICA_LISTS = tuple(f.key for f in _STATS if isinstance(f.export, PerReplica))
 _EXPERT_TABLES = tuple((f.key, f.export) for f in _STATS if isinstance(f.export, PerLayerExpert))
+_ADAPTER_COUNTS = tuple((f.key, f.export) for f in _STATS if isinstance(f.export, PerAdapter))
 _REPLICA_GAUGES = tuple(
     (f.key, f.export) for f in stat_fields(ReplicaStats) if isinstance(f.export, AsGauge)
 )
@@ -118,6 +120,10 @@ class ServerMetrics:
             key: Gauge(g.name, g.help, [*labels, "layer", "expert"], registry=r)
             for key, g in _EXPERT_TABLES
         }
+        self._adapter_gauges = {
+            key: Gauge(g.name, g.help, [*labels, "lora_name"], registry=r)
+            for key, g in _ADAPTER_COUNTS
+        }
 
     def finished(self, reason: str, count: int = 1) -> None:
         self._finished.labels(self._model, reason).inc(count)
@@ -155,6 +161,9 @@ class ServerMetrics:
             for layer, row in enumerate(stats.get(key) or ()):
                 for expert, count in enumerate(row):
                     family.labels(self._model, str(layer), str(expert)).set(float(count))
+        for key, family in self._adapter_gauges.items():
+            for name, count in (stats.get(key) or {}).items():
+                family.labels(self._model, name).set(float(count))
         info = [str(stats.get(k, "unknown")) for k in _INFO_LABELS]
         self._engine_info.clear()
         self._engine_info.labels(self._model, *info).set(1)
