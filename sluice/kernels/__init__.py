@@ -14,14 +14,16 @@ Sources (csrc/): the kernels live in headers, each with a .cpp of C entry points
 paged_attention (decode attention over the block pool), q4_matmul and q8_matmul
 (4-bit and 8-bit weight x int8 activation matmuls for small batches), qblock (GGUF
 block-quantized weights kept quantized: matmuls, dequantization, embedding rows) and
-fused_ops (RMSNorm with the residual add, rotary, SiLU-and-multiply); kv_int8.h is the
-int8 KV cache's row format (quantized writes; the attention kernel widens its rows).
+fused_ops (RMSNorm with the residual add, rotary, SiLU-and-multiply), lora (each row's
+LoRA adapter product, gathered by its slot); kv_int8.h is the int8 KV cache's row
+format (quantized writes; the attention kernel widens its rows).
 decode_stack.cpp runs a whole Llama decoder stack on them in one call, for decode steps.
 isa.h says which level a build is; every kernel has a path for each.
 SLUICE_CPU_KERNELS=0 turns them all off (torch's ops are used instead).
 
-Bindings: one Python module per kernel (matmul, qblock, attention, fused, decode_stack)
-declares its C functions' signatures next to wrappers that take and return tensors;
+Bindings: one Python module per kernel (matmul, qblock, attention, fused, lora,
+decode_stack) declares its C functions' signatures next to wrappers that take and
+return tensors;
 `load()` applies them all (_ffi.py). ctypes and raw pointers stay inside this package:
 callers hold a `Library` and pass tensors.
 """
