@@ -12,27 +12,33 @@ import torch
 
 from sluice.kernels._ffi import INT, INT64, POINTER, Library, c_function, is_bf16, ptr
 
-# bf16, x, rows, in_dim, a, r_total, slots, u
-_SHRINK = c_function("sluice_lora_shrink", None, INT, POINTER, INT64, INT, POINTER, INT, POINTER,
-                     POINTER)  # fmt: skip
-# bf16, u, rows, rank, n_slices, offsets, bt, out_dim, slots, y
+# bf16, x, rows, in_dim, a, r_total, rank, slots, ranks, u
+_SHRINK = c_function("sluice_lora_shrink", None, INT, POINTER, INT64, INT, POINTER, INT, INT,
+                     POINTER, POINTER, POINTER)  # fmt: skip
+# bf16, u, rows, rank, n_slices, offsets, bt, out_dim, slots, ranks, y
 _EXPAND = c_function(
     "sluice_lora_expand", None, INT, POINTER, INT64, INT, INT, POINTER, POINTER, INT, POINTER,
-    POINTER,
+    POINTER, POINTER,
 )  # fmt: skip
 
 
 def shrink(
     lib: Library,
     x: torch.Tensor,  # [rows, in] contiguous, fp32 or bf16
-    a: torch.Tensor,  # [slots, r_total, in], x's dtype
+    a: torch.Tensor,  # [slots, slices * rank, in], x's dtype
+    rank: int,  # rows of A per slice
     slots: torch.Tensor,  # [rows] int32, -1: no adapter
+    ranks: torch.Tensor,  # [slots] int32: the rows of each slice a slot uses
 ) -> torch.Tensor:
-    """u [rows, r_total] fp32: each row times its slot's A (zeros where the slot is -1)."""
+    """u [rows, slices * rank] fp32: each row times its slot's A (zeros where the slot
+    is -1 and past the slot's rank: A's zero padding is not read)."""
     rows, in_dim = x.shape
     r_total = a.shape[1]
     u = torch.empty(rows, r_total, dtype=torch.float32)
-    _SHRINK(lib, is_bf16(x), ptr(x), rows, in_dim, ptr(a), r_total, ptr(slots), ptr(u))
+    _SHRINK(
+        lib, is_bf16(x), ptr(x), rows, in_dim, ptr(a), r_total, rank, ptr(slots), ptr(ranks),
+        ptr(u),
+    )  # fmt: skip
     return u
 
 
@@ -42,6 +48,7 @@ def expand(
     bt: torch.Tensor,  # [slots, rank, out], y's dtype
     offsets: torch.Tensor,  # [n_slices + 1] int32: each slice's first output column
     slots: torch.Tensor,  # [rows] int32
+    ranks: torch.Tensor,  # [slots] int32
     y: torch.Tensor,  # [rows, out] contiguous: updated in place
 ) -> None:
     """y[t, slice j] += u[t, slice j's ranks] @ bt[slot(t)][:, slice j], in place."""
@@ -50,5 +57,5 @@ def expand(
     n_slices = offsets.numel() - 1
     _EXPAND(
         lib, is_bf16(y), ptr(u), rows, rank, n_slices, ptr(offsets), ptr(bt), out_dim, ptr(slots),
-        ptr(y),
+        ptr(ranks), ptr(y),
     )  # fmt: skip

@@ -87,11 +87,15 @@ class LoRASlots(nn.Module):
         self.bt: torch.Tensor
         self.register_buffer("a", torch.zeros(max_loras, n * max_rank, in_features), False)
         self.register_buffer("bt", torch.zeros(max_loras, max_rank, bounds[-1]), False)
+        # Per slot, the rank its adapter has here (0: it adapts nothing in this layer):
+        # the kernels read no padding past it. On the CPU, for the kernels.
+        self.ranks = torch.zeros(max_loras, dtype=torch.int32, device="cpu")
 
     def load(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Put this layer's part of `adapter` into `slot` (None: empty it)."""
         self.a[slot].zero_()
         self.bt[slot].zero_()
+        self.ranks[slot] = 0
         if adapter is None:
             return
         for j, target in enumerate(self.targets):
@@ -99,6 +103,7 @@ class LoRASlots(nn.Module):
             if m is None:
                 continue
             r, first = m.a.shape[0], j * self.rank
+            self.ranks[slot] = max(int(self.ranks[slot]), r)
             self.a[slot, first : first + r] = m.a.to(self.a.dtype)
             cols = slice(self.bounds[j], self.bounds[j + 1])
             self.bt[slot, :r, cols] = m.b.t().to(self.bt.dtype)
@@ -111,8 +116,8 @@ class LoRASlots(nn.Module):
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         lib = _kernel_lib(x2, y2, self.a)
         if lib is not None:
-            u = lora_kernels.shrink(lib, x2, self.a, mapping.slots)
-            lora_kernels.expand(lib, u, self.bt, self.offsets, mapping.slots, y2)
+            u = lora_kernels.shrink(lib, x2, self.a, self.rank, mapping.slots, self.ranks)
+            lora_kernels.expand(lib, u, self.bt, self.offsets, mapping.slots, self.ranks, y2)
         else:
             self.add_with_torch(x2, y2, mapping)
         return y

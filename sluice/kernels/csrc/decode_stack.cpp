@@ -54,9 +54,11 @@ SLUICE_LINEAR_FIELDS(O)
 SLUICE_LINEAR_FIELDS(GateUp)
 SLUICE_LINEAR_FIELDS(Down)
 #undef SLUICE_LINEAR_FIELDS
-// lora_add() finds a linear's B^T right after its A.
+// lora_add() finds a linear's B^T and slot ranks right after its A.
 static_assert(kQkvLoraBt == kQkvLoraA + 1 && kOLoraBt == kOLoraA + 1 &&
-                  kGateUpLoraBt == kGateUpLoraA + 1 && kDownLoraBt == kDownLoraA + 1,
+                  kGateUpLoraBt == kGateUpLoraA + 1 && kDownLoraBt == kDownLoraA + 1 &&
+                  kQkvLoraRanks == kQkvLoraA + 2 && kOLoraRanks == kOLoraA + 2 &&
+                  kGateUpLoraRanks == kGateUpLoraA + 2 && kDownLoraRanks == kDownLoraA + 2,
               "LoRA fields");
 
 // A linear's format field (decode_stack_fields.h): the int4 kernel, the per-channel
@@ -115,9 +117,11 @@ void lora_add(const Shape& s, const int64_t* L, const Batch& b, const LoraLinear
   if (b.lora_slots == nullptr || a == nullptr) return;
   const int n_slices = static_cast<int>(lin.offsets.size()) - 1;
   const int N = lin.offsets.back();
-  sluice::lora_shrink(x, M, K, a, n_slices * s.lora_rank, b.lora_slots, u.data());
+  const int32_t* ranks = at<int32_t>(L, Field(lin.a + 2));
+  sluice::lora_shrink(x, M, K, a, n_slices * s.lora_rank, s.lora_rank, b.lora_slots, ranks,
+                      u.data());
   sluice::lora_expand(u.data(), M, s.lora_rank, n_slices, lin.offsets.data(),
-                      at<T>(L, Field(lin.a + 1)), N, b.lora_slots, y);
+                      at<T>(L, Field(lin.a + 1)), N, b.lora_slots, ranks, y);
 }
 
 // y [M, N] = x @ W.T for the linear whose fields start at `packed`, on the kernel its

@@ -24,7 +24,8 @@
 // formats only: expert e is rows e * 2 * inter .. and e * hidden ..), expert_tokens an
 // int64 [experts] counter of the rows each expert has been given (it is added to).
 // Each linear's LoRA slots (lora.h: A [slots, slices * rank, in], B^T [slots, rank,
-// out], the activations' type) are null where LoRA is off or the linear is not adapted.
+// out], the activations' type; each slot's rank here, int32 [slots]) are null where
+// LoRA is off or the linear is not adapted.
 #pragma once
 
 // X(enum suffix, field name)
@@ -64,9 +65,13 @@
   X(VCache, v_cache)                  \
   X(QkvLoraA, qkv_lora_a)             \
   X(QkvLoraBt, qkv_lora_bt)           \
+  X(QkvLoraRanks, qkv_lora_ranks)     \
   X(OLoraA, o_lora_a)                 \
   X(OLoraBt, o_lora_bt)               \
+  X(OLoraRanks, o_lora_ranks)         \
   X(GateUpLoraA, gate_up_lora_a)      \
   X(GateUpLoraBt, gate_up_lora_bt)    \
+  X(GateUpLoraRanks, gate_up_lora_ranks)\
   X(DownLoraA, down_lora_a)           \
-  X(DownLoraBt, down_lora_bt)
+  X(DownLoraBt, down_lora_bt)         \
+  X(DownLoraRanks, down_lora_ranks)

@@ -11,26 +11,27 @@ constexpr int64_t kParallelWork = 1 << 18;
 extern "C" {
 
 void sluice_lora_shrink(int bf16, const void* x, int64_t rows, int in_dim, const void* a,
-                        int r_total, const int32_t* slots, float* u) {
+                        int r_total, int rank, const int32_t* slots, const int32_t* ranks,
+                        float* u) {
 #pragma omp parallel if (rows * r_total * in_dim > kParallelWork)
   if (bf16)
     sluice::lora_shrink(static_cast<const uint16_t*>(x), rows, in_dim,
-                        static_cast<const uint16_t*>(a), r_total, slots, u);
+                        static_cast<const uint16_t*>(a), r_total, rank, slots, ranks, u);
   else
     sluice::lora_shrink(static_cast<const float*>(x), rows, in_dim, static_cast<const float*>(a),
-                        r_total, slots, u);
+                        r_total, rank, slots, ranks, u);
 }
 
 void sluice_lora_expand(int bf16, const float* u, int64_t rows, int rank, int n_slices,
                         const int32_t* offsets, const void* bt, int out_dim,
-                        const int32_t* slots, void* y) {
+                        const int32_t* slots, const int32_t* ranks, void* y) {
 #pragma omp parallel if (rows * out_dim * rank > kParallelWork)
   if (bf16)
     sluice::lora_expand(u, rows, rank, n_slices, offsets, static_cast<const uint16_t*>(bt),
-                        out_dim, slots, static_cast<uint16_t*>(y));
+                        out_dim, slots, ranks, static_cast<uint16_t*>(y));
   else
     sluice::lora_expand(u, rows, rank, n_slices, offsets, static_cast<const float*>(bt), out_dim,
-                        slots, static_cast<float*>(y));
+                        slots, ranks, static_cast<float*>(y));
 }
 
 }  // extern "C"

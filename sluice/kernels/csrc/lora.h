@@ -23,10 +23,12 @@
 
 namespace sluice {
 
-// u[t, :] = A[slot(t)] x[t] in fp32 (zeros for rows without an adapter).
+// u[t, :] = A[slot(t)] x[t] in fp32 (zeros for rows without an adapter). ranks[s]:
+// the rows of each slice that slot s uses (its adapter's rank, 0 where it adapts
+// nothing here); the padding beyond is zero and never read.
 template <typename T>
-void lora_shrink(const T* x, int64_t rows, int in_dim, const T* a, int r_total,
-                 const int32_t* slots, float* u) {
+void lora_shrink(const T* x, int64_t rows, int in_dim, const T* a, int r_total, int rank,
+                 const int32_t* slots, const int32_t* ranks, float* u) {
   constexpr int kLanes = 16;  // partial sums, added in a fixed order at the end
   const int64_t items = rows * r_total;
 #pragma omp for schedule(static)
@@ -34,7 +36,7 @@ void lora_shrink(const T* x, int64_t rows, int in_dim, const T* a, int r_total,
     const int64_t t = i / r_total;
     const int r = static_cast<int>(i % r_total);
     const int32_t s = slots[t];
-    if (s < 0) {
+    if (s < 0 || r % rank >= ranks[s]) {
       u[i] = 0.f;
       continue;
     }
@@ -59,7 +61,7 @@ struct LoraChunk {
 // y[t, :] += B[slot(t)] u[t, :] over every slice, in y's storage type (rounded once).
 template <typename T>
 void lora_expand(const float* u, int64_t rows, int rank, int n_slices, const int32_t* offsets,
-                 const T* bt, int out_dim, const int32_t* slots, T* y) {
+                 const T* bt, int out_dim, const int32_t* slots, const int32_t* ranks, T* y) {
   constexpr int kChunk = 256;  // columns per work item: the row's accumulators stay in L1
   std::vector<LoraChunk> chunks;
   for (int j = 0; j < n_slices; ++j)
@@ -72,7 +74,7 @@ void lora_expand(const float* u, int64_t rows, int rank, int n_slices, const int
   for (int64_t i = 0; i < items; ++i) {
     const int64_t t = i / n_chunks;
     const int32_t s = slots[t];
-    if (s < 0) continue;
+    if (s < 0 || ranks[s] == 0) continue;
     const LoraChunk& ch = chunks[i % n_chunks];
     const float* ur = u + t * r_total + ch.slice * rank;
     const T* b = bt + static_cast<int64_t>(s) * rank * out_dim;
@@ -80,7 +82,7 @@ void lora_expand(const float* u, int64_t rows, int rank, int n_slices, const int
     float acc[kChunk];
     const int n = ch.end - ch.begin;
     for (int c = 0; c < n; ++c) acc[c] = to_float(yr[ch.begin + c]);
-    for (int r = 0; r < rank; ++r) {
+    for (int r = 0; r < ranks[s]; ++r) {
       const float w = ur[r];
       const T* br = b + static_cast<int64_t>(r) * out_dim + ch.begin;
       for (int c = 0; c < n; ++c) acc[c] += w * to_float(br[c]);
