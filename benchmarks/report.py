@@ -865,6 +865,46 @@ def _embeddings(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _lora(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        t, s = d["throughput"], {k: v["median"] for k, v in d["single_stream"].items()}
+        llama = s.get("llama_adapter")
+        gguf = d.get("gguf_adapter")
+        rows.append(
+            [
+                *_run_cells(name, d),
+                f"{d['model']}, {d['adapters']} adapters of rank {d['rank']}",
+                fmt_spread(t["summary"]["base"]["output_tok_per_s"], digits=1),
+                fmt_spread(t["summary"]["mixed"]["output_tok_per_s"], digits=1),
+                f"{t['ratio_of_medians']['mixed']['output_tok_per_s']:.2f}x",
+                f"{s['sluice_base']:.1f}",
+                f"{s['sluice_adapter']:.1f}",
+                f"{s['sluice_adapter'] / s['sluice_base']:.2f}x",
+                "-" if llama is None else f"{llama:.1f}",
+                "-" if llama is None else f"{s['sluice_adapter'] / llama:.2f}x",
+                "-" if gguf is None else ("yes" if gguf["tokens_equal"] else "NO"),
+                f"{d['load_ms']['median']:.0f}",
+                str(t["rounds"]),
+            ]
+        )
+    headers = [
+        "model, adapters",
+        f"{results[0][1]['streams']} streams tok/s: base only",
+        "mixed (adapters + base)",
+        "ratio",
+        "1 stream tok/s: base",
+        "adapter",
+        "ratio",
+        "llama-server --lora",
+        "sluice / llama",
+        "llama.cpp's GGUF adapter = PEFT",
+        "load ms",
+        "rounds",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
 def _swa_pool(results: Sequence[Result]) -> str:
     rows = []
     for name, d in results:
@@ -951,6 +991,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "tool_calls": _tool_calls,
     "hub_download": _hub_download,
     "embeddings": _embeddings,
+    "lora": _lora,
     "cuda_check": _cuda_check,
 }
 
