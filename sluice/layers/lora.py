@@ -15,8 +15,8 @@ without adapters.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,20 +27,24 @@ from sluice.core.lora import LoRAAdapter
 from sluice.kernels import lora as lora_kernels
 
 
-@dataclass(frozen=True)
 class LoRAMapping:
     """A step's rows' adapter slots."""
 
-    slots: torch.Tensor
-    """[rows] int32 on the CPU, -1 where a row runs the base model alone."""
-    groups: tuple[tuple[int, torch.Tensor], ...]
-    """(slot, its rows) for each slot in use: the torch path's loop (off CPU)."""
+    def __init__(self, slots: torch.Tensor, device: torch.device) -> None:
+        # [rows] int32 on the CPU, -1 where a row runs the base model alone.
+        self.slots = slots.to(torch.int32).contiguous()
+        self.device = device
 
     @classmethod
     def of(cls, slots: torch.Tensor, device: torch.device) -> LoRAMapping:
-        used = [int(s) for s in torch.unique(slots) if s >= 0]
-        groups = tuple((s, torch.nonzero(slots == s)[:, 0].to(device)) for s in used)
-        return cls(slots.to(torch.int32).contiguous(), groups)
+        return cls(slots, device)
+
+    @functools.cached_property
+    def groups(self) -> tuple[tuple[int, torch.Tensor], ...]:
+        """(slot, its rows) for each slot in use: the torch path's loop (off CPU). Made
+        when first asked for: the kernels and the decode stack read `slots` alone."""
+        used = [int(s) for s in torch.unique(self.slots) if s >= 0]
+        return tuple((s, torch.nonzero(self.slots == s)[:, 0].to(self.device)) for s in used)
 
 
 _current: LoRAMapping | None = None
