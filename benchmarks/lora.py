@@ -94,7 +94,6 @@ def llama_cpp_adapter(gguf: Path, adapter: Path, src: Path, work: Path) -> Path:
     """The adapter as llama.cpp's converter writes it (f32), the base's config.json
     taken from the GGUF by transformers."""
     import transformers
-
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     base = work / "base-config"

@@ -13,8 +13,8 @@ from typing import Any
 
 import openai
 import pytest
-
 from serving import Server, serve
+
 from sluice import LLM, LoRARequest, SamplingParams
 
 DATA = Path(__file__).parent / "data" / "lora"
