@@ -382,3 +382,28 @@ def test_bad_adapter_request_leaves_the_engine_serving(
     assert not llm.engine.has_unfinished_requests()
     got = _tokens(llm.generate([chat_ids[0]], GREEDY, use_tqdm=False, lora_request=adapter("sql")))
     assert got == [alone["sql"][0]]
+
+
+def test_speculation_and_constraints_run_through_the_adapter(
+    chat_ids: list[list[int]], alone: dict[str | None, list[list[int]]]
+) -> None:
+    """n-gram speculation verifies with the request's adapter (greedy output unchanged,
+    drafts accepted), and a constrained request's grammar applies on top of it."""
+    llm = LLM(
+        dtype="float32",
+        kv_cache_memory=0.25,
+        enable_lora=True,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+    )
+    prompts = chat_ids * 2
+    loras = [adapter("sql"), adapter("caps")] * 2
+    got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    assert got == [alone["sql"][0], alone["caps"][1]] * 2
+    stats = llm.stats()
+    assert stats["spec_drafted_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}},
+              "required": ["answer"]}  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=48, structured_output={"json": schema})
+    (out,) = llm.generate([chat_ids[1]], params, use_tqdm=False, lora_request=adapter("json"))
+    assert "answer" in json.loads(out.outputs[0].text)
