@@ -35,6 +35,7 @@ from sluice.core.choices import (
     parse_choice,
 )
 from sluice.core.errors import ConfigError
+from sluice.core.lora import LoRARequest
 from sluice.kernels import cpu
 
 
@@ -739,7 +740,7 @@ class EngineConfig:
                 raise ConfigError(
                     "lora_modules", f"lora_modules entries are NAME=PATH, got {entry!r}"
                 )
-        names = [m.partition("=")[0] for m in self.lora_modules]
+        names = [r.lora_name for r in self.lora_requests()]
         if len(set(names)) != len(names):
             raise ConfigError("lora_modules", f"lora_modules names an adapter twice: {names}")
         if not self.enable_lora:
@@ -754,6 +755,15 @@ class EngineConfig:
                     f"enable_lora cannot be combined with {name}={getattr(self, name)!r} "
                     "(not implemented)",
                 )
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """lora_modules as the requests that name them (ids from 1, in order): the one
+        reading of NAME=PATH, for the engine's registry and the data-parallel front end."""
+        pairs = (entry.partition("=") for entry in self.lora_modules)
+        return [
+            LoRARequest(name.strip(), i, path.strip())
+            for i, (name, _, path) in enumerate(pairs, start=1)
+        ]
 
     def _check_kv_cache_dtype(self) -> None:
         if self.kv_cache_dtype in ("fp8", "fp8_e4m3"):

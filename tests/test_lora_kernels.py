@@ -67,7 +67,7 @@ def test_each_row_adds_its_own_adapter(kernel_level: str, dtype: torch.dtype) ->
     y = torch.randn(len(rows), 80).to(dtype)
     slots = torch.tensor([-1 if r is None else r for r in rows], dtype=torch.int32)
     want = _reference(x, y, [None if r is None else ad[r] for r in rows])
-    with lora_step(LoRAMapping.of(slots, torch.device("cpu"))):
+    with lora_step(LoRAMapping(slots, torch.device("cpu"))):
         got = layer(x, y.clone())
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     scale = want.abs().max().item()
@@ -84,7 +84,7 @@ def test_torch_path_matches_kernels() -> None:
         layer.load(slot, a)
     x, y = torch.randn(5, IN), torch.randn(5, 80)
     slots = torch.tensor([1, -1, 0, 1, 0], dtype=torch.int32)
-    mapping = LoRAMapping.of(slots, torch.device("cpu"))
+    mapping = LoRAMapping(slots, torch.device("cpu"))
     with lora_step(mapping):
         fast = layer(x, y.clone())
     slow = y.clone()
@@ -101,7 +101,7 @@ def test_reloading_a_slot_replaces_every_slice() -> None:
     layer.load(0, smaller)
     x, y = torch.randn(3, IN), torch.zeros(3, 80)
     slots = torch.zeros(3, dtype=torch.int32)
-    with lora_step(LoRAMapping.of(slots, torch.device("cpu"))):
+    with lora_step(LoRAMapping(slots, torch.device("cpu"))):
         got = layer(x, y.clone())
     want = _reference(x, y, [smaller] * 3)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)

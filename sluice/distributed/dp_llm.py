@@ -217,10 +217,7 @@ class DataParallelLLM:
 
     def lora_adapters(self) -> dict[str, LoRARequest]:
         """Every replica serves the lora_modules it was started with."""
-        named = (m.partition("=") for m in self.config.lora_modules)
-        return {
-            name: LoRARequest(name, i, path) for i, (name, _, path) in enumerate(named, start=1)
-        }
+        return {r.lora_name: r for r in self.config.lora_requests()}
 
     async def load_lora_adapter(self, request: LoRARequest) -> None:
         raise RequestError(

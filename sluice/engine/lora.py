@@ -41,9 +41,8 @@ class LoRARegistry:
             return None
         cpu = config.max_cpu_loras or config.max_loras
         registry = cls(model_config, max_rank=config.max_lora_rank, max_cpu_loras=cpu)
-        for i, entry in enumerate(config.lora_modules, start=1):
-            name, _, path = entry.partition("=")
-            registry.register(LoRARequest(name.strip(), i, path.strip()))
+        for request in config.lora_requests():
+            registry.register(request)
         return registry
 
     def names(self) -> dict[str, LoRARequest]:
@@ -55,19 +54,17 @@ class LoRARegistry:
         """Load (and check) an adapter and serve it under its name. A name already
         served is refused (RequestError on lora_name): unload it first."""
         with self._lock:
-            if request.lora_name in self._named:
-                raise RequestError(
-                    "lora_name", f"an adapter named {request.lora_name!r} is already loaded"
-                )
+            self._check_unused(request.lora_name)
         adapter = self._load(request)
         with self._lock:
-            if request.lora_name in self._named:  # a concurrent load won the name
-                raise RequestError(
-                    "lora_name", f"an adapter named {request.lora_name!r} is already loaded"
-                )
+            self._check_unused(request.lora_name)  # a concurrent load may have won it
             self._named[request.lora_name] = request
             self._keep(request, adapter)
         return adapter
+
+    def _check_unused(self, name: str) -> None:
+        if name in self._named:
+            raise RequestError("lora_name", f"an adapter named {name!r} is already loaded")
 
     def unregister(self, name: str) -> bool:
         """Stop serving `name` (running requests keep their adapter); False if unknown."""

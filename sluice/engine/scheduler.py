@@ -143,7 +143,9 @@ class Scheduler:
             self.waiting = deque(sorted(self.waiting, key=self._order_key))
         # Parked keep their place: their KV is on its way, or their adapter needs a slot.
         parked: list[Request] = []
-        adapters = {r.lora.key for r in self.running if r.lora is not None}
+        adapters = (
+            {r.lora.key for r in self.running if r.lora is not None} if self.max_loras else set()
+        )
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             fresh = req.num_computed_tokens == 0

@@ -99,7 +99,7 @@ class Linear(nn.Module):
         # Tensor parallelism sets this on row-parallel layers (o_proj, down_proj): each
         # rank's output is a partial sum, made whole by the group's all-reduce.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # Adapter slots (attach_lora_slots, with LoRA enabled): each row of a step adds
+        # Adapter slots (LoRASlotTable.attach, with LoRA enabled): each row of a step adds
         # its own adapter's low-rank product to the base output.
         self.lora: LoRASlots | None = None
 

@@ -35,10 +35,6 @@ class LoRAMapping:
         self.slots = slots.to(torch.int32).contiguous()
         self.device = device
 
-    @classmethod
-    def of(cls, slots: torch.Tensor, device: torch.device) -> LoRAMapping:
-        return cls(slots, device)
-
     @functools.cached_property
     def groups(self) -> tuple[tuple[int, torch.Tensor], ...]:
         """(slot, its rows) for each slot in use: the torch path's loop (off CPU). Made

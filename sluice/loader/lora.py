@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,7 +224,7 @@ def _load_peft(src: _Source) -> LoRAAdapter:
         tensors = load_file(weights)
     except (ModelFileError, OSError, ValueError) as exc:
         raise src.error(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from None
-    pairs = _pairs(src, tensors, _PEFT_RE, lambda n: n)
+    pairs = _pairs(src, tensors, _PEFT_RE, {t: t for t in LORA_TARGETS})
     digest = hashlib.sha256((src.path / CONFIG_FILE).read_bytes())
     digest.update(weights.read_bytes())
     return _adapter(src, pairs, {t: rank for t in LORA_TARGETS}, scale, digest)
@@ -236,15 +237,17 @@ def _pairs(
     src: _Source,
     tensors: dict[str, torch.Tensor],
     pattern: re.Pattern[str],
-    target_of: Any,
+    targets: Mapping[str, LoRATarget],
 ) -> _Pairs:
-    """(layer, target) -> (A, B, A's name) from tensor names; anything else is refused."""
+    """(layer, target) -> (A, B, A's name) from tensor names (`pattern`'s second group
+    is the projection as the format names it, `targets` its name here); anything else
+    is refused."""
     found: dict[tuple[int, LoRATarget], dict[str, tuple[str, torch.Tensor]]] = {}
     allowed = adaptable_targets(src.config)
     for name, t in tensors.items():
         m = pattern.fullmatch(name)
-        target = target_of(m.group(2)) if m else None
-        if m is None or target not in allowed:
+        target = targets.get(m.group(2)) if m else None
+        if m is None or target is None or target not in allowed:
             raise src.error(f"tensor {name} is not a LoRA weight of a supported projection")
         layer = int(m.group(1))
         if layer >= src.config.num_layers:
@@ -324,9 +327,11 @@ def _load_gguf(src: _Source) -> LoRAAdapter:
             data = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy
             shape = [int(d) for d in reversed(t.shape.tolist())]
             tensors[t.name] = torch.from_numpy(data).reshape(shape)
+        # gguf raises NotImplementedError for a block type it cannot dequantize, and
+        # ValueError/TypeError/RuntimeError for data that does not fit the shape.
         except (ValueError, TypeError, NotImplementedError, RuntimeError) as exc:
             raise src.error(f"tensor {t.name} cannot be read: {exc}") from None
-    pairs = _pairs(src, tensors, _GGUF_RE, _GGUF_TARGETS.get)
+    pairs = _pairs(src, tensors, _GGUF_RE, _GGUF_TARGETS)
     for (layer, target), (a, b, name) in pairs.items():
         hf = f"model.layers.{layer}.self_attn.{target}.weight"
         unpermuted = spec.gguf_weight(hf, b, src.config)

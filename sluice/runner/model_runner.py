@@ -377,7 +377,7 @@ class ModelRunner:
         rank of a tensor-parallel group runs it on the same inputs; rank 0's logits are
         the whole vocabulary's."""
         meta = inputs.meta
-        lora = None if inputs.lora_slots is None else LoRAMapping.of(inputs.lora_slots, self.device)
+        lora = None if inputs.lora_slots is None else LoRAMapping(inputs.lora_slots, self.device)
         stack = self.decode_stack
         if (
             stack is not None
