@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import subprocess
 import sys
@@ -40,8 +39,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
-import torch
-from safetensors.torch import save_file
 
 from benchmarks.common import (
     add_output_arg,
@@ -54,40 +51,10 @@ from benchmarks.common import (
     write_result,
 )
 from benchmarks.datasets import sharegpt_prompts
+from benchmarks.random_models import write_random_adapter
 from benchmarks.serve import _free_port, one_request, start_sluice, stop, wait_healthy
-from sluice.config import ModelConfig
-from sluice.core.choices import LORA_TARGETS
 from sluice.loader import load_tokenizer
-from sluice.loader.lora import target_shape
 from sluice.loader.resolve import resolve_model_path
-
-_PEFT_PREFIX = "base_model.model.model.layers"
-
-
-def write_random_adapter(config: ModelConfig, rank: int, seed: int, out: Path) -> Path:
-    """A PEFT adapter folder of rank `rank` on every projection, random but small
-    (the output stays a model's, not noise)."""
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_layers):
-        for target in LORA_TARGETS:
-            fan_in, fan_out = target_shape(config, target)
-            part = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            name = f"{_PEFT_PREFIX}.{layer}.{part}.{target}"
-            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in**0.5
-            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.01
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.half() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
-    config_json = {
-        "peft_type": "LORA",
-        "r": rank,
-        "lora_alpha": 2 * rank,
-        "target_modules": list(LORA_TARGETS),
-        "bias": "none",
-        "base_model_name_or_path": config.name,
-    }
-    (out / "adapter_config.json").write_text(json.dumps(config_json))
-    return out
 
 
 def llama_cpp_adapter(gguf: Path, adapter: Path, src: Path, work: Path) -> Path:

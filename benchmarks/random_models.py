@@ -3,15 +3,22 @@
 sluice's output on them is compared with transformers' on the same weights, token for
 token (tests/test_architectures.py on CPU, benchmarks/cuda_check.py on a GPU, where no
 model file can travel). Each is saved as a Hugging Face directory (config.json and
-safetensors); the caller adds a tokenizer.
+safetensors); the caller adds a tokenizer. Random LoRA adapters for a model's shape
+too (benchmarks/lora.py, tests/test_decode_stack.py).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
+
+from sluice.config import ModelConfig
+from sluice.core.choices import LORA_TARGETS
+from sluice.loader.lora import target_shape
 
 # Three layers, GQA 4/2, SmolLM2's vocabulary (its tokenizer detokenizes the output).
 SMALL: dict[str, Any] = dict(
@@ -91,3 +98,36 @@ def build_model(kind: str, shape: dict[str, Any], directory: Path) -> Any:
                     proj.bias.normal_(0, 0.5)
     model.save_pretrained(directory)
     return model
+
+
+_PEFT_PREFIX = "base_model.model.model.layers"
+
+
+def write_random_adapter(
+    config: ModelConfig, rank: int, seed: int, out: Path, b_scale: float = 0.01
+) -> Path:
+    """A random PEFT LoRA adapter folder of rank `rank` on every projection of a model
+    of `config`'s shape, in fp16. B's entries have standard deviation `b_scale`: the
+    default keeps the output a model's, not noise (speed does not depend on what an
+    adapter learned); a larger one makes the adapter change the tokens."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for target in LORA_TARGETS:
+            fan_in, fan_out = target_shape(config, target)
+            part = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"{_PEFT_PREFIX}.{layer}.{part}.{target}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in**0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * b_scale
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.half() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    config_json = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": list(LORA_TARGETS),
+        "bias": "none",
+        "base_model_name_or_path": config.name,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config_json))
+    return out

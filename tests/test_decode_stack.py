@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from benchmarks.random_gguf import hf_to_gguf
-from benchmarks.random_models import SMALL, build_model
+from benchmarks.random_models import SMALL, build_model, write_random_adapter
 from sluice import LLM, SamplingParams, kernels
 from sluice.attention.backend import AttentionMetadata
 from sluice.core.quantized_tensor import QuantizedTensor, pack, unpack_values
@@ -75,13 +75,17 @@ def built_stack(llm: LLM) -> Any:
     return stack
 
 
-def run(llm: LLM, prompts: list[Any], use_stack: bool) -> tuple[list[Any], int]:
+def run(
+    llm: LLM, prompts: list[Any], use_stack: bool, lora_request: Any = None
+) -> tuple[list[Any], int]:
     """Outputs with or without the stack, and how many steps the stack ran."""
     runner = llm.engine.runner
     stack = runner.decode_stack
     calls = 0
 
     class Counting:
+        has_lora = stack.has_lora
+
         def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
             return stack.accepts(num_tokens, meta)
 
@@ -96,7 +100,7 @@ def run(llm: LLM, prompts: list[Any], use_stack: bool) -> tuple[list[Any], int]:
     llm.engine.reset_prefix_cache()
     try:
         sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=3)
-        outs = llm.generate(prompts, sp, use_tqdm=False)
+        outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=lora_request)
     finally:
         runner.decode_stack = stack
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], calls
@@ -425,3 +429,28 @@ def test_stack_equals_model_with_lora_adapters(level: str, dtype: str) -> None:
         plain = llm.generate(PROMPTS, sp, use_tqdm=False)
         assert results[1][1][0] == plain[1].outputs[0].token_ids
         assert results[1][0][0] != plain[0].outputs[0].token_ids  # the adapters do act
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stack_adds_the_qkv_bias_before_the_adapter(
+    dtype: str, tmp_path: Path, tokenizer: Path, kernel_level: str
+) -> None:
+    """Qwen2's q/k/v biases: the stack adds each to the base output, rounded, before
+    the adapter's product (as the eager Linear does), for rows with and without an
+    adapter in one step: bit for bit the model layer by layer."""
+    from sluice import LoRARequest
+
+    path = random_gguf("qwen2", "Q8_0", tmp_path, tokenizer)
+    llm = LLM(model=str(path), quantization="gguf", dtype=dtype, kv_cache_memory=0.02,
+              enable_lora=True, max_loras=2)  # fmt: skip
+    assert built_stack(llm).has_lora
+    config = llm.engine.model_config
+    folder = write_random_adapter(config, 8, 0, tmp_path / "adapter", b_scale=0.5)
+    adapter = LoRARequest("random", 1, str(folder))
+    prompts = random_prompts(4, 3)
+    loras = [adapter, None, adapter]
+    outputs = [run(llm, prompts, use_stack, loras) for use_stack in (False, True)]
+    assert outputs[1][1] > 0 and outputs[1][0] == outputs[0][0]
+    plain, _ = run(llm, prompts, True)
+    assert plain[1] == outputs[1][0][1]  # the base row, beside adapted ones
+    assert plain[0][0] != outputs[1][0][0][0]  # the adapter does act

@@ -11,9 +11,12 @@ from sluice import kernels
 from sluice.core.lora import LoRAAdapter, LoRAModule
 from sluice.layers.lora import LoRAMapping, LoRASlots, lora_step
 
-# A q/k/v layer: in 64, outputs 48 + 16 + 16.
+# A q/k/v layer: in 64, outputs 160 + 64 + 40 (the expand sums 64 columns at a time:
+# whole tiles, a slice's partial last tile, and a slice narrower than a tile).
 TARGETS = ("q_proj", "k_proj", "v_proj")
-WIDTHS = (48, 16, 16)
+WIDTHS = (160, 64, 40)
+BOUNDS = (0, 160, 224, 264)  # where each slice starts, and the end
+OUT = BOUNDS[-1]
 IN = 64
 
 
@@ -33,7 +36,7 @@ def _reference(
 ) -> torch.Tensor:
     """y + each row's adapter product, in fp64 from the adapters' own matrices."""
     out = y.double().clone()
-    bounds = [0, 48, 64, 80]
+    bounds = BOUNDS
     for t, adapter in enumerate(adapters):
         if adapter is None:
             continue
@@ -64,7 +67,7 @@ def test_each_row_adds_its_own_adapter(kernel_level: str, dtype: torch.dtype) ->
         layer.load(slot, a)
     rows = [0, None, 1, 2, 0, None, 2, 1, 1]  # adapter index per row, None: the base
     x = torch.randn(len(rows), IN).to(dtype)
-    y = torch.randn(len(rows), 80).to(dtype)
+    y = torch.randn(len(rows), OUT).to(dtype)
     slots = torch.tensor([-1 if r is None else r for r in rows], dtype=torch.int32)
     want = _reference(x, y, [None if r is None else ad[r] for r in rows])
     with lora_step(LoRAMapping(slots, torch.device("cpu"))):
@@ -82,7 +85,7 @@ def test_torch_path_matches_kernels() -> None:
     ad = [_adapter(4, 8, TARGETS), _adapter(5, 12, TARGETS)]
     for slot, a in enumerate(ad):
         layer.load(slot, a)
-    x, y = torch.randn(5, IN), torch.randn(5, 80)
+    x, y = torch.randn(5, IN), torch.randn(5, OUT)
     slots = torch.tensor([1, -1, 0, 1, 0], dtype=torch.int32)
     mapping = LoRAMapping(slots, torch.device("cpu"))
     with lora_step(mapping):
@@ -99,17 +102,17 @@ def test_reloading_a_slot_replaces_every_slice() -> None:
     layer.load(0, _adapter(6, 16, TARGETS))
     smaller = _adapter(7, 4, ("k_proj",))
     layer.load(0, smaller)
-    x, y = torch.randn(3, IN), torch.zeros(3, 80)
+    x, y = torch.randn(3, IN), torch.zeros(3, OUT)
     slots = torch.zeros(3, dtype=torch.int32)
     with lora_step(LoRAMapping(slots, torch.device("cpu"))):
         got = layer(x, y.clone())
     want = _reference(x, y, [smaller] * 3)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
-    assert got[:, :48].abs().max() == 0 and got[:, 64:].abs().max() == 0
+    assert got[:, :160].abs().max() == 0 and got[:, 224:].abs().max() == 0
 
 
 def test_no_mapping_leaves_the_output_alone() -> None:
     layer = _slots(torch.float32)
     layer.load(0, _adapter(8, 8, TARGETS))
-    y = torch.randn(2, 80)
+    y = torch.randn(2, OUT)
     assert layer(torch.randn(2, IN), y) is y

@@ -54,7 +54,7 @@ SLUICE_LINEAR_FIELDS(O)
 SLUICE_LINEAR_FIELDS(GateUp)
 SLUICE_LINEAR_FIELDS(Down)
 #undef SLUICE_LINEAR_FIELDS
-// lora_add() finds a linear's B^T and slot ranks right after its A.
+// lora_begin() and lora_end() find a linear's B^T and slot ranks right after its A.
 static_assert(kQkvLoraBt == kQkvLoraA + 1 && kOLoraBt == kOLoraA + 1 &&
                   kGateUpLoraBt == kGateUpLoraA + 1 && kDownLoraBt == kDownLoraA + 1 &&
                   kQkvLoraRanks == kQkvLoraA + 2 && kOLoraRanks == kOLoraA + 2 &&
@@ -108,20 +108,35 @@ struct LoraLinear {
   std::vector<int32_t> offsets;
 };
 
-// y [M, N] += each row's adapter product over x [M, K] (every thread calls it; two
-// orphaned omp for loops, a barrier after each). A no-op where the linear has no slots.
+// Whether this step runs a linear's adapter slots (some row has an adapter and the
+// linear has slots).
+bool lora_on(const int64_t* L, const Batch& b, const LoraLinear& lin) {
+  return b.lora_slots != nullptr && L[lin.a] != 0;
+}
+
+// A linear's adapter work comes in two halves around its base matmul (every thread
+// calls both): lora_begin's shrink of x [M, K] into u needs no barrier of its own, the
+// matmul's closes it; lora_end adds each row's B u to y [M, N], a barrier after.
+// No-ops where lora_on is false.
 template <typename T>
-void lora_add(const Shape& s, const int64_t* L, const Batch& b, const LoraLinear& lin,
-              const T* x, int M, int K, std::vector<float>& u, T* y) {
-  const T* a = at<T>(L, lin.a);
-  if (b.lora_slots == nullptr || a == nullptr) return;
+void lora_begin(const Shape& s, const int64_t* L, const Batch& b, const LoraLinear& lin,
+                const T* x, int M, int K, std::vector<float>& u) {
+  if (!lora_on(L, b, lin)) return;
   const int n_slices = static_cast<int>(lin.offsets.size()) - 1;
-  const int N = lin.offsets.back();
+  const int r_total = n_slices * s.lora_rank;
   const int32_t* ranks = at<int32_t>(L, Field(lin.a + 2));
-  sluice::lora_shrink(x, M, K, a, n_slices * s.lora_rank, s.lora_rank, b.lora_slots, ranks,
+  sluice::lora_shrink(x, M, K, at<T>(L, lin.a), r_total, s.lora_rank, b.lora_slots, ranks,
                       u.data());
+}
+
+template <typename T>
+void lora_end(const Shape& s, const int64_t* L, const Batch& b, const LoraLinear& lin, int M,
+              const std::vector<float>& u, T* y) {
+  if (!lora_on(L, b, lin)) return;
+  const int n_slices = static_cast<int>(lin.offsets.size()) - 1;
   sluice::lora_expand(u.data(), M, s.lora_rank, n_slices, lin.offsets.data(),
-                      at<T>(L, Field(lin.a + 1)), N, b.lora_slots, ranks, y);
+                      at<T>(L, Field(lin.a + 1)), lin.offsets.back(), b.lora_slots,
+                      at<int32_t>(L, Field(lin.a + 2)), y);
 }
 
 // y [M, N] = x @ W.T for the linear whose fields start at `packed`, on the kernel its
@@ -346,15 +361,19 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
       }
       quantize_for(xa, L, kQkvPacked, x.data(), M, H);
     }
+    lora_begin(s, L, b, lora_qkv, x.data(), M, H, lora_u);
     linear(L, kQkvPacked, xa, M, H, qkv_n, qkv.data());
-    if (b.lora_slots != nullptr) {  // after the bias, as the eager Linear adds it
+    const bool qkv_lora = lora_on(L, b, lora_qkv);
+    if (qkv_lora) {
+      // The bias first, as the eager Linear adds it (a pass of its own: folded into the
+      // expand's loop, -ffast-math may add bias and product first in fp32).
 #pragma omp single
       add_bias(L, qkv.data(), M, qkv_n);
-      lora_add(s, L, b, lora_qkv, x.data(), M, H, lora_u, qkv.data());
+      lora_end(s, L, b, lora_qkv, M, lora_u, qkv.data());
     }
 #pragma omp single
     {
-      if (b.lora_slots == nullptr) add_bias(L, qkv.data(), M, qkv_n);
+      if (!qkv_lora) add_bias(L, qkv.data(), M, qkv_n);
       if (s.qk_norm != kNoQkNorm) qk_norm(s, L, qkv.data(), M, qkv_n);
       // q and k heads rotate together; then k and v go to the cache before attention.
       sluice::rotary(qkv.data(), M, qkv_n, s.heads + s.kv_heads, s.head_dim, cos, sin);
@@ -372,8 +391,9 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
                            static_cast<int64_t>(qkv_n), /*window=*/0);
 #pragma omp single
     quantize_for(xa, L, kOPacked, attn.data(), M, q_size);
+    lora_begin(s, L, b, lora_o, attn.data(), M, q_size, lora_u);
     linear(L, kOPacked, xa, M, q_size, H, h);
-    lora_add(s, L, b, lora_o, attn.data(), M, q_size, lora_u, h);
+    lora_end(s, L, b, lora_o, M, lora_u, h);
     const bool sparse = L[kRouter] != 0;  // a Mixture-of-Experts layer
 #pragma omp single
     {
@@ -384,15 +404,17 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
       moe(s, L, M, x.data(), h, moe_scratch, xa);
       continue;
     }
+    lora_begin(s, L, b, lora_gate_up, x.data(), M, H, lora_u);
     linear(L, kGateUpPacked, xa, M, H, 2 * s.inter, gate_up.data());
-    lora_add(s, L, b, lora_gate_up, x.data(), M, H, lora_u, gate_up.data());
+    lora_end(s, L, b, lora_gate_up, M, lora_u, gate_up.data());
 #pragma omp single
     {
       sluice::silu_and_mul(gate_up.data(), act.data(), M, s.inter);
       quantize_for(xa, L, kDownPacked, act.data(), M, s.inter);
     }
+    lora_begin(s, L, b, lora_down, act.data(), M, s.inter, lora_u);
     linear(L, kDownPacked, xa, M, s.inter, H, h);
-    lora_add(s, L, b, lora_down, act.data(), M, s.inter, lora_u, h);
+    lora_end(s, L, b, lora_down, M, lora_u, h);
   }
   // The model's output is the last layer's MLP output plus the residual stream.
   for (int64_t i = 0; i < static_cast<int64_t>(M) * H; ++i)
