@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import REPO_ROOT, compare, interleave, output_path, write_result
-from benchmarks.random_models import MOE_KINDS, SMALL, build_model
+from benchmarks.random_models import MOE_KINDS, SMALL, build_model, write_random_adapter
 
 # SmolLM2-135M's shape (30 layers, hidden 576, GQA 9/3, vocab 49152, tied embeddings).
 SMOLLM2_SHAPE = dict(
@@ -273,6 +273,107 @@ def figures(
     return out
 
 
+def lora_greedy(tokenizer: Path, device: str, work: Path) -> dict[str, Any]:
+    """fp32 greedy of one batch mixing two random adapters and the base on a small
+    random Llama, each row against transformers + peft with its adapter (the base row
+    against transformers alone)."""
+    import copy
+
+    from peft import PeftModel
+
+    from sluice import LoRARequest, SamplingParams
+
+    directory = work / "lora-llama"
+    model = build("llama", SMALL, directory, tokenizer).to(device)
+    prompts = small_prompts()
+    llm = small_engine(directory, device, enable_lora=True, max_loras=2)
+    config = llm.engine.model_config
+    requests = [
+        LoRARequest(f"a{seed}", seed + 1, str(write_random_adapter(
+            config, 8, seed, work / f"lora-{seed}", b_scale=0.5)))
+        for seed in (0, 1)
+    ]  # fmt: skip
+    refs = {None: hf_greedy(model, prompts, GREEDY_TOKENS, device)}
+    for r in requests:
+        adapted = PeftModel.from_pretrained(copy.deepcopy(model), r.lora_path).to(device).eval()
+        refs[r.lora_name] = hf_greedy(adapted, prompts, GREEDY_TOKENS, device)
+    choice = [requests[0], None, requests[1], requests[0]]  # one per prompt
+    sp = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, min_tokens=GREEDY_TOKENS)
+    outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=choice)
+    names = [None if c is None else c.lora_name for c in choice]
+    equal = [
+        o.outputs[0].token_ids == refs[name][i]
+        for i, (o, name) in enumerate(zip(outs, names, strict=True))
+    ]
+    result = {
+        "rows": names,
+        "prompts_equal": sum(equal),
+        "prompts": len(prompts),
+        "adapters_change_output": [refs[r.lora_name] != refs[None] for r in requests],
+        "ok": all(equal),
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def lora_figures(tokenizer: Path, work: Path, rounds: int, device: str) -> dict[str, Any]:
+    """A SmolLM2-shaped bf16 model with rank-16 random adapters on all seven
+    projections: one stream's decode with an adapter against the base, and 64 streams
+    spread over four adapters and the base against the base alone, interleaved."""
+    from sluice import LLM, LoRARequest, SamplingParams
+
+    directory = work / "smollm2-shape"
+    if not directory.exists():
+        build("llama", SMOLLM2_SHAPE, directory, tokenizer)
+    llm = LLM(
+        model=str(directory),
+        device=device,
+        dtype="bfloat16",
+        kv_cache_memory=8.0,
+        max_num_seqs=256,
+        enable_prefix_caching=False,
+        enable_lora=True,
+        max_loras=4,
+    )
+    config = llm.engine.model_config
+    adapters = [
+        LoRARequest(f"a{seed}", seed + 1, str(write_random_adapter(
+            config, 16, seed, work / f"lora-smollm2-{seed}")))
+        for seed in range(4)
+    ]  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (64,), generator=gen).tolist() for _ in range(64)]
+
+    def run(side: str) -> dict[str, float]:
+        one = side.startswith("one")
+        rows = prompts[:1] if one else prompts
+        if side.endswith("adapter"):
+            lora: Any = adapters[0]
+        elif side == "mixed":
+            lora = [([*adapters, None])[i % 5] for i in range(len(rows))]
+        else:
+            lora = None
+        sp = SamplingParams(temperature=0, max_tokens=256 if one else 128, ignore_eos=True)
+        sync()
+        t0 = time.perf_counter()
+        outs = llm.generate(rows, sp, use_tqdm=False, lora_request=lora)
+        sync()
+        dt = time.perf_counter() - t0
+        return {"output_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / dt}
+
+    out: dict[str, Any] = {"adapters": len(adapters), "rank": 16}
+    for name, sides in (("single_stream", ["one_base", "one_adapter"]),
+                        ("streams_64", ["base", "mixed"])):  # fmt: skip
+        for side in sides:  # an untimed round: kernels' first use, adapters' first load
+            run(side)
+        runs = interleave(sides, rounds, run, label=name)
+        out[name] = compare(runs, ["output_tok_s"], baseline=sides[0])
+        s = out[name]["summary"]
+        rates = (f"{k} {s[k]['output_tok_s']['median']:.0f} tok/s" for k in sides)
+        print(f"{name}: " + ", ".join(rates), flush=True)
+    return out
+
+
 def check_compile(tokenizer: Path, work: Path, rounds: int, device: str) -> dict[str, Any]:
     """compile=True: greedy equal to transformers (fp32, small llama), and single-stream
     decode of the SmolLM2-shaped model, eager against compiled, interleaved."""
@@ -356,6 +457,8 @@ def check_server(work: Path, tokenizer: Path, device: str, port: int = 8011) -> 
                         break
             except OSError:
                 time.sleep(0.5)
+        else:  # not a refused request below: its log (kept in `finally`) says why
+            raise RuntimeError("sluice serve did not answer /health in 240 tries")
         body = {"model": str(directory), "prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0}
 
         def post(payload: dict[str, Any]) -> tuple[int, str]:
@@ -409,7 +512,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=256, help="offline throughput prompts")
     ap.add_argument(
-        "--parts", default="correctness,moe,server,figures,compile", help="which parts, in order"
+        "--parts",
+        default="correctness,moe,lora,server,figures,lora_figures,compile",
+        help="which parts, in order",
     )
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     ap.add_argument(
@@ -430,11 +535,13 @@ def main() -> None:
                     args.tokenizer, args.device, work, MOE_KINDS, (None, "ngram")
                 ),
             ),
+            ("lora", lambda: lora_greedy(args.tokenizer, args.device, work)),
             ("server", lambda: check_server(work, args.tokenizer, args.device)),
             (
                 "figures",
                 lambda: figures(args.tokenizer, work, args.rounds, args.prompts, args.device),
             ),
+            ("lora_figures", lambda: lora_figures(args.tokenizer, work, args.rounds, args.device)),
             ("compile", lambda: check_compile(args.tokenizer, work, args.rounds, args.device)),
         ):
             if name not in args.parts.split(","):
