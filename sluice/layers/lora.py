@@ -15,10 +15,10 @@ without adapters.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sluice import kernels
@@ -34,13 +34,16 @@ class LoRAMapping:
         # [rows] int32 on the CPU, -1 where a row runs the base model alone.
         self.slots = slots.to(torch.int32).contiguous()
         self.device = device
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
-    @functools.cached_property
-    def groups(self) -> tuple[tuple[int, torch.Tensor], ...]:
-        """(slot, its rows) for each slot in use: the torch path's loop (off CPU). Made
-        when first asked for: the kernels and the decode stack read `slots` alone."""
-        used = [int(s) for s in torch.unique(self.slots) if s >= 0]
-        return tuple((s, torch.nonzero(self.slots == s)[:, 0].to(self.device)) for s in used)
+    def mask(self, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, num_slots] on the device: 1 in each row's slot, 0 elsewhere (a row
+        without an adapter is all 0). The torch path's selector; made once a step."""
+        key = (num_slots, dtype)
+        if key not in self._masks:
+            onehot = F.one_hot(self.slots.long() + 1, num_slots + 1)[:, 1:]
+            self._masks[key] = onehot.to(device=self.device, dtype=dtype)
+        return self._masks[key]
 
 
 _current: LoRAMapping | None = None
@@ -123,14 +126,21 @@ class LoRASlots(nn.Module):
         return y
 
     def add_with_torch(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> None:
-        """y [rows, out] += each row's adapter product, one slot at a time (torch ops:
-        CUDA, or where the kernels' layout checks fail)."""
-        for slot, rows in mapping.groups:
-            u = x[rows].float() @ self.a[slot].float().t()
-            for j in range(len(self.targets)):
-                lo, hi = self.bounds[j], self.bounds[j + 1]
-                part = u[:, j * self.rank : (j + 1) * self.rank] @ self.bt[slot, :, lo:hi].float()
-                y[rows, lo:hi] += part.to(y.dtype)
+        """y [rows, out] += each row's adapter product with torch ops (CUDA, or where
+        the kernels' layout checks fail): every slot's product for every row as dense
+        matrix products, each row keeping its own slot's through the mapping's mask. A
+        few kernels a layer whatever the adapters, no host sync: a GPU step launches
+        the same work for 1 adapter or 8; the extra multiplies (max_loras times the
+        low-rank work) are small beside the base matmul."""
+        slots, r = self.a.shape[0], self.rank
+        n = len(self.targets)
+        # u [rows, slots, slices, rank]: x through every slot's A, zero but its own.
+        u = (x @ self.a.reshape(slots * n * r, -1).t()).view(-1, slots, n, r)
+        u = u * mapping.mask(slots, u.dtype)[:, :, None, None]
+        for j in range(n):
+            lo, hi = self.bounds[j], self.bounds[j + 1]
+            bt = self.bt[:, :, lo:hi].reshape(slots * r, hi - lo)
+            y[:, lo:hi] += u[:, :, j].reshape(-1, slots * r) @ bt
 
 
 def _kernel_lib(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor) -> kernels.Library | None:
