@@ -80,7 +80,8 @@ def test_each_row_adds_its_own_adapter(kernel_level: str, dtype: torch.dtype) ->
 
 
 def test_torch_path_matches_kernels() -> None:
-    """The path off CPU (a loop over slots) gives what the kernels give."""
+    """The path off CPU (every slot's product, masked per row) gives what the kernels
+    give, also after a slot is loaded again."""
     layer = _slots(torch.float32)
     ad = [_adapter(4, 8, TARGETS), _adapter(5, 12, TARGETS)]
     for slot, a in enumerate(ad):
@@ -88,6 +89,12 @@ def test_torch_path_matches_kernels() -> None:
     x, y = torch.randn(5, IN), torch.randn(5, OUT)
     slots = torch.tensor([1, -1, 0, 1, 0], dtype=torch.int32)
     mapping = LoRAMapping(slots, torch.device("cpu"))
+    with lora_step(mapping):
+        fast = layer(x, y.clone())
+    slow = y.clone()
+    layer.add_with_torch(x, slow, mapping)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    layer.load(0, _adapter(9, 16, ("k_proj", "v_proj")))  # a new adapter in slot 0
     with lora_step(mapping):
         fast = layer(x, y.clone())
     slow = y.clone()
