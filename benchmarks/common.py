@@ -21,6 +21,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -242,21 +243,59 @@ def _cpu_flags() -> list[str]:
     return []
 
 
+def _git(*args: str, env: Mapping[str, str] | None = None) -> str | None:
+    """git's output in the repo, or None where git or the repo is missing or it failed."""
+    try:
+        proc = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=None if env is None else {**os.environ, **env},
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
 def _git_state() -> dict[str, Any]:
-    """The commit the benchmark code and sluice came from, and whether tracked files differ."""
+    """The commit the benchmark code and sluice came from, whether tracked files differ,
+    and the tree of the files as they are."""
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {
+        "commit": commit,
+        "dirty": None if status is None else bool(status),
+        "tree": _files_tree() if commit else None,
+    }
 
-    def git(*args: str) -> str | None:
-        try:
-            proc = subprocess.run(
-                ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=30
-            )
-        except (OSError, subprocess.TimeoutExpired):
+
+def _files_tree() -> str | None:
+    """The git tree of the tracked files as they are on disk (written through a scratch
+    index: the repo's own is untouched), equal to `git rev-parse C^{tree}` for the
+    commit C whose files ran. It names the code where HEAD cannot: a copy whose .git is
+    older than its files (the device tool's, for one) or a dirty tree."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        if _git("read-tree", "HEAD", env=env) is None or _git("add", "-u", env=env) is None:
             return None
-        return proc.stdout.strip() if proc.returncode == 0 else None
+        return _git("write-tree", env=env)
 
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+def result_commit(prov: Mapping[str, Any]) -> str | None:
+    """The commit whose files a result ran: the one its provenance names when the tree
+    was clean, else the commit in this repo's history whose tree is the result's `tree`
+    (a run from a copy whose .git is older than its files); None where neither holds."""
+    if prov.get("dirty") is False:
+        return prov.get("commit")
+    tree = prov.get("tree")
+    if not tree:
+        return None
+    for line in (_git("log", "--all", "--format=%H %T") or "").splitlines():
+        commit, _, commit_tree = line.partition(" ")
+        if commit_tree == tree:
+            return commit
+    return None
 
 
 def _command_line() -> list[str]:

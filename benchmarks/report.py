@@ -36,7 +36,7 @@ import shlex  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
-from benchmarks.common import DOC_RESULTS_DIR, REPO_ROOT, fmt_spread  # noqa: E402
+from benchmarks.common import DOC_RESULTS_DIR, REPO_ROOT, fmt_spread, result_commit  # noqa: E402
 
 DOC = REPO_ROOT / "docs" / "benchmarks.md"
 BLOCK = re.compile(r"(<!-- results: (\w+) -->\n)(.*?)(<!-- /results -->)", re.DOTALL)
@@ -75,7 +75,8 @@ def load_results(directory: Path = DOC_RESULTS_DIR) -> list[Result]:
 def _run_cells(name: str, data: dict[str, Any]) -> Row:
     """The columns every row starts with: result file, machine, kernel variant, commit, date."""
     p = data["provenance"]
-    commit = (p.get("commit") or "unknown")[:10] + ("+dirty" if p.get("dirty") else "")
+    clean = result_commit(p)  # a device's copy: its files' commit, from `tree`
+    commit = clean[:10] if clean else (p.get("commit") or "unknown")[:10] + "+dirty"
     date = (p.get("date") or "?")[:16].replace("T", " ")
     uarch = (p.get("cpu") or {}).get("microarchitecture")
     cpu = f"{p.get('cpu_model', '?')} ({uarch})" if uarch else p.get("cpu_model", "?")

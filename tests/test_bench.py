@@ -256,6 +256,37 @@ def test_provenance_records_the_run(monkeypatch: pytest.MonkeyPatch, has_variant
     }
 
 
+def test_provenance_tree_names_the_files_as_they_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tree` is the commit's tree when the files are the commit's, another when a
+    tracked file differs, and the repo's own index stays as it was."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+
+    git("init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    monkeypatch.setattr(common, "REPO_ROOT", repo)
+    state = common._git_state()
+    assert state["dirty"] is False and state["tree"] == git("rev-parse", "HEAD^{tree}")
+    (repo / "a.py").write_text("x = 2\n")
+    (repo / "new.py").write_text("untracked\n")
+    state = common._git_state()
+    assert state["dirty"] is True and state["tree"] != git("rev-parse", "HEAD^{tree}")
+    assert git("diff", "--cached", "--name-only") == ""  # nothing staged in the repo's index
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two")
+    assert git("rev-parse", "HEAD^{tree}") == state["tree"]  # the files that ran
+    assert common.result_commit(state) == git("rev-parse", "HEAD")
+    assert common.result_commit({**state, "tree": "0" * 40}) is None
+
+
 def test_write_result_adds_provenance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import sluice.kernels
 
@@ -481,22 +512,27 @@ def _git(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_committed_results_name_the_code_they_ran() -> None:
     """Each result under docs/results/ was measured from a clean tree, at a commit that
-    holds the script it ran (in a shallow clone, where old commits are absent, only the
-    clean flag is checked)."""
+    holds the script it ran, or from files equal to such a commit's (its `tree`: a GPU
+    run from the device tool's copy, whose .git is older than its files). In a shallow
+    clone, where old commits are absent, only the clean flag is checked."""
     shallow = _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true"
     results = dict(report.load_results(common.DOC_RESULTS_DIR))
     assert set(AWAITING_RERUN) <= set(results), "a listed result is gone: drop it from the list"
     for name, data in results.items():
         prov = data["provenance"]
         if name in AWAITING_RERUN:
-            assert prov["dirty"] is not False, f"{name} was re-run: drop it from AWAITING_RERUN"
+            rerun = prov["dirty"] is False or prov.get("tree")
+            assert not rerun, f"{name} was re-run: drop it from AWAITING_RERUN"
             continue
-        assert prov["dirty"] is False, f"{name} was measured from a dirty tree"
+        commit = common.result_commit(prov)
+        if shallow:
+            assert prov["dirty"] is False or commit, f"{name} was measured from a dirty tree"
+            continue
+        assert commit, f"{name} was measured from a dirty tree (files of no commit)"
         script = next(a for a in prov["argv"] if a.endswith(".py") or a.startswith("benchmarks."))
         path = script if script.endswith(".py") else script.replace(".", "/") + ".py"
-        if not shallow:
-            found = _git("cat-file", "-e", f"{prov['commit']}:{path}")
-            assert found.returncode == 0, f"{name}: {path} is not in {prov['commit']}"
+        found = _git("cat-file", "-e", f"{commit}:{path}")
+        assert found.returncode == 0, f"{name}: {path} is not in {commit}"
 
 
 def test_report_without_results_says_so(tmp_path: Path) -> None:
