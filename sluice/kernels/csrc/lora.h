@@ -1,8 +1,8 @@
 // LoRA adapters beside a linear layer, many adapters in one batch: each row of the
 // step's activations names its adapter's slot (or -1: the base model alone). The base
-// matmul has run over every row already; these two kernels add each row's low-rank
-// product, gathering its adapter's matrices by the row's slot (the segmented "shrink"
-// and "expand" of Punica and S-LoRA).
+// matmul runs once over every row; these two kernels add each row's low-rank product,
+// gathering its adapter's matrices by the row's slot (the segmented "shrink" and
+// "expand" of Punica and S-LoRA).
 //
 // One layer's slots: A [slots, slices * rank, in] (a fused layer, q/k/v or gate/up,
 // has one A per slice) and B^T [slots, rank, out], whose column range of slice j
@@ -68,9 +68,9 @@ inline void lora_tile(const float* u, const T* b, int out_dim, int rank, int n, 
 }
 
 // y[t, :] += B[slot(t)] u[t, :] over every slice: the product summed in fp32 from zero
-// (as PEFT adds the adapter's output to the base's), then added to y and rounded once to
-// y's type. Work items are tiles of kTile columns within a slice, each summed in registers while
-// it reads its rank's rows of B^T (the rows of one tile are a stream each).
+// (as PEFT adds the adapter's output to the base's), then added to y and rounded once
+// to y's type. A work item is a tile of kTile columns within a slice, summed in
+// registers while it reads its slot's rank rows of B^T there.
 template <typename T>
 void lora_expand(const float* u, int64_t rows, int rank, int n_slices, const int32_t* offsets,
                  const T* bt, int out_dim, const int32_t* slots, const int32_t* ranks, T* y) {
