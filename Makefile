@@ -36,8 +36,9 @@ serve: install
 run: install
 	$(BIN)/sluice generate "Write a haiku about rivers."
 
+# --durations: every CI log says where the suite's time goes (it is over its 15 minutes).
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # Gemma-3-270M, Qwen2.5-Coder-1.5B, all-mpnet-base-v2 and EmbeddingGemma-300M (~3 GB):
 # what the slow tests run besides.
