@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -203,6 +203,28 @@ def test_router_prefix_first_then_least_loaded(cache_aware: bool) -> None:
     assert router.choose([*shared, 400], [0, 0, 0], alive) != first
 
 
+def test_router_gathers_an_adapters_requests_where_it_is_loaded() -> None:
+    """A replica that was sent an adapter gets its later requests (other prompts
+    too) while within the balance; a prompt's blocks under one adapter are no prefix
+    for another adapter or the base; a replica remembers at most max_loras adapters."""
+    router = Router(2, block_size=4, balance_threshold=2, max_loras=2)
+    alive = [True, True]
+    home = router.choose([1, 2, 3, 4, 5], [0, 0], alive, "sql")
+    other = 1 - home
+    loads = [0, 0]
+    loads[home] = 1  # busier, but within the threshold
+    assert router.choose([9, 9, 9, 9, 9], loads, alive, "sql") == home
+    assert router.counts[home].routed_by_prefix == 1
+    # The same prompt for the base or another adapter: no prefix held, least loaded.
+    assert router.choose([1, 2, 3, 4, 5], loads, alive) == other
+    assert router.choose([1, 2, 3, 4, 5], loads, alive, "caps") == other
+    loads[home] = 5  # too busy: the adapter no longer pays for the queue
+    assert router.choose([7, 7, 7, 7, 7], loads, alive, "sql") == other
+    # `other` now holds caps and sql; a third adapter there pushes caps out.
+    router.choose([8, 8, 8, 8, 8], [9, 0], [False, True], "json")
+    assert list(router._adapters[1]) == ["sql", "json"]
+
+
 def test_router_remembers_at_most_a_replicas_capacity() -> None:
     router = Router(1, block_size=2, capacity_blocks=2)
     router.choose([1, 2, 3, 4], [0], [True])  # 2 blocks
@@ -342,6 +364,55 @@ def test_a_dead_replicas_unstreamed_requests_move_and_streamed_ones_fail() -> No
         assert not dp.is_running
 
     asyncio.run(main())
+
+
+class AdapterRecordingEngine(OneAtATimeEngine):
+    """Records which adapter each request reached its replica with."""
+
+    seen: ClassVar[dict[str, str | None]] = {}
+
+    def add_request(self, request_id: str, prompt: Any, params: Any = None, **kw: Any) -> None:
+        lora = kw.get("lora_request")
+        self.seen[request_id] = None if lora is None else lora.lora_name
+        super().add_request(request_id, prompt, params)
+
+
+class AdapterThreadHandle(ThreadHandle):
+    def __init__(self, index: int, config: Any) -> None:
+        self.dead = threading.Event()
+        self.channel = ThreadChannel(self.dead)
+        self.thread = threading.Thread(
+            target=run_replica, args=(config, self.channel, AdapterRecordingEngine), daemon=True
+        )
+        self.thread.start()
+
+
+def test_adapter_requests_reach_their_replica_with_the_adapter() -> None:
+    """The front end sends each request's adapter with it, and the router keeps an
+    adapter's requests on the replica it first went to (the base ones balance)."""
+    config = EngineConfig(data_parallel_size=2, enable_lora=True,
+                          lora_modules=("sql=/adapters/sql",))  # fmt: skip
+    sql = config.lora_requests()[0]
+
+    async def main() -> None:
+        dp = DataParallelLLM(config, start=AdapterThreadHandle)
+        try:
+            params = SamplingParams(max_tokens=20)  # running while the others arrive
+            streams, replicas = [], []
+            for i in range(5):
+                lora, prompt = (sql, [i + 1] * 3) if i < 3 else (None, [7, i])
+                streams.append(await dp.generate(prompt, params, lora_request=lora))
+                replicas.append(dp._requests[streams[-1].request_id].replica)
+            for s in streams:
+                assert [len(o.outputs[0].token_ids) async for o in s][-1] == 20
+        finally:
+            dp.shutdown()
+        assert len(set(replicas[:3])) == 1  # the adapter's requests together
+        assert replicas[3] != replicas[0]  # the base goes to the less loaded one
+        seen = AdapterRecordingEngine.seen
+        assert [seen[s.request_id] for s in streams] == ["sql"] * 3 + [None] * 2
+
+    asyncio.run(asyncio.wait_for(main(), 30))
 
 
 def test_bad_options_name_their_field() -> None:

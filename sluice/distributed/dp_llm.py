@@ -122,7 +122,7 @@ class DataParallelLLM:
             self.tokenizer.set_chat_template(resolve_chat_template(config.chat_template))
         self.vocab_size = model_config.vocab_size
         n = config.data_parallel_size
-        self.router = Router(n, config.block_size)
+        self.router = Router(n, config.block_size, max_loras=config.max_loras)
         # Re-entrant: a dropped stream's __del__ aborts its request, and the collector may
         # run it on a thread that already holds the lock.
         self._lock = threading.RLock()
@@ -296,7 +296,8 @@ class DataParallelLLM:
             entry.replica = None
             self._parked.append(entry)
             return None
-        i = self.router.choose(entry.prompt, self._loads, alive)
+        adapter = None if entry.lora_request is None else entry.lora_request.lora_name
+        i = self.router.choose(entry.prompt, self._loads, alive, adapter)
         entry.replica = i
         self._loads[i] += 1
         return self.replicas[i]
