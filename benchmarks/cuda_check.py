@@ -223,10 +223,26 @@ def hf_run(model: Any, prompts: list[list[int]], n: int, batch: int) -> dict[str
     return {"seconds": dt, "output_tok_s": produced / dt}
 
 
+def smollm2_engine(directory: Path, device: str, **options: Any) -> Any:
+    """The SmolLM2-shaped model's engine for the figures: bf16, room for 256 streams,
+    no prefix cache (every round runs the same prompts: a prefix cache would skip their
+    prefill from the second round on, which transformers cannot)."""
+    from sluice import LLM
+
+    return LLM(
+        model=str(directory),
+        device=device,
+        dtype="bfloat16",
+        kv_cache_memory=8.0,
+        max_num_seqs=256,
+        enable_prefix_caching=False,
+        **options,
+    )
+
+
 def figures(
     tokenizer: Path, work: Path, rounds: int, n_prompts: int, device: str
 ) -> dict[str, Any]:
-    from sluice import LLM
 
     directory = work / "smollm2-shape"
     model = build("llama", SMOLLM2_SHAPE, directory, tokenizer).to(device, torch.bfloat16)
@@ -234,17 +250,7 @@ def figures(
     lengths = torch.randint(32, 512, (n_prompts,), generator=gen).tolist()
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in lengths]
     single = [prompts[0][:128]]
-    llm = LLM(
-        model=str(directory),
-        device=device,
-        dtype="bfloat16",
-        kv_cache_memory=8.0,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        # Every round runs the same prompts: a prefix cache would skip their prefill
-        # from the second round on, which transformers cannot.
-        enable_prefix_caching=False,
-    )
+    llm = smollm2_engine(directory, device, max_num_batched_tokens=8192)
     out: dict[str, Any] = {"prompts": n_prompts, "prompt_tokens": sum(lengths)}
     for name, batch, n in (("single_stream", None, 256), ("offline", 64, 128)):
         work_prompts = single if batch is None else prompts
@@ -320,21 +326,12 @@ def lora_figures(tokenizer: Path, work: Path, rounds: int, device: str) -> dict[
     """A SmolLM2-shaped bf16 model with rank-16 random adapters on all seven
     projections: one stream's decode with an adapter against the base, and 64 streams
     spread over four adapters and the base against the base alone, interleaved."""
-    from sluice import LLM, LoRARequest, SamplingParams
+    from sluice import LoRARequest, SamplingParams
 
     directory = work / "smollm2-shape"
     if not directory.exists():
         build("llama", SMOLLM2_SHAPE, directory, tokenizer)
-    llm = LLM(
-        model=str(directory),
-        device=device,
-        dtype="bfloat16",
-        kv_cache_memory=8.0,
-        max_num_seqs=256,
-        enable_prefix_caching=False,
-        enable_lora=True,
-        max_loras=4,
-    )
+    llm = smollm2_engine(directory, device, enable_lora=True, max_loras=4)
     config = llm.engine.model_config
     adapters = [
         LoRARequest(f"a{seed}", seed + 1, str(write_random_adapter(

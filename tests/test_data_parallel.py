@@ -297,11 +297,13 @@ class ThreadHandle:
     """A ReplicaHandle running the real replica loop on a thread with OneAtATimeEngine;
     `kill()` cuts the transport, as a dead process's pipe does."""
 
+    engine: type[OneAtATimeEngine] = OneAtATimeEngine
+
     def __init__(self, index: int, config: Any) -> None:
         self.dead = threading.Event()
         self.channel = ThreadChannel(self.dead)
         self.thread = threading.Thread(
-            target=run_replica, args=(config, self.channel, OneAtATimeEngine), daemon=True
+            target=run_replica, args=(config, self.channel, self.engine), daemon=True
         )
         self.thread.start()
 
@@ -378,13 +380,7 @@ class AdapterRecordingEngine(OneAtATimeEngine):
 
 
 class AdapterThreadHandle(ThreadHandle):
-    def __init__(self, index: int, config: Any) -> None:
-        self.dead = threading.Event()
-        self.channel = ThreadChannel(self.dead)
-        self.thread = threading.Thread(
-            target=run_replica, args=(config, self.channel, AdapterRecordingEngine), daemon=True
-        )
-        self.thread.start()
+    engine = AdapterRecordingEngine
 
 
 def test_adapter_requests_reach_their_replica_with_the_adapter() -> None:
