@@ -36,9 +36,12 @@ serve: install
 run: install
 	$(BIN)/sluice generate "Write a haiku about rivers."
 
-# --durations: every CI log says where the suite's time goes (it is over its 15 minutes).
+# A worker per CPU, at most 4 (each loads models; tests/conftest.py keeps each worker to
+# its share of the CPUs), a test file's tests on one worker (its module fixtures load
+# once). --durations: every CI log says where the suite's time goes.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 test: install
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # Gemma-3-270M, Qwen2.5-Coder-1.5B, all-mpnet-base-v2 and EmbeddingGemma-300M (~3 GB):
 # what the slow tests run besides.

@@ -23,6 +23,25 @@ settings.register_profile("fuzz", max_examples=50_000, database=None)
 settings.load_profile("default")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    _keep_worker_to_its_cpus()
+
+
+def _keep_worker_to_its_cpus() -> None:
+    """Under pytest-xdist (`make test` runs one worker per CPU) each worker keeps to its
+    own share of the CPUs, so two workers never contend for a core; sluice then runs a
+    torch thread per CPU of that share (its default), one on a 2-core machine. Done
+    before anything imports torch, so its OpenMP runtime sees the share too."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    share = cpus[int(worker[2:]) % count :: count]
+    if share:
+        os.sched_setaffinity(0, share)
+
+
 @pytest.fixture(scope="session")
 def hermes_server() -> Iterator[Any]:
     """`sluice serve` of the bundled SmolLM2 with the shipped Hermes tool template, in
@@ -130,10 +149,31 @@ def kernels_at(level: str) -> Iterator[str]:
         pytest.skip(missing)
     if not settings.cpu_kernels_enabled():
         pytest.skip("SLUICE_CPU_KERNELS=0 turns our CPU kernels off")
-    with kernels.use_variant(level) as lib:
+    with kernels.use_variant(level) as lib, _two_threads_at_least():
         assert lib is not None, f"the {level} kernels failed to build (see the log)"
         assert lib.sluice_variant().decode() == level
         yield level
+
+
+@contextlib.contextmanager
+def _two_threads_at_least() -> Iterator[None]:
+    """The kernels split their work over threads and their barriers guard that split: a
+    kernel test runs at least two threads (torch's and any engine it builds) even on a
+    worker kept to one CPU."""
+    from unittest import mock
+
+    import torch
+
+    from sluice import config
+
+    before = torch.get_num_threads()
+    threads = max(2, config.usable_cpus())
+    torch.set_num_threads(threads)
+    try:
+        with mock.patch.object(config, "usable_cpus", return_value=threads):
+            yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(params=LEVELS)
