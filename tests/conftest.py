@@ -23,8 +23,35 @@ settings.register_profile("fuzz", max_examples=50_000, database=None)
 settings.load_profile("default")
 
 
+# The test files that take longest (each a minute or more of one CPU; `make test`
+# prints the slowest tests), started first: a worker that gets one of them late leaves
+# the other idle at the end. A stale entry costs only that balance.
+SLOWEST_FILES = (
+    "test_eagle.py",
+    "test_lora.py",
+    "test_decode_stack.py",
+    "test_quantization.py",
+    "test_generation.py",
+    "test_architectures.py",
+    "test_speculative.py",
+    "test_structured_output.py",
+    "test_soak.py",
+    "test_prefix_cache.py",
+    "test_speculative_draft.py",
+    "test_suffix_speculation.py",
+    "test_tool_calling.py",
+    "test_playground.py",
+    "test_hub.py",
+)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     _keep_worker_to_its_cpus()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    first = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
 
 
 def _keep_worker_to_its_cpus() -> None:
@@ -39,7 +66,19 @@ def _keep_worker_to_its_cpus() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     share = cpus[int(worker[2:]) % count :: count]
     if share:
+        _CPUS.update(all=set(cpus), share=set(share))
         os.sched_setaffinity(0, share)
+
+
+# A pinned worker's CPUs: "all" it was started with, "share" it keeps to.
+_CPUS: dict[str, set[int]] = {}
+
+
+def _set_process_affinity(cpus: set[int]) -> None:
+    """Every thread of this process (torch's OpenMP pool too) to `cpus`."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
 
 
 @pytest.fixture(scope="session")
@@ -158,8 +197,9 @@ def kernels_at(level: str) -> Iterator[str]:
 @contextlib.contextmanager
 def _two_threads_at_least() -> Iterator[None]:
     """The kernels split their work over threads and their barriers guard that split: a
-    kernel test runs at least two threads (torch's and any engine it builds) even on a
-    worker kept to one CPU."""
+    kernel test runs at least two threads (torch's and any engine it builds), on all
+    the CPUs its worker started with (two threads time-sliced on one CPU wait at every
+    barrier: the decode-stack tests ran twice as long)."""
     from unittest import mock
 
     import torch
@@ -169,11 +209,15 @@ def _two_threads_at_least() -> Iterator[None]:
     before = torch.get_num_threads()
     threads = max(2, config.usable_cpus())
     torch.set_num_threads(threads)
+    if _CPUS:
+        _set_process_affinity(_CPUS["all"])
     try:
         with mock.patch.object(config, "usable_cpus", return_value=threads):
             yield
     finally:
         torch.set_num_threads(before)
+        if _CPUS:
+            _set_process_affinity(_CPUS["share"])
 
 
 @pytest.fixture(params=LEVELS)

@@ -1,5 +1,6 @@
 """Tensor parallelism (`tensor_parallel_size=2`): the same greedy tokens as one rank
-(fp32) on random Qwen2 and Qwen3 models, over both all-reduces; the number of
+(fp32) on random Qwen2 and Qwen3 models, over both all-reduces, and on a GGUF file's
+quantized blocks; the number of
 collectives per step the design names; the shared-memory all-reduce against a plain
 sum; block-quantized shards against their dense slices; refusals naming the field; a
 dead worker raising instead of hanging.
@@ -23,10 +24,12 @@ import pytest
 import torch
 import transformers
 
+from benchmarks.random_gguf import hf_to_gguf
 from sluice import LLM, SamplingParams
 from sluice.config import EngineConfig
 from sluice.core.errors import ConfigError, TensorParallelError
 from sluice.core.quantized_tensor import QuantizedTensor, dequantize, pack
+from sluice.layers.block_quant import BlockQuantized
 from sluice.loader import tokenizer_from_gguf
 from sluice.models.tp_shard import _columns, _padded_rows, local_config, shard_checkpoint
 from sluice.parallel.shm import ShmCollectives, create_segment
@@ -77,7 +80,7 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
-def engine(path: Path, tp: int) -> LLM:
+def engine(path: Path, tp: int, **options: object) -> LLM:
     return LLM(
         model=str(path),
         dtype="float32",
@@ -86,6 +89,7 @@ def engine(path: Path, tp: int) -> LLM:
         block_size=8,
         num_threads=2,
         tensor_parallel_size=tp,
+        **options,
     )
 
 
@@ -130,6 +134,28 @@ def test_tp2_greedy_equals_tp1(
     kind: str, allreduce: str, tmp_path: Path, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run_tp_against_tp1(kind, allreduce, tmp_path, smollm2_path, monkeypatch)
+
+
+def test_tp2_on_gguf_blocks_equals_tp1(tmp_path: Path, smollm2_path: Path) -> None:
+    """A GGUF file's Q4_0 blocks split over two ranks: every shard of every linear stays
+    blocks on our kernels (o_proj's and down_proj's input halves, 64 and 128 columns,
+    fall on 64-value pairs), and the greedy tokens equal one rank's on the same file."""
+    build("qwen2", tmp_path / "hf", smollm2_path)
+    path = tmp_path / "qwen2-q4_0.gguf"
+    hf_to_gguf(tmp_path / "hf", path, tensor_type="Q4_0", tokenizer_gguf=smollm2_path)
+    one = engine(path, 1, quantization="gguf")
+    expected = greedy(one)
+    del one
+    two = engine(path, 2, quantization="gguf")
+    try:
+        assert two.engine.tp_group is not None
+        for layer in two.engine.runner.model.layers:
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj):  # fmt: skip
+                assert isinstance(linear.method, BlockQuantized), linear
+        assert greedy(two) == expected
+    finally:
+        two.shutdown()
 
 
 @pytest.mark.dist
