@@ -36,8 +36,9 @@ from sluice.engine.engine import LLMEngine
 from sluice.outputs import CompletionOutput, RequestOutput
 from sluice.sampling_params import SamplingParams
 
-# The server's tests start two replica processes (a minute on two busy cores): `make
-# test-dist`. The router's own tests below run in `make test`.
+# Two real replica processes in the default run: the same text as one engine and the
+# prefix routing. Killing a replica (18 s more) is `make test-dist`; the router's own
+# rules below need no processes.
 dist = pytest.mark.dist
 
 
@@ -60,7 +61,6 @@ def stats(server: Server) -> dict[str, Any]:
     return result
 
 
-@dist
 def test_outputs_equal_one_engine(server: Server, llm_fp32: Any) -> None:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].text for o in llm_fp32.generate(PROMPTS, params, use_tqdm=False)]
@@ -86,7 +86,6 @@ def test_outputs_equal_one_engine(server: Server, llm_fp32: Any) -> None:
     assert all(r["routed"] > 0 for r in replicas), replicas  # both replicas served
 
 
-@dist
 def test_a_shared_prefix_goes_to_the_replica_that_holds_it(server: Server) -> None:
     before = {r["replica"]: r["routed_by_prefix"] for r in stats(server)["replicas"]}
     # ~5 full KV blocks of shared system prompt, then a different question each time.

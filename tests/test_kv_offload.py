@@ -3,8 +3,10 @@ back from disk with the same greedy tokens, bad files mean recompute, the size l
 holds, and a new tier on the same directory (what a restart builds) is warm.
 
 The engine tests share the session's fp32 engine and attach a disk tier to it for the
-module (its model load is the expensive part); `test_restart_with_eviction` (slow) runs
-separate engines with a pool too small for two prompts.
+module (its model load is the expensive part); a real server restart (SIGTERM, a new
+`sluice serve` on the same directory) keeps a long system prompt warm;
+`test_restart_with_eviction` (slow) runs separate engines with a pool too small for two
+prompts.
 """
 
 from __future__ import annotations
@@ -333,7 +335,6 @@ def test_restart_with_eviction(tmp_path: Path) -> None:
     restarted.engine.close()
 
 
-@pytest.mark.slow
 def test_server_restart_keeps_a_long_system_prompt_warm(tmp_path: Path) -> None:
     """`sluice serve --kv-offload-dir`: a chat with a long system prompt, a clean
     shutdown (SIGTERM), a new server on the same directory: the same system prompt

@@ -6,8 +6,8 @@ The engine tests use the session's fp32 engine for both sides in turn (its model
 is the expensive part): the prefill connector is attached, the prompt prefilled and
 held, then the RAM prefix cache is dropped and the pool filled with noise, so the
 decode side can only get the prompt's KV through the transfer. The transport tests run
-the block server alone; the proxy tests run the proxy on fake instances. A real
-three-process run (`sluice serve --role prefill|decode|proxy`) is marked `dist`.
+the block server alone; the proxy tests run the proxy on fake instances; and one real
+three-process run (`sluice serve --role prefill|decode|proxy`, ~20 s).
 """
 
 from __future__ import annotations
@@ -439,7 +439,6 @@ def test_proxy_errors_are_openai_errors() -> None:
 # ---- three real processes -----------------------------------------------------------------
 
 
-@pytest.mark.dist
 def test_three_processes_end_to_end() -> None:
     """`sluice serve --role prefill`, `--role decode` and `--role proxy`: the proxy's
     answers equal one instance's, streamed or not; a decode instance that is gone is a
