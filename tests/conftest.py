@@ -42,6 +42,10 @@ SLOWEST_FILES = (
     "test_tool_calling.py",
     "test_playground.py",
     "test_hub.py",
+    "test_gemma3.py",
+    "test_pd_disagg.py",
+    "test_data_parallel.py",
+    "test_kv_offload.py",
 )
 
 
