@@ -502,7 +502,6 @@ AWAITING_RERUN = {
     "cpu_levels-qwen1.5b.json": "llama.cpp's per-level builds (make llamacpp-levels)",
     "gguf_models.json": "llama-cpp-python (make llamacpp, ~30 min to build)",
     "cuda_check-h100.json": "a lent GPU",
-    "speculative-qwen1.5b.json": "15 quiet minutes",
 }
 
 
