@@ -23,7 +23,7 @@ settings.register_profile("fuzz", max_examples=50_000, database=None)
 settings.load_profile("default")
 
 
-# The test files that take longest (each a minute or more of one CPU; `make test`
+# The test files that take longest (from half a minute to three of one CPU; `make test`
 # prints the slowest tests), started first: a worker that gets one of them late leaves
 # the other idle at the end. A stale entry costs only that balance.
 SLOWEST_FILES = (
@@ -49,6 +49,10 @@ SLOWEST_FILES = (
 )
 
 
+# A pinned worker's CPUs: "all" it was started with, "share" it keeps to.
+_CPUS: dict[str, set[int]] = {}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     _keep_worker_to_its_cpus()
 
@@ -72,10 +76,6 @@ def _keep_worker_to_its_cpus() -> None:
     if share:
         _CPUS.update(all=set(cpus), share=set(share))
         os.sched_setaffinity(0, share)
-
-
-# A pinned worker's CPUs: "all" it was started with, "share" it keeps to.
-_CPUS: dict[str, set[int]] = {}
 
 
 def _set_process_affinity(cpus: set[int]) -> None:
