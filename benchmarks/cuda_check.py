@@ -243,7 +243,6 @@ def smollm2_engine(directory: Path, device: str, **options: Any) -> Any:
 def figures(
     tokenizer: Path, work: Path, rounds: int, n_prompts: int, device: str
 ) -> dict[str, Any]:
-
     directory = work / "smollm2-shape"
     model = build("llama", SMOLLM2_SHAPE, directory, tokenizer).to(device, torch.bfloat16)
     gen = torch.Generator().manual_seed(2)

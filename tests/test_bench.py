@@ -505,16 +505,12 @@ AWAITING_RERUN = {
 }
 
 
-def _git(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["git", *args], cwd=common.REPO_ROOT, capture_output=True, text=True)
-
-
 def test_committed_results_name_the_code_they_ran() -> None:
     """Each result under docs/results/ was measured from a clean tree, at a commit that
     holds the script it ran, or from files equal to such a commit's (its `tree`: a GPU
     run from the device tool's copy, whose .git is older than its files). In a shallow
     clone, where old commits are absent, only the clean flag is checked."""
-    shallow = _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true"
+    shallow = common._git("rev-parse", "--is-shallow-repository") == "true"
     results = dict(report.load_results(common.DOC_RESULTS_DIR))
     assert set(AWAITING_RERUN) <= set(results), "a listed result is gone: drop it from the list"
     for name, data in results.items():
@@ -530,8 +526,8 @@ def test_committed_results_name_the_code_they_ran() -> None:
         assert commit, f"{name} was measured from a dirty tree (files of no commit)"
         script = next(a for a in prov["argv"] if a.endswith(".py") or a.startswith("benchmarks."))
         path = script if script.endswith(".py") else script.replace(".", "/") + ".py"
-        found = _git("cat-file", "-e", f"{commit}:{path}")
-        assert found.returncode == 0, f"{name}: {path} is not in {commit}"
+        found = common._git("cat-file", "-e", f"{commit}:{path}")
+        assert found is not None, f"{name}: {path} is not in {commit}"
 
 
 def test_report_without_results_says_so(tmp_path: Path) -> None:

@@ -78,8 +78,8 @@ class Router:
         matched = {i: self._matched(i, hashes) for i in candidates} if self.cache_aware else {}
         holds = {i: adapter in self._adapters[i] for i in candidates} if adapter else {}
         best = max(candidates, key=lambda i: (matched.get(i, 0), holds.get(i, False), -loads[i]))
-        by_prefix = matched.get(best, 0) > 0 or holds.get(best, False)
-        by_prefix = by_prefix and loads[best] <= least + self.balance_threshold
+        held = matched.get(best, 0) > 0 or holds.get(best, False)
+        by_prefix = held and loads[best] <= least + self.balance_threshold
         if not by_prefix:
             idle = [i for i in candidates if loads[i] == least]
             best = idle[next(self._turn) % len(idle)]
