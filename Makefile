@@ -90,8 +90,9 @@ llamacpp: install
 llamacpp-levels: install
 	bash benchmarks/build_ggml_levels.sh
 
-# Optional: llama-server for the serving side-by-side (benchmarks/serve.py). Reuses the
-# libraries `make llamacpp` built when present (minutes), else builds them too.
+# Optional: llama-server and llama-bench for the serving and MoE/GGUF side-by-sides
+# (benchmarks/serve.py, benchmarks/moe.py). Reuses the libraries `make llamacpp` built
+# when present (minutes), else builds them too (~10 min on 2 cores of Zen 4).
 llama-server: install
 	bash benchmarks/build_llama_server.sh
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's llama-server for the serving side-by-side (`make llama-server`),
-# from the llama-cpp-python 0.3.36 sdist: the same llama.cpp as `make llamacpp`.
-# The result is linked as .venv/bin/llama-server, where benchmarks/serve.py finds it.
+# and llama-bench for benchmarks/moe.py's prompt and decode rates, from the
+# llama-cpp-python 0.3.36 sdist: the same llama.cpp as `make llamacpp`. They are linked
+# as .venv/bin/llama-server and .venv/bin/llama-bench, where the benchmarks find them.
 #
 # ggml is built for this CPU's instruction-set level, or the lower one SLUICE_CPU_ISA
 # names (ggml_cpu_flags.sh), never natively. When `make llamacpp` already installed that version's
@@ -41,13 +42,14 @@ if [ -n "$LIBS" ] && [ -f "$LIBS/libllama.so" ]; then
   cp -a "$LIBS"/lib*.so* "$BUILD/bin/"
   # `/fast` builds one target without rebuilding the libraries it depends on.
   for target in llama-common-base cpp-httplib llama-ui-assets llama-ui llama-common \
-                server-context llama-server-impl llama-server; do
+                server-context llama-server-impl llama-server llama-bench; do
     make -C "$BUILD" -j"$(nproc)" "$target/fast" >/dev/null
   done
 else
   echo "building llama.cpp and llama-server from source (~30 min on 2 cores)"
-  cmake --build "$BUILD" --target llama-server -j"$(nproc)" >/dev/null
+  cmake --build "$BUILD" --target llama-server llama-bench -j"$(nproc)" >/dev/null
 fi
 
 ln -sf "$(realpath "$BUILD/bin/llama-server")" "$VENV/bin/llama-server"
+ln -sf "$(realpath "$BUILD/bin/llama-bench")" "$VENV/bin/llama-bench"
 "$VENV/bin/llama-server" --version 2>&1 | head -1

@@ -24,8 +24,8 @@ Read bandwidth is measured in the same run: torch's sum over a 1 GiB fp32 tensor
 2 threads, the best of 5 (memory, not arithmetic, bounds it). decode tok/s x bytes /
 bandwidth is the fraction of the limit each side reaches.
 
-Run (a quiet machine; `make llama-server` or benchmarks/build_llama_server.sh builds
-llama.cpp; llama-bench is built beside it):
+Run (a quiet machine; `make llama-server` builds llama.cpp's llama-server and
+llama-bench and links them into .venv/bin, where --llama-bench defaults to):
     .venv/bin/python benchmarks/random_gguf.py shaped --shape olmoe-1b-7b --out /tmp/olmoe.gguf
     .venv/bin/python benchmarks/moe.py --model /tmp/olmoe.gguf --rounds 3 \\
         --output docs/results/moe-olmoe.json
@@ -60,10 +60,7 @@ from benchmarks.common import (  # noqa: E402
     write_result,
 )
 
-LLAMA_BENCH = (
-    REPO_ROOT
-    / ".venv/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build-bench/bin/llama-bench"
-)
+LLAMA_BENCH = REPO_ROOT / ".venv/bin/llama-bench"
 METRICS = ("pp_tok_s", "pp_short_tok_s", "tg_tok_s")
 
 

@@ -318,6 +318,23 @@ def measure(
     return asdict(res) | {"model": model}
 
 
+def served_model(server_args: list[str], model: str | None) -> str | None:
+    """The one model both sides serve: --model, or the --model inside --server-args.
+
+    llama-server is given this file too; a run that named the model only inside
+    --server-args once compared an OLMoE sluice against llama-server's default SmolLM2.
+    """
+    inside = None
+    for i, arg in enumerate(server_args):
+        if arg == "--model" and i + 1 < len(server_args):
+            inside = server_args[i + 1]
+        elif arg.startswith("--model="):
+            inside = arg.split("=", 1)[1]
+    if inside is not None and model is not None and inside != model:
+        raise SystemExit(f"--model {model!r} and --server-args' --model {inside!r} disagree")
+    return model if model is not None else inside
+
+
 def _server_threads(server_args: list[str]) -> int:
     """The threads `sluice serve server_args` runs on (its --num-threads, else the default)."""
     from sluice.config import EngineConfig
@@ -408,6 +425,9 @@ def main() -> None:
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     server_args = args.server_args.split()
+    model = served_model(server_args, None if args.url else args.model)
+    if model is not None and served_model(server_args, None) is None:
+        server_args += ["--model", model]
     sluice_threads = _server_threads(server_args)
     servers: list[Server] = []
     info: dict[str, Any] = {}
@@ -428,7 +448,7 @@ def main() -> None:
 
             def start_peer(conc: int, binary: Path = peer_bin) -> tuple[Any, str]:
                 # One slot per stream of this level.
-                return start_llama_server(binary, args.model, threads, conc, slot_ctx)
+                return start_llama_server(binary, model, threads, conc, slot_ctx)
 
             servers.append(Server("llama-server", start_peer))
             info["llama-server"] = {

@@ -20,7 +20,7 @@ REPO = bench.benchmarks_dir().parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import common, report  # noqa: E402
+from benchmarks import common, report, serve  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PROVENANCE = {
@@ -528,6 +528,36 @@ def test_committed_results_name_the_code_they_ran() -> None:
         path = script if script.endswith(".py") else script.replace(".", "/") + ".py"
         found = common._git("cat-file", "-e", f"{commit}:{path}")
         assert found is not None, f"{name}: {path} is not in {commit}"
+
+
+def _llama_file_is(model: str, llama_file: str) -> bool:
+    """Whether llama-server's GGUF is the file sluice served as `model` (alias or path)."""
+    from sluice.loader.resolve import KNOWN_MODELS
+
+    packaged = KNOWN_MODELS.get(model)
+    if packaged is None:
+        return Path(model).name == Path(llama_file).name
+    names = {packaged.assembled_path().name, *(Path(p.relpath).name for p in packaged.parts)}
+    return Path(llama_file).name in names
+
+
+def test_committed_serving_results_ran_one_model_on_both_sides() -> None:
+    for name, data in report.load_results(common.DOC_RESULTS_DIR):
+        models = data.get("models", {})
+        if data["benchmark"] == "serve" and "llama-server" in models:
+            sluice_model = models["sluice"] or serve.served_model(
+                (data["config"]["server_args"] or "").split(), data["config"]["model"]
+            )
+            assert _llama_file_is(sluice_model, models["llama-server"]), name
+
+
+def test_the_served_model_is_one_for_both_sides() -> None:
+    assert serve.served_model(["--model", "/m/a.gguf", "--num-threads", "2"], None) == "/m/a.gguf"
+    assert serve.served_model(["--model=/m/a.gguf"], "/m/a.gguf") == "/m/a.gguf"
+    assert serve.served_model(["--num-threads", "2"], "gemma-3-270m") == "gemma-3-270m"
+    assert serve.served_model([], None) is None
+    with pytest.raises(SystemExit, match="disagree"):
+        serve.served_model(["--model", "/m/a.gguf"], "smollm2-135m")
 
 
 def test_report_without_results_says_so(tmp_path: Path) -> None:
