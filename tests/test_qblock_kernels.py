@@ -334,7 +334,8 @@ def test_few_rows_take_the_block_kernel_up_to_the_crossover(
 ) -> None:
     """A GGUF linear runs M rows on the block kernel (int8 activations, bit for bit the
     kernel's output) below dense_min_rows and on dequantized tiles + GEMM from there:
-    32 rows for the K-quants' integer scales, 16 for fp16 scales (avx2 and avx512)."""
+    32 rows for the K-quants' integer scales, 16 for fp16 scales (avx2 and avx512), the
+    output head's as its format's."""
     from sluice.core.quantized_tensor import dequantize
     from sluice.layers.block_quant import BlockQuantized, dense_min_rows
     from sluice.layers.linear import Linear
@@ -349,6 +350,9 @@ def test_few_rows_take_the_block_kernel_up_to_the_crossover(
     assert dense_min_rows(weight) == block_rows
     layer = Linear(512, 64, bias=False, method=BlockQuantized())
     layer.method.load_quantized(layer, weight)
+    head = Linear(512, 64, bias=False, method=BlockQuantized(output_head=True))
+    head.method.load_quantized(head, weight)
+    assert head.method.dense_min_rows == block_rows  # the head's crossover is its format's
     gen = torch.Generator().manual_seed(0)
     lib = kernels.load()
     assert lib is not None

@@ -44,19 +44,25 @@ from sluice.layers.linear import Linear, LinearMethod
 # 8.09 s at 512), but its int8 activations in every layer of a prefill changed the
 # bundled model's answer to a plain question (tests/test_quantization.py), so prompts
 # keep the unquantized GEMM. These hold for fp16 scales (Q4_0, Q4_1, Q5_x, Q8_0: four
-# vector steps a 64-value pair and row) and for the output head (two kernel rows a row).
+# vector steps a 64-value pair and row), the output head's too (its two kernel rows a
+# row: SmolLM2's Q8_0 head at 20 rows took 1.04x the dense path's time).
 DENSE_MIN_ROWS = {"avx512": 16, "avx2": 16, "generic": 4}
 # Integer scales (the K-quants: two steps a pair and row, maddubs + vpdpwssd) stay on
 # the block kernel to 32 rows: on Qwen2.5-7B's layer the block kernel costs 0.60x the
 # dense path at 16 rows and 0.94x at 32 (docs/results/few_rows-qwen2.5-7b.json, avx512);
-# the 1.5B's and the avx2 level's crossovers measured at 32-48 rows.
+# the 1.5B's and the avx2 level's crossovers measured at 32-48 rows. An output head in
+# a K-quant too: its dense path dequantizes the whole vocabulary a step, so the
+# two-level head kernel took 0.56-0.83x its time at 16-24 rows on OLMoE's Q6_K head
+# (50304 x 2048) and 0.71-0.88x on Qwen2.5-Coder-1.5B's (151936 x 1536), 0.34-0.43x
+# on the latter at avx2 (2 cores of Zen 4, ad hoc, alternating); its 16 had held
+# 16-stream steps on the dense path.
 DENSE_MIN_ROWS_INTEGER = {"avx512": 32, "avx2": 32, "generic": 4}
 
 
-def dense_min_rows(weight: QuantizedTensor, output_head: bool = False) -> int:
+def dense_min_rows(weight: QuantizedTensor) -> int:
     """The row count from which `weight` takes dequantized tiles + GEMM on the active
     kernels (DENSE_MIN_ROWS, DENSE_MIN_ROWS_INTEGER)."""
-    integer = weight.integer_scales and not output_head
+    integer = weight.integer_scales
     return (DENSE_MIN_ROWS_INTEGER if integer else DENSE_MIN_ROWS).get(kernels.variant(), 4)
 
 
@@ -167,7 +173,7 @@ class BlockQuantized(LinearMethod):
         )
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
         # Without our kernels the dense path is the only one.
-        self.dense_min_rows = dense_min_rows(weight, self.output_head) if self.lib else 1
+        self.dense_min_rows = dense_min_rows(weight) if self.lib else 1
 
     def process_weight(self, layer: Linear) -> None:
         if self.weight is None:
