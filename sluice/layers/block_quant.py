@@ -27,6 +27,7 @@ Without our kernels (CUDA, or SLUICE_CPU_KERNELS=0) the same layouts run on torc
 
 from __future__ import annotations
 
+import sys
 from typing import cast
 
 import torch
@@ -57,13 +58,22 @@ DENSE_MIN_ROWS = {"avx512": 16, "avx2": 16, "generic": 4}
 # on the latter at avx2 (2 cores of Zen 4, ad hoc, alternating); its 16 had held
 # 16-stream steps on the dense path.
 DENSE_MIN_ROWS_INTEGER = {"avx512": 32, "avx2": 32, "generic": 4}
+# Levels whose output head stays on its kernel at every row count. At avx2 the dense
+# path dequantizes the whole vocabulary to fp32 a step and multiplies in fp32: the
+# two-level head kernel took 0.24-0.56x its time at 16-128 rows on Qwen2.5-Coder-1.5B's
+# Q6_K head and 0.34-0.75x on SmolLM2's Q8_0 head (2 cores of Zen 4 forced to avx2, ad
+# hoc, alternating). Its two levels keep the logits near exact, so the accuracy that
+# keeps prompts' other layers on the GEMM (above) does not bind it.
+HEAD_ON_BLOCKS = frozenset({"avx2"})
 
 
-def dense_min_rows(weight: QuantizedTensor) -> int:
+def dense_min_rows(weight: QuantizedTensor, output_head: bool = False) -> int:
     """The row count from which `weight` takes dequantized tiles + GEMM on the active
-    kernels (DENSE_MIN_ROWS, DENSE_MIN_ROWS_INTEGER)."""
-    integer = weight.integer_scales
-    return (DENSE_MIN_ROWS_INTEGER if integer else DENSE_MIN_ROWS).get(kernels.variant(), 4)
+    kernels (DENSE_MIN_ROWS, DENSE_MIN_ROWS_INTEGER; never for a HEAD_ON_BLOCKS head)."""
+    level = kernels.variant()
+    if output_head and level in HEAD_ON_BLOCKS:
+        return sys.maxsize
+    return (DENSE_MIN_ROWS_INTEGER if weight.integer_scales else DENSE_MIN_ROWS).get(level, 4)
 
 
 # Elements of a dequantized tile: 4M (8 MB in bf16) stays in L3 and holds every
@@ -173,7 +183,7 @@ class BlockQuantized(LinearMethod):
         )
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
         # Without our kernels the dense path is the only one.
-        self.dense_min_rows = dense_min_rows(weight) if self.lib else 1
+        self.dense_min_rows = dense_min_rows(weight, self.output_head) if self.lib else 1
 
     def process_weight(self, layer: Linear) -> None:
         if self.weight is None:
