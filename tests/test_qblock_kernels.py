@@ -368,3 +368,10 @@ def test_few_rows_take_the_block_kernel_up_to_the_crossover(
         else:
             torch.testing.assert_close(y, dense, rtol=1e-4, atol=1e-4)
             assert not torch.equal(y, on_blocks)
+        row_max = head.method.row_max
+        assert row_max is not None
+        on_head_kernel = qblock.qblock_matmul_head(
+            lib, x, *weight.parts(), weight.bits, weight.group, row_max
+        )
+        head_on_blocks = rows < block_rows or kernel_level == "avx2"
+        assert torch.equal(head(x), on_head_kernel) == head_on_blocks
