@@ -499,8 +499,6 @@ def test_docs_match_committed_results() -> None:
 # shrinks: a new result must come from a clean commit (common.output_path), and a
 # listed one that is re-run leaves the list (the test fails on a stale entry).
 AWAITING_RERUN = {
-    "cpu_levels-qwen1.5b.json": "llama.cpp's per-level builds (make llamacpp-levels)",
-    "gguf_models.json": "llama-cpp-python (make llamacpp, ~30 min to build)",
     "cuda_check-h100.json": "a lent GPU",
 }
 
