@@ -92,7 +92,7 @@ llamacpp-levels: install
 
 # Optional: llama-server and llama-bench for the serving and MoE/GGUF side-by-sides
 # (benchmarks/serve.py, benchmarks/moe.py). Reuses the libraries `make llamacpp` built
-# when present (minutes), else builds them too (~10 min on 2 cores of Zen 4).
+# when present (minutes), else builds them too (~7 min on 2 cores of Zen 4).
 llama-server: install
 	bash benchmarks/build_llama_server.sh
 
