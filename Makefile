@@ -79,7 +79,7 @@ bench: install
 	$(BIN)/sluice bench
 
 # Optional: llama.cpp for the side-by-side single-stream benchmark. It compiles from
-# source (~30 min on 2 cores) for this CPU's instruction-set level, or the lower one
+# source (~6 min on 2 cores of Zen 4) for this CPU's instruction-set level, or the lower one
 # SLUICE_CPU_ISA names (benchmarks/ggml_cpu_flags.sh), never -march=native.
 llamacpp: install
 	CMAKE_ARGS="$$(bash benchmarks/ggml_cpu_flags.sh)" \
