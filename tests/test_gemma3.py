@@ -82,11 +82,8 @@ def reference(hf: tuple[Any, Any], ids: list[int], n: int = GREEDY_TOKENS) -> li
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def record(hf: tuple[Any, Any], path: Path) -> dict[str, Any]:
