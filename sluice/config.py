@@ -15,6 +15,7 @@ from sluice.core.choices import (
     DTYPES,
     KV_CACHE_DTYPES,
     KV_ROLES,
+    PROMPT_ACTIVATIONS,
     QUANTIZATIONS,
     REASONING_PARSERS,
     SCHEDULING_POLICIES,
@@ -25,6 +26,7 @@ from sluice.core.choices import (
     KVCacheDType,
     KVRole,
     PoolingMode,
+    PromptActivations,
     Quantization,
     ReasoningParserName,
     SchedulingPolicy,
@@ -234,6 +236,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu.has_native_bf16() else torch.float32
 
 
+# Hidden size from which prompt_activations="auto" takes int8: Qwen2.5-1.5B (1536) and
+# larger. The bundled SmolLM2-135M (576) answers its first plain question differently
+# with int8 activations in its prompt's matmuls (a near-tie, 0.125 apart in logprob,
+# flips: tests/test_quantization.py), and its prompts already run at 2.9x llama.cpp's.
+INT8_PROMPTS_MIN_HIDDEN = 1536
+
+
+def resolve_prompt_activations(choice: str, hidden_size: int) -> bool:
+    """Whether many-row matmuls on quantized weights take int8 activations."""
+    chosen = parse_choice("prompt_activations", choice, PROMPT_ACTIVATIONS, ConfigError)
+    if chosen == "auto":
+        return hidden_size >= INT8_PROMPTS_MIN_HIDDEN
+    return chosen == "int8"
+
+
 def resolve_quantization(
     quantization: str,
     device: torch.device,
@@ -401,6 +418,17 @@ class EngineConfig:
             "as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks, no float copy); "
             "int8 and int4 quantize at load; none is dense; auto: gguf for a quantized GGUF on "
             "CPU unless --dtype float32 or float16 is asked for, else none"
+        ),
+    )
+    prompt_activations: PromptActivations = field(
+        default="auto",
+        metadata=doc(
+            "with --quantization gguf: how matmuls of many rows (prompts, many streams) take "
+            "their activations; int8, quantized per block as decode steps and llama.cpp take "
+            "them, on the int8 GEMM (AVX-512 VNNI; about 1.7-2x the float path's speed); "
+            "float, in the compute dtype on dequantized weight tiles; auto: int8 for models "
+            "of hidden size 1536 and up, float below, where int8 noise moves answers more "
+            "and the prompt's compute is small"
         ),
     )
     compile: bool = field(
@@ -620,6 +648,9 @@ class EngineConfig:
         )
         self.quantization = parse_choice(
             "quantization", self.quantization, QUANTIZATIONS, ConfigError
+        )
+        self.prompt_activations = parse_choice(
+            "prompt_activations", self.prompt_activations, PROMPT_ACTIVATIONS, ConfigError
         )
         self.dtype = parse_choice("dtype", self.dtype, DTYPES, ConfigError)
         self._check_kv_cache_dtype()

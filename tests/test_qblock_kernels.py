@@ -204,10 +204,11 @@ def test_matmuls_match_the_reference(
         got = qblock.qblock_matmul_float(lib, x[:rows], *w.rows(0, n), bits, group)
         assert got.dtype == dtype
         assert_close(got, x[:rows].double() @ dense.t(), x[:rows].double().abs() @ abs_w, 1e-5)
-        got = qblock.qblock_matmul(lib, grid[:rows], *w.rows(0, n), bits, group)
-        assert_close(
-            got, grid[:rows].double() @ dense.t(), grid[:rows].double().abs() @ abs_w, 1e-5
-        )
+        for matmul in (qblock.qblock_matmul, qblock.qblock_gemm):
+            got = matmul(lib, grid[:rows], *w.rows(0, n), bits, group)
+            assert_close(
+                got, grid[:rows].double() @ dense.t(), grid[:rows].double().abs() @ abs_w, 1e-5
+            )
 
 
 def block_steps(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -375,3 +376,34 @@ def test_few_rows_take_the_block_kernel_up_to_the_crossover(
         )
         head_on_blocks = rows < block_rows or kernel_level == "avx2"
         assert torch.equal(head(x), on_head_kernel) == head_on_blocks
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
+def test_int8_prompts_take_the_gemm_past_the_crossover(type_name: str, kernel_level: str) -> None:
+    """With int8_prompts a GGUF linear runs its many-row calls on the int8 GEMM (bit for
+    bit its output, near the dense product) where the level has it (avx512), on
+    dequantized tiles elsewhere; the output head never takes it."""
+    from sluice.core.quantized_tensor import dequantize
+    from sluice.layers.block_quant import INT8_GEMM_LEVELS, BlockQuantized
+    from sluice.layers.linear import Linear
+    from sluice.loader.gguf_blocks import repack
+    from tests.test_gguf_blocks import random_blocks
+
+    raw = torch.from_numpy(random_blocks(type_name, 80, 512, seed=9))
+    weight = repack(raw, type_name, 80, 512)
+    layer = Linear(512, 80, bias=False, method=BlockQuantized(int8_prompts=True))
+    layer.method.load_quantized(layer, weight)
+    head = Linear(512, 80, bias=False, method=BlockQuantized(output_head=True, int8_prompts=True))
+    head.method.load_quantized(head, weight)
+    assert layer.method.int8_gemm == (kernel_level in INT8_GEMM_LEVELS)
+    assert not head.method.int8_gemm
+    lib = kernels.load()
+    assert lib is not None
+    rows = layer.method.dense_min_rows + 5
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1))
+    y = layer(x)
+    on_gemm = qblock.qblock_gemm(lib, x, *weight.parts(), weight.bits, weight.group)
+    dense = x @ dequantize(weight, torch.float32).T
+    assert torch.equal(y, on_gemm) == layer.method.int8_gemm
+    # int8 activations: ~0.5% of the product's scale per output (per 32 or 256 values).
+    torch.testing.assert_close(y, dense, rtol=0, atol=0.02 * float(dense.abs().max()))

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import pytest
 import torch
 
 from sluice import LLM, SamplingParams
-from sluice.config import EngineConfig, resolve_quantization
+from sluice.config import (
+    INT8_PROMPTS_MIN_HIDDEN,
+    EngineConfig,
+    resolve_prompt_activations,
+    resolve_quantization,
+)
 from sluice.kernels import built_level, cpu
 from sluice.layers import quantization
+from sluice.layers.block_quant import BlockQuantized
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import (
     Int4WeightOnly,
@@ -38,12 +45,13 @@ PARAGRAPH = (
 )
 
 
-def top1_and_perplexity(llm: LLM) -> tuple[list[int], float]:
+def top1_and_perplexity(llm: LLM, kernels_only: bool = True) -> tuple[list[int], float]:
     """The model's top-1 prediction at every position of PARAGRAPH (teacher-forced) and
-    its perplexity there, through the quantized kernels even though this is a prefill
-    (a prefill of 4+ rows would otherwise take the dense weight and see no quantization)."""
+    its perplexity there; with `kernels_only` through the quantized kernels even though
+    this is a prefill (a prefill of 4+ rows would otherwise take the dense weight and
+    see no quantization), else as the engine runs a prompt."""
     sp = SamplingParams(max_tokens=1, prompt_logprobs=1)
-    with quantized_kernels_only(llm.engine.runner.model):
+    with quantized_kernels_only(llm.engine.runner.model) if kernels_only else nullcontext():
         (out,) = llm.generate(PARAGRAPH, sp, use_tqdm=False)
     assert out.prompt_logprobs is not None
     top1, logprobs = [], []
@@ -342,3 +350,38 @@ def test_output_head_kernel_keeps_activations_unquantized(
         got = method._matmul(layer, x).float()
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         assert torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=0), rows
+
+
+@pytest.mark.skipif("avx512" not in cpu.available_levels(), reason="the int8 GEMM is AVX-512's")
+def test_int8_prompts_take_the_gemm_and_keep_the_pinned_agreement(
+    fp32_reference: tuple[list[int], float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # prompt_activations="int8": the prompt's matmuls take the int8 GEMM (the int8
+    # activations a decode step's block kernel takes), held to the gguf pins (measured
+    # 96.7%, perplexity 28.69, avx512 bf16, 2026-11-28).
+    from sluice.kernels import qblock
+
+    calls = []
+    gemm = qblock.qblock_gemm
+    monkeypatch.setattr(qblock, "qblock_gemm", lambda *a: calls.append(1) or gemm(*a))
+    reference, reference_ppl = fp32_reference
+    with kernels_at("avx512"):
+        llm = LLM(quantization="gguf", prompt_activations="int8", kv_cache_memory=0.05)
+        top1, ppl = top1_and_perplexity(llm, kernels_only=False)
+    assert calls  # every layer but the head: the prompt's rows are past the crossover
+    agreement = sum(a == b for a, b in zip(top1, reference, strict=True)) / len(reference)
+    assert agreement >= PINS["gguf"], agreement
+    assert ppl <= 1.03 * reference_ppl, (ppl, reference_ppl)
+
+
+def test_prompt_activations_auto_follows_the_model_size() -> None:
+    # auto: float below INT8_PROMPTS_MIN_HIDDEN (the bundled model keeps its answer:
+    # test_default_weights_answer_a_plain_chat_question), int8 from there.
+    assert not resolve_prompt_activations("auto", INT8_PROMPTS_MIN_HIDDEN - 1)
+    assert resolve_prompt_activations("auto", INT8_PROMPTS_MIN_HIDDEN)
+    assert resolve_prompt_activations("int8", 64) and not resolve_prompt_activations("float", 4096)
+    with pytest.raises(ValueError, match="prompt_activations"):
+        EngineConfig(prompt_activations="int4")
+    llm = LLM(kv_cache_memory=0.05)  # the bundled SmolLM2: hidden size 576
+    methods = [m.method for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert methods and not any(isinstance(m, BlockQuantized) and m.int8_gemm for m in methods)

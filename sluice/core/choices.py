@@ -47,6 +47,13 @@ POOLING_MODES: tuple[PoolingMode, ...] = get_args(PoolingMode)
 LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_TARGETS: tuple[LoRATarget, ...] = get_args(LoRATarget)
 
+# How many-row matmuls (prompts, many streams) on GGUF-quantized weights take their
+# activations: "int8" as the block kernel and llama.cpp do, on the int8 GEMM; "float"
+# in the compute dtype, on dequantized tiles; "auto" by model size
+# (config.resolve_prompt_activations).
+PromptActivations = Literal["auto", "int8", "float"]
+PROMPT_ACTIVATIONS: tuple[PromptActivations, ...] = get_args(PromptActivations)
+
 # How the KV cache stores K and V: "auto" in the compute dtype, "int8" as int8 rows
 # with an fp16 scale per 32 channels (sluice/attention/kv_int8.py).
 KVCacheDType = Literal["auto", "int8"]

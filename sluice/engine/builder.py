@@ -28,6 +28,7 @@ from sluice.config import (
     ModelConfig,
     PoolerConfig,
     resolve_dtype,
+    resolve_prompt_activations,
     resolve_quantization,
 )
 from sluice.core.errors import ConfigError
@@ -205,7 +206,12 @@ def _load_target(config: EngineConfig, device: torch.device) -> _Target:
     if config.tensor_parallel_size > 1:
         check_tensor_parallel(mc, config.tensor_parallel_size, config.enable_expert_parallel)
     options = RunnerOptions(
-        dtype, device, quantization, config.compile, config.enable_expert_parallel
+        dtype,
+        device,
+        quantization,
+        config.compile,
+        config.enable_expert_parallel,
+        int8_prompts=resolve_prompt_activations(config.prompt_activations, mc.hidden_size),
     )
     method = METHODS[config.speculative_method] if config.speculative_method else None
     drafter = method.load(DraftLoad(config, loaded, options)) if method else None

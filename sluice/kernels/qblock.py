@@ -37,6 +37,7 @@ _MATMUL_ARGS = (
 _MATMUL = c_function("sluice_qblock_matmul", None, *_MATMUL_ARGS)
 _MATMUL_FLOAT = c_function("sluice_qblock_matmul_float", None, *_MATMUL_ARGS)
 _MATMUL_RESIDUAL = c_function("sluice_qblock_matmul_residual", None, *_MATMUL_ARGS)
+_GEMM = c_function("sluice_qblock_gemm", None, *_MATMUL_ARGS)
 # (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, row_max, y)
 _MATMUL_HEAD = c_function("sluice_qblock_matmul_head", None, *_MATMUL_ARGS[:-1], POINTER, POINTER)
 # (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, num_groups, group_start,
@@ -170,6 +171,24 @@ def qblock_matmul(
     """y [M, N] = x @ W.T in x's dtype, x quantized to int8 per block of 32 (of 256
     values, the super-block, for integer scales: their products then sum in int32)."""
     return _matmul(_MATMUL, lib, x, packed, hbits, scale, minimum, super_scale, bits, group)
+
+
+def qblock_gemm(
+    lib: Library,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    hbits: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    super_scale: torch.Tensor,
+    bits: int,
+    group: int,
+) -> torch.Tensor:
+    """qblock_matmul's product for many rows (prompts, many streams): the same int8
+    activations, multiplied by the weight unpacked 32 rows at a time into the order the
+    integer dot-product instructions take, each panel reused by every row
+    (csrc/qblock_gemm.h). Not bit-equal to qblock_matmul: it sums in another order."""
+    return _matmul(_GEMM, lib, x, packed, hbits, scale, minimum, super_scale, bits, group)
 
 
 def qblock_matmul_float(

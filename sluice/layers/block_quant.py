@@ -58,6 +58,12 @@ DENSE_MIN_ROWS = {"avx512": 16, "avx2": 16, "generic": 4}
 # on the latter at avx2 (2 cores of Zen 4, ad hoc, alternating); its 16 had held
 # 16-stream steps on the dense path.
 DENSE_MIN_ROWS_INTEGER = {"avx512": 32, "avx2": 32, "generic": 4}
+# Levels where many rows take the int8 GEMM (csrc/qblock_gemm.h: VNNI) instead of
+# dequantized tiles + torch's bf16 GEMM, for models that ask (BlockQuantized's
+# int8_prompts): 0.50-0.59x the dense path's time at 32-512 rows on Qwen2.5-7B's Q4_K
+# gate and Q6_K down projections (2 cores of Zen 4, ad hoc). AVX2 has no such kernel
+# yet (its GEMM is portable C++ there, for the tests).
+INT8_GEMM_LEVELS = frozenset({"avx512"})
 # Levels whose output head stays on its kernel at every row count. At avx2 the dense
 # path dequantizes the whole vocabulary to fp32 a step and multiplies in fp32: the
 # two-level head kernel took 0.24-0.56x its time at 16-128 rows on Qwen2.5-Coder-1.5B's
@@ -153,8 +159,11 @@ class BlockQuantized(LinearMethod):
 
     name = "gguf"
 
-    def __init__(self, output_head: bool = False) -> None:
+    def __init__(self, output_head: bool = False, int8_prompts: bool = False) -> None:
         self.output_head = output_head
+        self.int8_prompts = int8_prompts  # as asked (EngineConfig.prompt_activations)
+        # Many rows take the int8 GEMM: asked, on a level that has it, not the head.
+        self.int8_gemm = False
         self.weight: QuantizedTensor | None = None
         self.lib: Library | None = None
         self.row_max: torch.Tensor | None = None  # the output head's (_row_max_abs)
@@ -189,6 +198,7 @@ class BlockQuantized(LinearMethod):
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
         # Without our kernels the dense path is the only one.
         self.dense_min_rows = dense_min_rows(weight, self.output_head) if self.lib else 1
+        self.int8_gemm = int8_gemm_for(self.lib, self.int8_prompts and not self.output_head)
 
     def process_weight(self, layer: Linear) -> None:
         if self.weight is None:
@@ -201,10 +211,12 @@ class BlockQuantized(LinearMethod):
         if torch.compiler.is_compiling():  # our kernels are opaque to the compiler
             y = cast(
                 torch.Tensor,
-                _qblock_linear_op(x, *_kernel_args(w), self.row_max, self.dense_min_rows),
+                _qblock_linear_op(
+                    x, *_kernel_args(w), self.row_max, self.dense_min_rows, self.int8_gemm
+                ),
             )
         else:
-            y = _linear(self.lib, w, x, self.row_max, self.dense_min_rows)
+            y = _linear(self.lib, w, x, self.row_max, self.dense_min_rows, self.int8_gemm)
         return y if layer.bias is None else y + layer.bias
 
 
@@ -214,14 +226,19 @@ def _linear(
     x: torch.Tensor,
     row_max: torch.Tensor | None,
     dense_min_rows: int,
+    int8_gemm: bool = False,
 ) -> torch.Tensor:
-    """x @ W.T: the block kernel for few rows, dequantized tiles + dense GEMM for many.
-    row_max (the output head's, _row_max_abs) picks the head's kernel."""
-    if lib is not None and x.shape[0] < dense_min_rows:
+    """x @ W.T: the block kernel for few rows; for many, the int8 GEMM where `int8_gemm`
+    (int8_gemm_for), else dequantized tiles + the dense GEMM. row_max (the output
+    head's, _row_max_abs) picks the head's kernel."""
+    if lib is not None:
         args = (x.contiguous(), *_kernel_args(w))
-        if row_max is not None:
-            return qblock.qblock_matmul_head(lib, *args, row_max)
-        return qblock.qblock_matmul(lib, *args)
+        if x.shape[0] < dense_min_rows:
+            if row_max is not None:
+                return qblock.qblock_matmul_head(lib, *args, row_max)
+            return qblock.qblock_matmul(lib, *args)
+        if int8_gemm:
+            return qblock.qblock_gemm(lib, *args)
     n, k = w.shape
     rows = _tile_rows(k)
     if rows >= n:  # the common case: one tile
@@ -234,11 +251,22 @@ def _linear(
 
 
 def quantized_linear(
-    lib: Library | None, w: QuantizedTensor, x: torch.Tensor, dense_min_rows: int
+    lib: Library | None,
+    w: QuantizedTensor,
+    x: torch.Tensor,
+    dense_min_rows: int,
+    int8_gemm: bool = False,
 ) -> torch.Tensor:
     """x @ W.T on a block-quantized weight (an expert's rows of a stacked one): the
-    block kernel below `dense_min_rows` rows, dequantized tiles and a GEMM from there."""
-    return _linear(lib, w, x, None, dense_min_rows)
+    block kernel below `dense_min_rows` rows, from there the int8 GEMM where
+    `int8_gemm`, else dequantized tiles and a GEMM."""
+    return _linear(lib, w, x, None, dense_min_rows, int8_gemm)
+
+
+def int8_gemm_for(lib: Library | None, int8_prompts: bool) -> bool:
+    """Whether many rows take the int8 GEMM: asked for (never for the output head:
+    one int8 level flips its near-tied logits) and on a level in INT8_GEMM_LEVELS."""
+    return int8_prompts and lib is not None and kernels.built_level(lib) in INT8_GEMM_LEVELS
 
 
 @torch.library.custom_op("sluice::qblock_linear", mutates_args=())
@@ -253,10 +281,11 @@ def _qblock_linear_op(
     group: int,
     row_max: torch.Tensor | None,
     dense_min_rows: int,
+    int8_gemm: bool,
 ) -> torch.Tensor:
     w = QuantizedTensor(bits, group, packed, hbits, scale, minimum, super_scale)
     lib = kernels.load() if x.device.type == "cpu" else None
-    return _linear(lib, w, x, row_max, dense_min_rows)
+    return _linear(lib, w, x, row_max, dense_min_rows, int8_gemm)
 
 
 @_qblock_linear_op.register_fake
@@ -271,6 +300,7 @@ def _(
     group: int,
     row_max: torch.Tensor | None,
     dense_min_rows: int,
+    int8_gemm: bool,
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], scale.shape[0])
 

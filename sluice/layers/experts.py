@@ -24,7 +24,12 @@ from torch import nn
 
 from sluice.core.quantized_tensor import QuantizedTensor, Weight, concat_rows, dequantize
 from sluice.kernels import Library, qblock
-from sluice.layers.block_quant import cpu_kernels, dense_min_rows, quantized_linear
+from sluice.layers.block_quant import (
+    cpu_kernels,
+    dense_min_rows,
+    int8_gemm_for,
+    quantized_linear,
+)
 
 
 @dataclass(frozen=True)
@@ -67,15 +72,25 @@ class Experts(nn.Module):
         # Rows from which an expert runs dequantized tiles + GEMM (block_quant's
         # crossover for each stack's format; 0 without our kernels: always).
         self.gate_up_dense_rows = self.down_dense_rows = 0
+        # Experts of many rows take the int8 GEMM (block_quant.int8_gemm_for).
+        self.int8_gemm = False
         # Rows each expert has been given since load (sluice_moe_expert_tokens_total).
         self.tokens = torch.zeros(num_experts, dtype=torch.int64)
 
     def load(
-        self, gate: Weight, up: Weight, down: Weight, *, dtype: torch.dtype, keep_quantized: bool
+        self,
+        gate: Weight,
+        up: Weight,
+        down: Weight,
+        *,
+        dtype: torch.dtype,
+        keep_quantized: bool,
+        int8_prompts: bool = False,
     ) -> None:
         """The checkpoint's stacked gate, up [E, I, H] and down [E, H, I] (quantized ones
         as [E * out, in] QuantizedTensors); kept quantized where `keep_quantized` and
-        every part is, else dense in `dtype`. Shapes are checked, naming the part."""
+        every part is, else dense in `dtype`; `int8_prompts` as BlockQuantized takes it.
+        Shapes are checked, naming the part."""
         e, h, i = self.num_experts, self.hidden, self.inter
         parts = (("gate", gate, (e, i, h)), ("up", up, (e, i, h)), ("down", down, (e, h, i)))
         for name, w, shape in parts:
@@ -90,6 +105,7 @@ class Experts(nn.Module):
             if self.lib is not None:
                 self.gate_up_dense_rows = dense_min_rows(self.gate_up_weight)
                 self.down_dense_rows = dense_min_rows(down)
+            self.int8_gemm = int8_gemm_for(self.lib, int8_prompts)
             return
         # On the model's device (the checkpoint's tensors are on the CPU).
         dense = [_dense(w, shape, dtype).to(self.tokens.device) for _, w, shape in parts]
@@ -116,7 +132,7 @@ class Experts(nn.Module):
         self, w: Weight, x: torch.Tensor, groups: ExpertGroups, dense_rows: int
     ) -> torch.Tensor:
         if isinstance(w, QuantizedTensor):
-            return _quantized(self.lib, w, self.num_experts, x, groups, dense_rows)
+            return _quantized(self.lib, w, self.num_experts, x, groups, dense_rows, self.int8_gemm)
         y = x.new_empty(x.shape[0], w.shape[1])
         for e, lo, hi in groups.spans:
             y[lo:hi] = F.linear(x[lo:hi], w[e])
@@ -156,10 +172,12 @@ def _quantized(
     x: torch.Tensor,
     groups: ExpertGroups,
     few_rows: int,
+    int8_gemm: bool,
 ) -> torch.Tensor:
     """x's sorted rows through their experts' blocks: the grouped kernel for the experts
-    with fewer than `few_rows` rows, dequantized tiles and a GEMM for those with more (or
-    everywhere without our kernels, where few_rows is 0)."""
+    with fewer than `few_rows` rows; for those with more (or everywhere without our
+    kernels, where few_rows is 0) the int8 GEMM where `int8_gemm`, else dequantized
+    tiles and a GEMM."""
     spans = groups.spans
     if lib is not None and all(hi - lo < few_rows for _, lo, hi in spans):
         # Every chosen expert has few rows (a decode step, a few streams): one call.
@@ -173,7 +191,7 @@ def _quantized(
             few.append((e, lo, hi))
         else:
             expert = w.row_slice(e * out, (e + 1) * out)
-            y[lo:hi] = quantized_linear(lib, expert, x[lo:hi], few_rows)
+            y[lo:hi] = quantized_linear(lib, expert, x[lo:hi], few_rows, int8_gemm)
     if few:
         assert lib is not None
         _grouped(lib, w, num_experts, x, few, y)

@@ -243,16 +243,19 @@ def quantized_kernels_only(model: torch.nn.Module) -> Iterator[None]:
             m.dense_min_rows = rows
 
 
-def make_linear_method(quantization: str, output_head: bool = False) -> LinearMethod:
+def make_linear_method(
+    quantization: str, output_head: bool = False, int8_prompts: bool = False
+) -> LinearMethod:
     """The method for one layer. `output_head` marks the vocabulary projection: int4
     keeps it in int8, as llama.cpp's 4-bit files do (the bundled GGUF stores it as
     Q8_0). An int4 head cost 12 points of top-1 agreement with fp32 (83.8% against
     95.5%, benchmarks/quantization.py) for 0.2 ms of a 1-row step. The head also keeps
-    bf16 activations (see Int8WeightOnly)."""
+    bf16 activations (see Int8WeightOnly). `int8_prompts`: a GGUF weight's many-row
+    matmuls take int8 activations (BlockQuantized)."""
     if quantization == "none":
         return LinearMethod()
     if quantization == "gguf":
-        return BlockQuantized(output_head=output_head)
+        return BlockQuantized(output_head=output_head, int8_prompts=int8_prompts)
     if output_head and quantization in ("int8", "int4"):
         return Int8WeightOnly(quantize_activations=False)
     if quantization == "int8":

@@ -276,7 +276,11 @@ class LlamaForCausalLM(nn.Module):
             self._put_norm(ck, att.k_norm, p + "self_attn.k_norm.weight")
         mlp = layer.mlp
         if isinstance(mlp, SparseMoE):
-            mlp.load(ck, p + "mlp.", keep_quantized=isinstance(self.lm_head.method, BlockQuantized))
+            head = self.lm_head.method  # the model's quantization, as every Linear has it
+            if isinstance(head, BlockQuantized):
+                mlp.load(ck, p + "mlp.", True, head.int8_prompts)
+            else:
+                mlp.load(ck, p + "mlp.", False)
         else:
             ck.put_linear(mlp.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
             ck.put_linear(mlp.down_proj, [p + "mlp.down_proj.weight"])

@@ -117,9 +117,12 @@ class SparseMoE(nn.Module):
         """The router (for weight_bytes; the experts and shared expert count themselves)."""
         return [self.router]
 
-    def load(self, ck: Checkpoint, prefix: str, keep_quantized: bool) -> None:
+    def load(
+        self, ck: Checkpoint, prefix: str, keep_quantized: bool, int8_prompts: bool = False
+    ) -> None:
         """This layer's router, experts and shared expert (`prefix`: "model.layers.N.mlp.");
-        keep_quantized: experts a GGUF stores in blocks stay in them."""
+        keep_quantized: experts a GGUF stores in blocks stay in them; int8_prompts: their
+        many-row matmuls take int8 activations (BlockQuantized's)."""
         router = ck.dense_float(ck.take(prefix + "gate.weight"))
         if tuple(router.shape) != tuple(self.router.shape):
             raise ValueError(
@@ -133,6 +136,7 @@ class SparseMoE(nn.Module):
             ck.take(prefix + "experts.down_proj.weight"),
             dtype=ck.dtype,
             keep_quantized=keep_quantized,
+            int8_prompts=int8_prompts,
         )
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             p = prefix + "shared_expert."

@@ -50,6 +50,8 @@ class RunnerOptions:
     """torch.compile the model (dynamic in the number of tokens)."""
     expert_parallel: bool = False
     """Tensor-parallel ranks split a Mixture-of-Experts model's experts, whole experts each."""
+    int8_prompts: bool = False
+    """Many-row matmuls on quantized weights take int8 activations (the int8 GEMM)."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,11 @@ def _build_model(
         head = getattr(model, "lm_head", None)
         for layer in model.modules():
             if isinstance(layer, Linear):
-                layer.method = make_linear_method(options.quantization, output_head=layer is head)
+                layer.method = make_linear_method(
+                    options.quantization,
+                    output_head=layer is head,
+                    int8_prompts=options.int8_prompts,
+                )
     return model
 
 

@@ -1,0 +1,320 @@
+// The compute-bound matmul of many activation rows by a qblock weight (prompts, many
+// streams): int8 activations times the weight's own integer values, no float copy of
+// the weight. The block kernel (qblock.h) keeps one weight row in the lanes of a vector
+// and needs a float step per 64-value pair and activation row; here a panel of 32
+// weight rows is unpacked once into the order vpdpbusd multiplies (4 consecutive K
+// values of 16 rows in a vector, lane = output column), so an activation's 4 bytes,
+// broadcast, meet 16 columns in one instruction and a group of G values costs G / 4
+// of them before its one float step (the group's scale). A panel is reused by every
+// activation row: at 512 rows its unpacking is a few percent of the work.
+//
+// Numbers: y[r, n] = sum over spans of dx[r, s] * sum over the span's groups g of
+// (d[n, g] * S[r, n, g] + m[n, g] * Q[r, g]), S the int32 dot product of the group's
+// values u and the row's int8 values q, Q the sum of those q. A span is the values one
+// activation scale dx covers: 32, or 256 with integer scales (the K-quants), as the
+// block kernel quantizes them. A symmetric weight's m is implied * d, so its term
+// enters S as implied * Q, exactly, in int32 (the accumulator starts there).
+//
+// The AVX-512 path is the fast one (VNNI); the others compute the same sums with
+// portable loops, for the tests and for callers that reach them (sluice sends few-row
+// and AVX2 calls elsewhere: sluice/layers/block_quant.py).
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "dtype.h"
+#include "isa.h"
+#include "qblock.h"
+
+namespace sluice {
+
+// Output columns of a panel (two vectors of 16 lanes) and activation rows of a block
+// of accumulators: 4 rows x 2 vectors x (int32 group sums, span sums, totals) are 24
+// of AVX-512's 32 registers.
+constexpr int kGemmCols = 32;
+constexpr int kGemmRows = 4;
+
+// Activation rows for the GEMM, quantized in natural K order.
+struct GemmActivations {
+  std::vector<int8_t> q;        // [M, stride]
+  std::vector<float> dx;        // [M, K / span]
+  std::vector<int32_t> qinit;   // [M, K / G]: implied * Q (symmetric weights)
+  std::vector<float> qsum;      // [M, K / G]: Q as fp32 (weights with offsets)
+  int64_t stride = 0;
+  int spans = 0, groups = 0;
+  const int8_t* row(int r) const { return q.data() + stride * r; }
+};
+
+// Row r of x (K values) quantized: a scale per span (absmax / 127, as quantize_rows
+// makes them), and per group of G the sum of the int8 values, as the weight needs it.
+template <typename T>
+void gemm_quantize_row(const T* x, int K, int span, int G, int implied, bool symmetric,
+                       int8_t* q, float* dx, int32_t* qinit, float* qsum) {
+  for (int s0 = 0; s0 < K; s0 += span) {
+    float amax = 0.f;
+    for (int i = 0; i < span; ++i) amax = std::fmax(amax, std::fabs(to_float(x[s0 + i])));
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    dx[s0 / span] = scale;
+    for (int g0 = s0; g0 < s0 + span; g0 += G) {
+      int sum = 0;
+      for (int i = g0; i < g0 + G; ++i) {
+        const int v = static_cast<int>(std::nearbyint(to_float(x[i]) * inv));
+        q[i] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      if (symmetric)
+        qinit[g0 / G] = implied * sum;
+      else
+        qsum[g0 / G] = static_cast<float>(sum);
+    }
+  }
+}
+
+// The M rows of x as GemmActivations (every thread of a parallel region calls this;
+// rows are shared out, barrier at the end).
+template <typename T>
+void gemm_quantize(const T* x, int M, int K, int span, int G, int implied, bool symmetric,
+                   GemmActivations& a) {
+#pragma omp single
+  {
+    // Row stride K + 64: rows 4 KiB apart share L1 sets (see QBlockActivations).
+    a.stride = K + 64;
+    a.spans = K / span;
+    a.groups = K / G;
+    a.q.resize(static_cast<size_t>(M) * a.stride);
+    a.dx.resize(static_cast<size_t>(M) * a.spans);
+    if (symmetric)
+      a.qinit.resize(static_cast<size_t>(M) * a.groups);
+    else
+      a.qsum.resize(static_cast<size_t>(M) * a.groups);
+  }  // implicit barrier: the buffers exist before any row is written
+#pragma omp for schedule(static)
+  for (int r = 0; r < M; ++r) {
+    const int64_t gr = static_cast<int64_t>(r) * a.groups;
+    gemm_quantize_row(x + static_cast<int64_t>(r) * K, K, span, G, implied, symmetric,
+                      a.q.data() + a.stride * r, a.dx.data() + static_cast<int64_t>(r) * a.spans,
+                      symmetric ? a.qinit.data() + gr : nullptr,
+                      symmetric ? nullptr : a.qsum.data() + gr);
+  }
+}
+
+// One thread's unpacked panel: u [K / 4][2][16][4] (k4 step, column vector, lane, byte),
+// d and m [K / G][32] fp32 (m only for a weight with offsets). Columns past N are zero.
+struct GemmPanel {
+  std::vector<uint8_t> u;
+  std::vector<float> d, m;
+};
+
+// Pair p of weight row w as 64 values in natural K order.
+template <int BITS>
+SLUICE_INLINE void gemm_unpack_natural(const QbRow& w, int p, uint8_t* out) {
+#if defined(SLUICE_ISA_AVX512)
+  // Pair order's 16-value runs are natural runs 0, 2, 1, 3 (qblock.h).
+  const __m512i u = qb_unpack<BITS>(w, p);
+  _mm512_storeu_si512(out, _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0)));
+#else
+  const uint8_t* b = w.w + (BITS == 8 ? 64 : 32) * p;
+  for (int i = 0; i < 64; ++i) {  // i: pair position
+    int v = BITS == 8 ? b[i] : i < 32 ? (b[i] & 0x0F) : (b[i - 32] >> 4);
+    if (BITS == 5) v |= static_cast<int>((w.h[8 * p + i / 8] >> (i % 8)) & 1) << 4;
+    if (BITS == 6) v |= ((w.h[16 * p + i % 16] >> (2 * (i / 16))) & 3) << 4;
+    out[qb_run_k(0, i / 16) + i % 16] = static_cast<uint8_t>(v);
+  }
+#endif
+}
+
+#if defined(SLUICE_ISA_AVX512)
+// 16 vectors of 16 int32 transposed in place: v[i] lane j <- v[j] lane i.
+SLUICE_INLINE void gemm_transpose16(__m512i* v) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 4) {
+    const __m512i a = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    const __m512i b = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    const __m512i c = _mm512_unpacklo_epi32(v[i + 2], v[i + 3]);
+    const __m512i d = _mm512_unpackhi_epi32(v[i + 2], v[i + 3]);
+    // Within each 128-bit lane l: t[i + j] holds element 4l + j of v[i .. i + 3].
+    t[i] = _mm512_unpacklo_epi64(a, c);
+    t[i + 1] = _mm512_unpackhi_epi64(a, c);
+    t[i + 2] = _mm512_unpacklo_epi64(b, d);
+    t[i + 3] = _mm512_unpackhi_epi64(b, d);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i a = _mm512_shuffle_i32x4(t[j], t[4 + j], 0x88);   // lanes 0, 2 of each
+    const __m512i b = _mm512_shuffle_i32x4(t[j], t[4 + j], 0xDD);   // lanes 1, 3
+    const __m512i c = _mm512_shuffle_i32x4(t[8 + j], t[12 + j], 0x88);
+    const __m512i d = _mm512_shuffle_i32x4(t[8 + j], t[12 + j], 0xDD);
+    v[j] = _mm512_shuffle_i32x4(a, c, 0x88);       // element j of every input
+    v[8 + j] = _mm512_shuffle_i32x4(a, c, 0xDD);   // element 8 + j
+    v[4 + j] = _mm512_shuffle_i32x4(b, d, 0x88);   // element 4 + j
+    v[12 + j] = _mm512_shuffle_i32x4(b, d, 0xDD);  // element 12 + j
+  }
+}
+#endif
+
+// Columns n0 .. n0 + 31 of the weight into `panel`.
+template <int BITS, int G, bool IQ>
+void gemm_pack(const QbWeight& wt, int K, int N, int n0, GemmPanel& panel) {
+  const int ng = K / G, np = K / 64;
+  panel.u.resize(static_cast<size_t>(K) * kGemmCols);
+  panel.d.assign(static_cast<size_t>(ng) * kGemmCols, 0.f);
+  const bool offsets = wt.m != nullptr;
+  if (offsets) panel.m.assign(panel.d.size(), 0.f);
+  for (int c = 0; c < kGemmCols && n0 + c < N; ++c) {
+    const QbRow w = wt.row<BITS, G, IQ>(K, n0 + c);
+    for (int g = 0; g < ng; ++g) {
+      panel.d[static_cast<size_t>(g) * kGemmCols + c] = qb_group<G, IQ>(w.d, w.sd, g);
+      if (offsets) panel.m[static_cast<size_t>(g) * kGemmCols + c] = qb_group<G, IQ>(w.m, w.sm, g);
+    }
+  }
+  for (int v = 0; v < 2; ++v) {
+    const int c0 = 16 * v;
+    for (int p = 0; p < np; ++p) {
+      alignas(64) uint8_t nat[16][64] = {};  // column c0 + i's 64 values of pair p
+      for (int i = 0; i < 16 && n0 + c0 + i < N; ++i)
+        gemm_unpack_natural<BITS>(wt.row<BITS, G, IQ>(K, n0 + c0 + i), p, nat[i]);
+      // k4 step 16p + j, vector v: lane i = column c0 + i's bytes 4j .. 4j + 3.
+      uint8_t* dst = panel.u.data() + (static_cast<int64_t>(16) * p * 2 + v) * 64;
+#if defined(SLUICE_ISA_AVX512)
+      __m512i rows[16];
+      for (int i = 0; i < 16; ++i) rows[i] = _mm512_load_si512(nat[i]);
+      gemm_transpose16(rows);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + j * 128, rows[j]);
+#else
+      for (int j = 0; j < 16; ++j)
+        for (int i = 0; i < 16; ++i) std::memcpy(dst + j * 128 + 4 * i, nat[i] + 4 * j, 4);
+#endif
+    }
+  }
+}
+
+// out[r][c] for rows r0 .. r0 + R and the panel's 32 columns.
+#if defined(SLUICE_ISA_AVX512)
+template <int G, int SPAN_GROUPS, bool SYM, int R>
+SLUICE_INLINE void gemm_rows(const GemmPanel& panel, const GemmActivations& a, int r0, int K,
+                             float (*out)[kGemmCols]) {
+  __m512 total[R][2];
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
+  const int8_t* x[R];
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) x[r] = a.row(r0 + r);
+  const int ng = K / G;
+  for (int g0 = 0; g0 < ng; g0 += SPAN_GROUPS) {
+    __m512 span[R][2];
+    for (int gi = 0; gi < SPAN_GROUPS; ++gi) {
+      const int g = g0 + gi;
+      __m512i isum[R][2];
+      SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+        const __m512i init = SYM ? _mm512_set1_epi32(a.qinit[static_cast<int64_t>(r0 + r) * ng + g])
+                                 : _mm512_setzero_si512();
+        isum[r][0] = isum[r][1] = init;
+      }
+      const uint8_t* wp = panel.u.data() + static_cast<int64_t>(g) * (G / 4) * 128;
+#pragma GCC unroll 8
+      for (int s = 0; s < G / 4; ++s) {
+        const __m512i w0 = _mm512_loadu_si512(wp + 128 * s);
+        const __m512i w1 = _mm512_loadu_si512(wp + 128 * s + 64);
+        SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, x[r] + g * G + 4 * s, 4);
+          const __m512i xb = _mm512_set1_epi32(four);
+          isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xb);
+          isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xb);
+        }
+      }
+      const float* dg = panel.d.data() + static_cast<int64_t>(g) * kGemmCols;
+      const __m512 d0 = _mm512_loadu_ps(dg), d1 = _mm512_loadu_ps(dg + 16);
+      SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+        const __m512 s0 = _mm512_cvtepi32_ps(isum[r][0]), s1 = _mm512_cvtepi32_ps(isum[r][1]);
+        span[r][0] = gi == 0 ? _mm512_mul_ps(s0, d0) : _mm512_fmadd_ps(s0, d0, span[r][0]);
+        span[r][1] = gi == 0 ? _mm512_mul_ps(s1, d1) : _mm512_fmadd_ps(s1, d1, span[r][1]);
+      }
+      if constexpr (!SYM) {
+        const float* mg = panel.m.data() + static_cast<int64_t>(g) * kGemmCols;
+        const __m512 m0 = _mm512_loadu_ps(mg), m1 = _mm512_loadu_ps(mg + 16);
+        SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+          const __m512 qs = _mm512_set1_ps(a.qsum[static_cast<int64_t>(r0 + r) * ng + g]);
+          span[r][0] = _mm512_fmadd_ps(m0, qs, span[r][0]);
+          span[r][1] = _mm512_fmadd_ps(m1, qs, span[r][1]);
+        }
+      }
+    }
+    SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(a.dx[static_cast<int64_t>(r0 + r) * a.spans + g0 / SPAN_GROUPS]);
+      total[r][0] = _mm512_fmadd_ps(span[r][0], dx, total[r][0]);
+      total[r][1] = _mm512_fmadd_ps(span[r][1], dx, total[r][1]);
+    }
+  }
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out[r], total[r][0]);
+    _mm512_storeu_ps(out[r] + 16, total[r][1]);
+  }
+}
+#else
+template <int G, int SPAN_GROUPS, bool SYM, int R>
+void gemm_rows(const GemmPanel& panel, const GemmActivations& a, int r0, int K,
+               float (*out)[kGemmCols]) {
+  const int ng = K / G;
+  for (int r = 0; r < R; ++r) {
+    const int8_t* x = a.row(r0 + r);
+    const int64_t gr = static_cast<int64_t>(r0 + r) * ng;
+    for (int c = 0; c < kGemmCols; ++c) {
+      const int v = c / 16, lane = c % 16;
+      float total = 0.f;
+      for (int g0 = 0; g0 < ng; g0 += SPAN_GROUPS) {
+        float span = 0.f;
+        for (int g = g0; g < g0 + SPAN_GROUPS; ++g) {
+          int32_t s = SYM ? a.qinit[gr + g] : 0;
+          for (int k = g * G; k < (g + 1) * G; ++k)
+            s += panel.u[((static_cast<int64_t>(k / 4) * 2 + v) * 16 + lane) * 4 + k % 4] * x[k];
+          span += static_cast<float>(s) * panel.d[static_cast<int64_t>(g) * kGemmCols + c];
+          if (!SYM) span += panel.m[static_cast<int64_t>(g) * kGemmCols + c] * a.qsum[gr + g];
+        }
+        total += span * a.dx[static_cast<int64_t>(r0 + r) * a.spans + g0 / SPAN_GROUPS];
+      }
+      out[r][c] = total;
+    }
+  }
+}
+#endif
+
+// y [M, N] = x @ W.T (every thread of a parallel region calls this; the panels are
+// shared out, each thread unpacking its own).
+template <int BITS, int G, bool IQ, typename T>
+void qblock_gemm_t(const T* x, int M, int K, const QbWeight& wt, int N, T* y,
+                   GemmActivations& a) {
+  constexpr int span = IQ ? kQbSuper : 32;
+  constexpr int kSpanGroups = span / G;
+  const bool sym = wt.m == nullptr;
+  gemm_quantize(x, M, K, span, G, static_cast<int>(qb_implied_m<BITS>), sym, a);
+  GemmPanel panel;
+  alignas(64) float out[kGemmRows][kGemmCols];
+#pragma omp for schedule(dynamic, 1)
+  for (int n0 = 0; n0 < N; n0 += kGemmCols) {
+    gemm_pack<BITS, G, IQ>(wt, K, N, n0, panel);
+    const int cols = std::min(kGemmCols, N - n0);
+    for (int r0 = 0; r0 < M; r0 += kGemmRows) {
+      const int rows = std::min(kGemmRows, M - r0);
+      const auto run = [&](auto R) {
+        if (sym)
+          gemm_rows<G, kSpanGroups, true, R>(panel, a, r0, K, out);
+        else
+          gemm_rows<G, kSpanGroups, false, R>(panel, a, r0, K, out);
+      };
+      switch (rows) {
+        case 1: run(std::integral_constant<int, 1>{}); break;
+        case 2: run(std::integral_constant<int, 2>{}); break;
+        case 3: run(std::integral_constant<int, 3>{}); break;
+        default: run(std::integral_constant<int, 4>{}); break;
+      }
+      for (int r = 0; r < rows; ++r) {
+        T* yr = y + static_cast<int64_t>(r0 + r) * N + n0;
+        for (int c = 0; c < cols; ++c) yr[c] = round_to(yr + c, out[r][c]);
+      }
+    }
+  }
+}
+
+}  // namespace sluice
