@@ -1,14 +1,16 @@
 """Where a quantized GGUF layer's few-row path should hand over to the compute-bound one.
 
 A step of M rows (a short prompt, M streams decoding, a verifying step) multiplies
-each weight by M activation rows. sluice has two paths for a weight kept in its GGUF
+each weight by M activation rows. sluice has three paths for a weight kept in its GGUF
 blocks (sluice/layers/block_quant.py): the block kernel (int8 activations, each
-unpacked weight pair applied to up to 12 rows) and dequantized tiles + the dense GEMM.
-The row count where the second starts winning (`dense_min_rows`) depends on the
-format (integer K-quant scales or fp16 ones) and the instruction-set level, so this
-times one layer's linears (q, k, v, o, gate, up, down as the file stores them) on both
-paths at each M, alternating the paths (block, dense; dense, block) and keeping the
-median of --rounds, in one process on --threads threads. The weights come from the
+unpacked weight pair applied to up to 12 rows), the int8 GEMM (the same activations,
+a panel of 32 weight rows unpacked once for all rows; where the level has it, see
+INT8_GEMM_LEVELS) and dequantized tiles + the dense GEMM. The row count where a
+many-row path starts winning (`dense_min_rows`) depends on the format (integer
+K-quant scales or fp16 ones) and the instruction-set level, so this times one layer's
+linears (q, k, v, o, gate, up, down as the file stores them) on each path at each M,
+the paths' order reversed every round, keeping the median of --rounds, in one process
+on --threads threads. The weights come from the
 file's layer 0, read into the same layouts the engine uses.
 
 Run from the repo root (a quiet machine):
@@ -37,7 +39,11 @@ from benchmarks.common import add_output_arg, add_rounds_arg, format_table, writ
 from sluice import kernels  # noqa: E402
 from sluice.architectures import spec_of  # noqa: E402
 from sluice.core.quantized_tensor import QuantizedTensor  # noqa: E402
-from sluice.layers.block_quant import dense_min_rows, quantized_linear  # noqa: E402
+from sluice.layers.block_quant import (  # noqa: E402
+    INT8_GEMM_LEVELS,
+    dense_min_rows,
+    quantized_linear,
+)
 from sluice.loader.gguf_loader import (  # noqa: E402
     load_gguf_header,
     tensor_entries,
@@ -45,7 +51,7 @@ from sluice.loader.gguf_loader import (  # noqa: E402
 )
 
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-PATHS = ("block", "dense")
+PATHS = ("block", "gemm", "dense")
 
 
 def layer_weights(path: Path) -> dict[str, QuantizedTensor]:
@@ -76,23 +82,25 @@ def _time(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
-def _call(lib: Any, w: QuantizedTensor, x: torch.Tensor, crossover: int) -> Callable[[], Any]:
-    return lambda: quantized_linear(lib, w, x, crossover)
+def _call(lib: Any, w: QuantizedTensor, x: torch.Tensor, path: str) -> Callable[[], Any]:
+    crossover = 1 << 30 if path == "block" else 0
+    return lambda: quantized_linear(lib, w, x, crossover, int8_gemm=path == "gemm")
 
 
 def measure(
     weights: dict[str, QuantizedTensor], rows: list[int], rounds: int, dtype: torch.dtype
 ) -> dict[str, dict[str, list[float]]]:
-    """{M: {path: [ms of the layer's linears, a round each]}}, paths alternating."""
+    """{M: {path: [ms of the layer's linears, a round each]}}, paths alternating (the
+    int8 GEMM only where the kernels have it)."""
     lib = kernels.load()
+    paths = [p for p in PATHS if p != "gemm" or kernels.variant() in INT8_GEMM_LEVELS]
     out: dict[str, dict[str, list[float]]] = {}
     for m in rows:
         xs = {n: torch.randn(m, w.shape[1]).to(dtype) for n, w in weights.items()}
-        cell: dict[str, list[float]] = {p: [] for p in PATHS}
+        cell: dict[str, list[float]] = {p: [] for p in paths}
         for r in range(rounds):
-            for p in PATHS if r % 2 == 0 else PATHS[::-1]:
-                crossover = 1 << 30 if p == "block" else 0
-                total = sum(_time(_call(lib, w, xs[n], crossover), 5) for n, w in weights.items())
+            for p in paths if r % 2 == 0 else paths[::-1]:
+                total = sum(_time(_call(lib, w, xs[n], p), 5) for n, w in weights.items())
                 cell[p].append(total * 1e3)
         out[str(m)] = cell
     return out
@@ -113,10 +121,10 @@ def main() -> None:
     times = measure(weights, rows, args.rounds, getattr(torch, args.dtype))
     medians = {m: {p: statistics.median(v) for p, v in c.items()} for m, c in times.items()}
     table = [
-        [m, f"{c['block']:.2f}", f"{c['dense']:.2f}", f"{c['block'] / c['dense']:.2f}"]
+        [m, f"{c['block']:.2f}", f"{c.get('gemm', float('nan')):.2f}", f"{c['dense']:.2f}"]
         for m, c in medians.items()
     ]
-    print(format_table(["rows", "block ms", "dense ms", "block / dense"], table))
+    print(format_table(["rows", "block ms", "int8 GEMM ms", "dense ms"], table))
     result = {
         "model": args.model.name,
         "kernels": kernels.variant(),

@@ -752,6 +752,7 @@ def _few_rows(results: Sequence[Result]) -> str:
     for name, d in results:
         for m, cell in d["median_ms"].items():
             block, dense = cell["block"], cell["dense"]
+            gemm = cell.get("gemm")  # results before the int8 GEMM have none
             crossover = sorted(set(d["dense_min_rows"].values()))
             rows.append(
                 [
@@ -759,8 +760,10 @@ def _few_rows(results: Sequence[Result]) -> str:
                     d["model"],
                     m,
                     f"{block:.2f}",
+                    "–" if gemm is None else f"{gemm:.2f}",
                     f"{dense:.2f}",
                     f"{block / dense:.2f}",
+                    "–" if gemm is None else f"{block / gemm:.2f}",
                     "/".join(map(str, crossover)),
                 ]
             )
@@ -768,8 +771,10 @@ def _few_rows(results: Sequence[Result]) -> str:
         "model",
         "rows",
         "block kernel ms",
+        "int8 GEMM ms",
         "dequantized tiles + GEMM ms",
         "block / dense",
+        "block / int8 GEMM",
         "dense_min_rows",
     ]
     return _table(RUN_HEADERS + headers, rows)

@@ -146,21 +146,34 @@ def _quantized_stack(e: int, out: int, k: int, gen: torch.Generator) -> Any:
     return quantize_8bit(torch.randn(e * out, k, generator=gen) * 0.1)
 
 
+@pytest.mark.parametrize("int8_prompts", [False, True])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
-def test_quantized_experts_equal_their_dense_selves(kernel_level: str, tokens: int) -> None:
+def test_quantized_experts_equal_their_dense_selves(
+    kernel_level: str, tokens: int, int8_prompts: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The experts kept in their blocks (a GGUF's) against the same weights dequantized:
     a decode step (1 token: the grouped kernel, every group one row), a few tokens
-    (groups under the dense crossover) and a prefill (40 tokens x top 4 of 8: experts
-    over it take dequantized tiles + GEMM, the rest the grouped kernel), at every
-    kernel level. The gap is the int8 activations' (the block kernel's own bound)."""
+    (groups under the crossover) and a prefill (40 tokens x top 4 of 8: experts over it
+    take dequantized tiles + GEMM, or with int8_prompts the int8 GEMM where the level
+    has it; the rest the grouped kernel), at every kernel level. The gap is the int8
+    activations' (the block kernel's own bound)."""
     from sluice.core.quantized_tensor import dequantize
+    from sluice.kernels import qblock
+    from sluice.layers.block_quant import INT8_GEMM_LEVELS
     from sluice.layers.experts import ExpertGroups, Experts
+
+    calls = []
+    gemm = qblock.qblock_gemm
+    monkeypatch.setattr(qblock, "qblock_gemm", lambda *a: calls.append(1) or gemm(*a))
 
     gen = torch.Generator().manual_seed(0)
     e, h, i = 8, 128, 64
     gate, up, down = (_quantized_stack(e, *s, gen) for s in ((i, h), (i, h), (h, i)))
     quantized, dense = Experts(e, h, i), Experts(e, h, i)
-    quantized.load(gate, up, down, dtype=torch.float32, keep_quantized=True)
+    quantized.load(
+        gate, up, down, dtype=torch.float32, keep_quantized=True, int8_prompts=int8_prompts
+    )
+    assert quantized.int8_gemm == (int8_prompts and kernel_level in INT8_GEMM_LEVELS)
     dense.load(
         *(dequantize(w).reshape(e, -1, w.shape[1]) for w in (gate, up, down)),
         dtype=torch.float32,
@@ -177,6 +190,8 @@ def test_quantized_experts_equal_their_dense_selves(kernel_level: str, tokens: i
         scale = want.abs().max()
         assert (got - want).abs().max() <= 0.02 * scale, fn
     assert quantized.tokens.sum() == tokens * 4
+    # 40 tokens x 4 of 8 experts: ~20 rows an expert, past the Q8_0 GEMM's 12.
+    assert bool(calls) == (quantized.int8_gemm and tokens == 40)
 
 
 def test_compile_is_refused_for_experts(tmp_path: Path, smollm2_path: Path) -> None:

@@ -397,6 +397,8 @@ def test_int8_prompts_take_the_gemm_past_the_crossover(type_name: str, kernel_le
     head.method.load_quantized(head, weight)
     assert layer.method.int8_gemm == (kernel_level in INT8_GEMM_LEVELS)
     assert not head.method.int8_gemm
+    if layer.method.int8_gemm:  # its crossover, not the dense path's
+        assert layer.method.dense_min_rows == (20 if weight.integer_scales else 12)
     lib = kernels.load()
     assert lib is not None
     rows = layer.method.dense_min_rows + 5

@@ -64,6 +64,15 @@ DENSE_MIN_ROWS_INTEGER = {"avx512": 32, "avx2": 32, "generic": 4}
 # gate and Q6_K down projections (2 cores of Zen 4, ad hoc). AVX2 has no such kernel
 # yet (its GEMM is portable C++ there, for the tests).
 INT8_GEMM_LEVELS = frozenset({"avx512"})
+# Rows from which a weight on the int8 GEMM leaves the block kernel (in place of
+# DENSE_MIN_ROWS*): one layer's seven linears at 16/20/24 rows took 29.9/36.4/46.6 ms
+# on the block kernel and 30.8/30.7/38.1 on the GEMM (Qwen2.5-7B's Q4_K/Q6_K), and
+# Qwen2.5-Coder-0.5B's Q5_0/Q8_0 layer 1.83 against 1.27 ms at 12 rows, 1.22 against
+# 1.12 at 8 (2 cores of Zen 4, benchmarks/few_rows.py, 2 rounds). fp16 scales stay at
+# 12 so that a verifying step of up to 11 drafts keeps the block kernel's rows, equal
+# to the decode steps it replaces.
+GEMM_MIN_ROWS = {"avx512": 12}
+GEMM_MIN_ROWS_INTEGER = {"avx512": 20}
 # Levels whose output head stays on its kernel at every row count. At avx2 the dense
 # path dequantizes the whole vocabulary to fp32 a step and multiplies in fp32: the
 # two-level head kernel took 0.24-0.56x its time at 16-128 rows on Qwen2.5-Coder-1.5B's
@@ -73,13 +82,20 @@ INT8_GEMM_LEVELS = frozenset({"avx512"})
 HEAD_ON_BLOCKS = frozenset({"avx2"})
 
 
-def dense_min_rows(weight: QuantizedTensor, output_head: bool = False) -> int:
-    """The row count from which `weight` takes dequantized tiles + GEMM on the active
-    kernels (DENSE_MIN_ROWS, DENSE_MIN_ROWS_INTEGER; never for a HEAD_ON_BLOCKS head)."""
+def dense_min_rows(
+    weight: QuantizedTensor, output_head: bool = False, int8_gemm: bool = False
+) -> int:
+    """The row count from which `weight` leaves the block kernel on the active kernels:
+    for dequantized tiles + GEMM (DENSE_MIN_ROWS, DENSE_MIN_ROWS_INTEGER; never for a
+    HEAD_ON_BLOCKS head), or with `int8_gemm` for the int8 GEMM (GEMM_MIN_ROWS*)."""
     level = kernels.variant()
     if output_head and level in HEAD_ON_BLOCKS:
         return sys.maxsize
-    return (DENSE_MIN_ROWS_INTEGER if weight.integer_scales else DENSE_MIN_ROWS).get(level, 4)
+    if int8_gemm:
+        table = GEMM_MIN_ROWS_INTEGER if weight.integer_scales else GEMM_MIN_ROWS
+    else:
+        table = DENSE_MIN_ROWS_INTEGER if weight.integer_scales else DENSE_MIN_ROWS
+    return table.get(level, 4)
 
 
 # Elements of a dequantized tile: 4M (8 MB in bf16) stays in L3 and holds every
@@ -196,9 +212,11 @@ class BlockQuantized(LinearMethod):
             _row_max_abs(self.lib, weight) if self.output_head and self.lib is not None else None
         )
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
-        # Without our kernels the dense path is the only one.
-        self.dense_min_rows = dense_min_rows(weight, self.output_head) if self.lib else 1
         self.int8_gemm = int8_gemm_for(self.lib, self.int8_prompts and not self.output_head)
+        # Without our kernels the dense path is the only one.
+        self.dense_min_rows = (
+            dense_min_rows(weight, self.output_head, self.int8_gemm) if self.lib else 1
+        )
 
     def process_weight(self, layer: Linear) -> None:
         if self.weight is None:

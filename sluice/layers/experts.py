@@ -11,7 +11,8 @@ With our kernels, the experts that got fewer rows than the block kernel's crosso
 (`dense_min_rows` of sluice/layers/block_quant.py) run in one grouped kernel call
 (csrc/qblock.cpp's sluice_qblock_matmul_experts: activations quantized once, each
 chosen expert's blocks read once for all its rows); an expert with more rows (a
-prefill) runs as a dense layer does, dequantized tiles and a GEMM.
+prefill) runs as a dense layer does: the int8 GEMM where the model takes int8 prompts
+(block_quant.int8_gemm_for), else dequantized tiles and a GEMM.
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ class Experts(nn.Module):
         self.gate_up_weight: Weight = torch.empty(0)
         self.down_weight: Weight = torch.empty(0)
         self.lib: Library | None = None
-        # Rows from which an expert runs dequantized tiles + GEMM (block_quant's
-        # crossover for each stack's format; 0 without our kernels: always).
+        # Rows from which an expert leaves the grouped block kernel for the int8 GEMM or
+        # dequantized tiles + GEMM (block_quant's crossover for each stack's format and
+        # path; 0 without our kernels: always).
         self.gate_up_dense_rows = self.down_dense_rows = 0
         # Experts of many rows take the int8 GEMM (block_quant.int8_gemm_for).
         self.int8_gemm = False
@@ -102,10 +104,12 @@ class Experts(nn.Module):
             self.gate_up_weight = both.rows(_interleave(e, i))
             self.down_weight = down
             self.lib = cpu_kernels(torch.empty(0, dtype=dtype))
-            if self.lib is not None:
-                self.gate_up_dense_rows = dense_min_rows(self.gate_up_weight)
-                self.down_dense_rows = dense_min_rows(down)
             self.int8_gemm = int8_gemm_for(self.lib, int8_prompts)
+            if self.lib is not None:
+                self.gate_up_dense_rows = dense_min_rows(
+                    self.gate_up_weight, int8_gemm=self.int8_gemm
+                )
+                self.down_dense_rows = dense_min_rows(down, int8_gemm=self.int8_gemm)
             return
         # On the model's device (the checkpoint's tensors are on the CPU).
         dense = [_dense(w, shape, dtype).to(self.tokens.device) for _, w, shape in parts]
