@@ -131,6 +131,12 @@ def main() -> None:
         "dtype": args.dtype,
         "formats": {n: w.source for n, w in weights.items()},
         "dense_min_rows": {n: dense_min_rows(w) for n, w in weights.items()},
+        # Where a model on the int8 GEMM leaves the block kernel (int8 prompts).
+        "gemm_min_rows": {
+            n: dense_min_rows(w, int8_gemm=True)
+            for n, w in weights.items()
+            if kernels.variant() in INT8_GEMM_LEVELS
+        },
         "median_ms": medians,
         "runs_ms": times,
     }

@@ -753,7 +753,10 @@ def _few_rows(results: Sequence[Result]) -> str:
         for m, cell in d["median_ms"].items():
             block, dense = cell["block"], cell["dense"]
             gemm = cell.get("gemm")  # results before the int8 GEMM have none
-            crossover = sorted(set(d["dense_min_rows"].values()))
+            crossover = "/".join(map(str, sorted(set(d["dense_min_rows"].values()))))
+            if d.get("gemm_min_rows"):
+                gemm_from = sorted(set(d["gemm_min_rows"].values()))
+                crossover += f" (int8 GEMM: {'/'.join(map(str, gemm_from))})"
             rows.append(
                 [
                     *_run_cells(name, d),
@@ -764,7 +767,7 @@ def _few_rows(results: Sequence[Result]) -> str:
                     f"{dense:.2f}",
                     f"{block / dense:.2f}",
                     "–" if gemm is None else f"{block / gemm:.2f}",
-                    "/".join(map(str, crossover)),
+                    crossover,
                 ]
             )
     headers = [

@@ -425,10 +425,10 @@ class EngineConfig:
         metadata=doc(
             "with --quantization gguf: how matmuls of many rows (prompts, many streams) take "
             "their activations; int8, quantized per block as decode steps and llama.cpp take "
-            "them, on the int8 GEMM (AVX-512 VNNI; about 1.7-2x the float path's speed); "
-            "float, in the compute dtype on dequantized weight tiles; auto: int8 for models "
-            "of hidden size 1536 and up, float below, where int8 noise moves answers more "
-            "and the prompt's compute is small"
+            "them, on the int8 GEMM at AVX-512 (about 1.7-2x the float path's speed) and on "
+            "the block kernel at AVX2; float, in the compute dtype on dequantized weight "
+            "tiles; auto: int8 for models of hidden size 1536 and up, float below, where "
+            "int8 noise moves answers more and the prompt's compute is small"
         ),
     )
     compile: bool = field(

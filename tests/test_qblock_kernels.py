@@ -381,10 +381,11 @@ def test_few_rows_take_the_block_kernel_up_to_the_crossover(
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
 def test_int8_prompts_take_the_gemm_past_the_crossover(type_name: str, kernel_level: str) -> None:
     """With int8_prompts a GGUF linear runs its many-row calls on the int8 GEMM (bit for
-    bit its output, near the dense product) where the level has it (avx512), on
-    dequantized tiles elsewhere; the output head never takes it."""
+    bit its output, near the dense product) where the level has it (avx512), on the
+    block kernel at every row count at avx2, on dequantized tiles at generic; the output
+    head never takes the GEMM."""
     from sluice.core.quantized_tensor import dequantize
-    from sluice.layers.block_quant import INT8_GEMM_LEVELS, BlockQuantized
+    from sluice.layers.block_quant import INT8_GEMM_LEVELS, INT8_PROMPTS_ON_BLOCKS, BlockQuantized
     from sluice.layers.linear import Linear
     from sluice.loader.gguf_blocks import repack
     from tests.test_gguf_blocks import random_blocks
@@ -397,15 +398,18 @@ def test_int8_prompts_take_the_gemm_past_the_crossover(type_name: str, kernel_le
     head.method.load_quantized(head, weight)
     assert layer.method.int8_gemm == (kernel_level in INT8_GEMM_LEVELS)
     assert not head.method.int8_gemm
+    on_blocks = kernel_level in INT8_PROMPTS_ON_BLOCKS
     if layer.method.int8_gemm:  # its crossover, not the dense path's
         assert layer.method.dense_min_rows == (20 if weight.integer_scales else 12)
+    assert (layer.method.dense_min_rows == sys.maxsize) == on_blocks
     lib = kernels.load()
     assert lib is not None
-    rows = layer.method.dense_min_rows + 5
+    rows = 64 if on_blocks else layer.method.dense_min_rows + 5
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1))
     y = layer(x)
-    on_gemm = qblock.qblock_gemm(lib, x, *weight.parts(), weight.bits, weight.group)
+    args = (x, *weight.parts(), weight.bits, weight.group)
+    assert torch.equal(y, qblock.qblock_gemm(lib, *args)) == layer.method.int8_gemm
+    assert torch.equal(y, qblock.qblock_matmul(lib, *args)) == on_blocks
     dense = x @ dequantize(weight, torch.float32).T
-    assert torch.equal(y, on_gemm) == layer.method.int8_gemm
     # int8 activations: ~0.5% of the product's scale per output (per 32 or 256 values).
     torch.testing.assert_close(y, dense, rtol=0, atol=0.02 * float(dense.abs().max()))

@@ -73,6 +73,13 @@ INT8_GEMM_LEVELS = frozenset({"avx512"})
 # to the decode steps it replaces.
 GEMM_MIN_ROWS = {"avx512": 12}
 GEMM_MIN_ROWS_INTEGER = {"avx512": 20}
+# Levels without the int8 GEMM where a model that takes int8 prompts keeps every row
+# count on the block kernel: at avx2 it beats dequantized tiles + fp32 GEMM at 16-512
+# rows (Qwen2.5-1.5B's shapes at 512: Q4_K gate/up 59 against 113 ms, Q6_K down 74
+# against 82, Q4_0 11 against 14; Q8_0 15 against 14; 2 cores of Zen 4 forced to avx2,
+# ad hoc). An AVX2 build of the GEMM (maddubs + madd) was no faster than the block
+# kernel at 512 rows (0.88-1.18x its time) and slower below, so there is none.
+INT8_PROMPTS_ON_BLOCKS = frozenset({"avx2"})
 # Levels whose output head stays on its kernel at every row count. At avx2 the dense
 # path dequantizes the whole vocabulary to fp32 a step and multiplies in fp32: the
 # two-level head kernel took 0.24-0.56x its time at 16-128 rows on Qwen2.5-Coder-1.5B's
@@ -83,13 +90,20 @@ HEAD_ON_BLOCKS = frozenset({"avx2"})
 
 
 def dense_min_rows(
-    weight: QuantizedTensor, output_head: bool = False, int8_gemm: bool = False
+    weight: QuantizedTensor,
+    output_head: bool = False,
+    int8_gemm: bool = False,
+    int8_prompts: bool = False,
 ) -> int:
     """The row count from which `weight` leaves the block kernel on the active kernels:
     for dequantized tiles + GEMM (DENSE_MIN_ROWS, DENSE_MIN_ROWS_INTEGER; never for a
-    HEAD_ON_BLOCKS head), or with `int8_gemm` for the int8 GEMM (GEMM_MIN_ROWS*)."""
+    HEAD_ON_BLOCKS head, nor for a layer taking `int8_prompts` at an
+    INT8_PROMPTS_ON_BLOCKS level), or with `int8_gemm` for the int8 GEMM
+    (GEMM_MIN_ROWS*)."""
     level = kernels.variant()
     if output_head and level in HEAD_ON_BLOCKS:
+        return sys.maxsize
+    if int8_prompts and not int8_gemm and level in INT8_PROMPTS_ON_BLOCKS:
         return sys.maxsize
     if int8_gemm:
         table = GEMM_MIN_ROWS_INTEGER if weight.integer_scales else GEMM_MIN_ROWS
@@ -212,10 +226,13 @@ class BlockQuantized(LinearMethod):
             _row_max_abs(self.lib, weight) if self.output_head and self.lib is not None else None
         )
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
-        self.int8_gemm = int8_gemm_for(self.lib, self.int8_prompts and not self.output_head)
+        int8_prompts = self.int8_prompts and not self.output_head
+        self.int8_gemm = int8_gemm_for(self.lib, int8_prompts)
         # Without our kernels the dense path is the only one.
         self.dense_min_rows = (
-            dense_min_rows(weight, self.output_head, self.int8_gemm) if self.lib else 1
+            dense_min_rows(weight, self.output_head, self.int8_gemm, int8_prompts)
+            if self.lib
+            else 1
         )
 
     def process_weight(self, layer: Linear) -> None:
