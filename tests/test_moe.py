@@ -190,7 +190,7 @@ def test_quantized_experts_equal_their_dense_selves(
         scale = want.abs().max()
         assert (got - want).abs().max() <= 0.02 * scale, fn
     assert quantized.tokens.sum() == tokens * 4
-    # 40 tokens x 4 of 8 experts: ~20 rows an expert, past the Q8_0 GEMM's 12.
+    # 40 tokens x 4 of 8 experts: ~20 rows an expert, past the GEMM's 12.
     assert bool(calls) == (quantized.int8_gemm and tokens == 40)
 
 

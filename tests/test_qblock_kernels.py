@@ -400,7 +400,7 @@ def test_int8_prompts_take_the_gemm_past_the_crossover(type_name: str, kernel_le
     assert not head.method.int8_gemm
     on_blocks = kernel_level in INT8_PROMPTS_ON_BLOCKS
     if layer.method.int8_gemm:  # its crossover, not the dense path's
-        assert layer.method.dense_min_rows == (20 if weight.integer_scales else 12)
+        assert layer.method.dense_min_rows == 12
     assert (layer.method.dense_min_rows == sys.maxsize) == on_blocks
     lib = kernels.load()
     assert lib is not None

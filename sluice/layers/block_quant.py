@@ -65,14 +65,14 @@ DENSE_MIN_ROWS_INTEGER = {"avx512": 32, "avx2": 32, "generic": 4}
 # yet (its GEMM is portable C++ there, for the tests).
 INT8_GEMM_LEVELS = frozenset({"avx512"})
 # Rows from which a weight on the int8 GEMM leaves the block kernel (in place of
-# DENSE_MIN_ROWS*): one layer's seven linears at 16/20/24 rows took 29.9/36.4/46.6 ms
-# on the block kernel and 30.8/30.7/38.1 on the GEMM (Qwen2.5-7B's Q4_K/Q6_K), and
-# Qwen2.5-Coder-0.5B's Q5_0/Q8_0 layer 1.83 against 1.27 ms at 12 rows, 1.22 against
-# 1.12 at 8 (2 cores of Zen 4, benchmarks/few_rows.py, 2 rounds). fp16 scales stay at
-# 12 so that a verifying step of up to 11 drafts keeps the block kernel's rows, equal
-# to the decode steps it replaces.
+# DENSE_MIN_ROWS*), every format alike: one layer's seven linears at 8/10/12/16 rows
+# took 13.7/17.5/22.3/27.9 ms on the block kernel and 17.9/20.0/21.8/24.4 on the GEMM
+# (Qwen2.5-7B's Q4_K/Q6_K), 2.89/3.71/4.40/5.64 against 2.64/3.07/3.07/3.68 on
+# Qwen2.5-Coder-1.5B's, and Qwen2.5-Coder-0.5B's Q5_0/Q8_0 layer 1.83 against 1.27 ms
+# at 12 rows (2 cores of Zen 4, benchmarks/few_rows.py, 3 rounds). Not below 12: a
+# verifying step of up to 11 drafts keeps the block kernel's rows, equal to the decode
+# steps it replaces.
 GEMM_MIN_ROWS = {"avx512": 12}
-GEMM_MIN_ROWS_INTEGER = {"avx512": 20}
 # Levels without the int8 GEMM where a model that takes int8 prompts keeps every row
 # count on the block kernel: at avx2 it beats dequantized tiles + fp32 GEMM at 16-512
 # rows (Qwen2.5-1.5B's shapes at 512: Q4_K gate/up 59 against 113 ms, Q6_K down 74
@@ -99,14 +99,14 @@ def dense_min_rows(
     for dequantized tiles + GEMM (DENSE_MIN_ROWS, DENSE_MIN_ROWS_INTEGER; never for a
     HEAD_ON_BLOCKS head, nor for a layer taking `int8_prompts` at an
     INT8_PROMPTS_ON_BLOCKS level), or with `int8_gemm` for the int8 GEMM
-    (GEMM_MIN_ROWS*)."""
+    (GEMM_MIN_ROWS)."""
     level = kernels.variant()
     if output_head and level in HEAD_ON_BLOCKS:
         return sys.maxsize
     if int8_prompts and not int8_gemm and level in INT8_PROMPTS_ON_BLOCKS:
         return sys.maxsize
     if int8_gemm:
-        table = GEMM_MIN_ROWS_INTEGER if weight.integer_scales else GEMM_MIN_ROWS
+        table = GEMM_MIN_ROWS
     else:
         table = DENSE_MIN_ROWS_INTEGER if weight.integer_scales else DENSE_MIN_ROWS
     return table.get(level, 4)

@@ -109,14 +109,11 @@ struct GemmPanel {
   std::vector<float> d, m;
 };
 
-// Pair p of weight row w as 64 values in natural K order.
+#if !defined(SLUICE_ISA_AVX512)
+// Pair p of weight row w as 64 values in natural K order (pair order's 16-value runs
+// are natural runs 0, 2, 1, 3: qblock.h).
 template <int BITS>
-SLUICE_INLINE void gemm_unpack_natural(const QbRow& w, int p, uint8_t* out) {
-#if defined(SLUICE_ISA_AVX512)
-  // Pair order's 16-value runs are natural runs 0, 2, 1, 3 (qblock.h).
-  const __m512i u = qb_unpack<BITS>(w, p);
-  _mm512_storeu_si512(out, _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0)));
-#else
+void gemm_unpack_natural(const QbRow& w, int p, uint8_t* out) {
   const uint8_t* b = w.w + (BITS == 8 ? 64 : 32) * p;
   for (int i = 0; i < 64; ++i) {  // i: pair position
     int v = BITS == 8 ? b[i] : i < 32 ? (b[i] & 0x0F) : (b[i - 32] >> 4);
@@ -124,8 +121,8 @@ SLUICE_INLINE void gemm_unpack_natural(const QbRow& w, int p, uint8_t* out) {
     if (BITS == 6) v |= ((w.h[16 * p + i % 16] >> (2 * (i / 16))) & 3) << 4;
     out[qb_run_k(0, i / 16) + i % 16] = static_cast<uint8_t>(v);
   }
-#endif
 }
+#endif
 
 #if defined(SLUICE_ISA_AVX512)
 // 16 vectors of 16 int32 transposed in place: v[i] lane j <- v[j] lane i.
@@ -163,6 +160,31 @@ void gemm_pack(const QbWeight& wt, int K, int N, int n0, GemmPanel& panel) {
   panel.d.assign(static_cast<size_t>(ng) * kGemmCols, 0.f);
   const bool offsets = wt.m != nullptr;
   if (offsets) panel.m.assign(panel.d.size(), 0.f);
+#if defined(SLUICE_ISA_AVX512)
+  // 16 groups of 16 columns at a time: each column's as a vector, transposed.
+  for (int v = 0; v < 2; ++v) {
+    const int c0 = 16 * v, live = std::max(0, std::min(16, N - n0 - c0));
+    for (int g0 = 0; g0 < ng; g0 += 16) {
+      const int count = std::min(16, ng - g0);
+      const __mmask16 k = static_cast<__mmask16>((1u << count) - 1);
+      for (int which = 0; which < (offsets ? 2 : 1); ++which) {
+        __m512i cols[16];
+        for (int i = 0; i < 16; ++i) {
+          if (i >= live) {
+            cols[i] = _mm512_setzero_si512();
+            continue;
+          }
+          const QbRow w = wt.row<BITS, G, IQ>(K, n0 + c0 + i);
+          const __m512 f = which ? qb_groups16<G, IQ>(w.m, w.sm, g0, k) : qb_groups16<G, IQ>(w.d, w.sd, g0, k);
+          cols[i] = _mm512_castps_si512(f);
+        }
+        gemm_transpose16(cols);
+        float* dst = (which ? panel.m : panel.d).data() + static_cast<int64_t>(g0) * kGemmCols + c0;
+        for (int j = 0; j < count; ++j) _mm512_storeu_si512(dst + j * kGemmCols, cols[j]);
+      }
+    }
+  }
+#else
   for (int c = 0; c < kGemmCols && n0 + c < N; ++c) {
     const QbRow w = wt.row<BITS, G, IQ>(K, n0 + c);
     for (int g = 0; g < ng; ++g) {
@@ -170,24 +192,42 @@ void gemm_pack(const QbWeight& wt, int K, int N, int n0, GemmPanel& panel) {
       if (offsets) panel.m[static_cast<size_t>(g) * kGemmCols + c] = qb_group<G, IQ>(w.m, w.sm, g);
     }
   }
+#endif
   for (int v = 0; v < 2; ++v) {
     const int c0 = 16 * v;
-    for (int p = 0; p < np; ++p) {
-      alignas(64) uint8_t nat[16][64] = {};  // column c0 + i's 64 values of pair p
-      for (int i = 0; i < 16 && n0 + c0 + i < N; ++i)
-        gemm_unpack_natural<BITS>(wt.row<BITS, G, IQ>(K, n0 + c0 + i), p, nat[i]);
-      // k4 step 16p + j, vector v: lane i = column c0 + i's bytes 4j .. 4j + 3.
-      uint8_t* dst = panel.u.data() + (static_cast<int64_t>(16) * p * 2 + v) * 64;
+    const int live = std::max(0, std::min(16, N - n0 - c0));  // rows past N stay zero
+    QbRow w[16];
+    for (int i = 0; i < live; ++i) w[i] = wt.row<BITS, G, IQ>(K, n0 + c0 + i);
 #if defined(SLUICE_ISA_AVX512)
+    // Pair p of the 16 rows, unpacked into registers and transposed there: k4 step
+    // 16p + j of vector v holds in lane i column c0 + i's values 4j .. 4j + 3. The 16
+    // rows are 16 streams through memory, so each is prefetched ahead (reading them
+    // pair by pair without it waited on memory; unpacking rows whole into a scratch and
+    // transposing from there cost a round trip through L2).
+    for (int p = 0; p < np; ++p) {
       __m512i rows[16];
-      for (int i = 0; i < 16; ++i) rows[i] = _mm512_load_si512(nat[i]);
+      for (int i = 0; i < 16; ++i) {
+        if (i < live) {
+          if (p % 2 == 0) qb_prefetch<BITS>(w[i], p);
+          const __m512i u = qb_unpack<BITS>(w[i], p);
+          rows[i] = _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0));  // natural order
+        } else {
+          rows[i] = _mm512_setzero_si512();
+        }
+      }
       gemm_transpose16(rows);
+      uint8_t* dst = panel.u.data() + (static_cast<int64_t>(16) * p * 2 + v) * 64;
       for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + j * 128, rows[j]);
+    }
 #else
+    alignas(64) uint8_t nat[16][64] = {};
+    for (int p = 0; p < np; ++p) {
+      for (int i = 0; i < live; ++i) gemm_unpack_natural<BITS>(w[i], p, nat[i]);
+      uint8_t* dst = panel.u.data() + (static_cast<int64_t>(16) * p * 2 + v) * 64;
       for (int j = 0; j < 16; ++j)
         for (int i = 0; i < 16; ++i) std::memcpy(dst + j * 128 + 4 * i, nat[i] + 4 * j, 4);
-#endif
     }
+#endif
   }
 }
 
