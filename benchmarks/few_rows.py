@@ -133,7 +133,7 @@ def main() -> None:
         "dense_min_rows": {n: dense_min_rows(w) for n, w in weights.items()},
         # Where a model on the int8 GEMM leaves the block kernel (int8 prompts).
         "gemm_min_rows": {
-            n: dense_min_rows(w, int8_gemm=True)
+            n: dense_min_rows(w, int8_prompts=True)
             for n, w in weights.items()
             if kernels.variant() in INT8_GEMM_LEVELS
         },

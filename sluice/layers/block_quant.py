@@ -58,12 +58,6 @@ DENSE_MIN_ROWS = {"avx512": 16, "avx2": 16, "generic": 4}
 # on the latter at avx2 (2 cores of Zen 4, ad hoc, alternating); its 16 had held
 # 16-stream steps on the dense path.
 DENSE_MIN_ROWS_INTEGER = {"avx512": 32, "avx2": 32, "generic": 4}
-# Levels where many rows take the int8 GEMM (csrc/qblock_gemm.h: VNNI) instead of
-# dequantized tiles + torch's bf16 GEMM, for models that ask (BlockQuantized's
-# int8_prompts): 0.50-0.59x the dense path's time at 32-512 rows on Qwen2.5-7B's Q4_K
-# gate and Q6_K down projections (2 cores of Zen 4, ad hoc). AVX2 has no such kernel
-# yet (its GEMM is portable C++ there, for the tests).
-INT8_GEMM_LEVELS = frozenset({"avx512"})
 # Rows from which a weight on the int8 GEMM leaves the block kernel (in place of
 # DENSE_MIN_ROWS*), every format alike: one layer's seven linears at 8/10/12/16 rows
 # took 13.7/17.5/22.3/27.9 ms on the block kernel and 17.9/20.0/21.8/24.4 on the GEMM
@@ -73,6 +67,12 @@ INT8_GEMM_LEVELS = frozenset({"avx512"})
 # verifying step of up to 11 drafts keeps the block kernel's rows, equal to the decode
 # steps it replaces.
 GEMM_MIN_ROWS = {"avx512": 12}
+# Levels where many rows take the int8 GEMM (csrc/qblock_gemm.h: VNNI) instead of
+# dequantized tiles + torch's bf16 GEMM, for models that ask (BlockQuantized's
+# int8_prompts): 0.50-0.59x the dense path's time at 32-512 rows on Qwen2.5-7B's Q4_K
+# gate and Q6_K down projections (2 cores of Zen 4, ad hoc): the levels GEMM_MIN_ROWS
+# names. Below them the GEMM is portable C++, for the tests (INT8_PROMPTS_ON_BLOCKS).
+INT8_GEMM_LEVELS = frozenset(GEMM_MIN_ROWS)
 # Levels without the int8 GEMM where a model that takes int8 prompts keeps every row
 # count on the block kernel: at avx2 it beats dequantized tiles + fp32 GEMM at 16-512
 # rows (Qwen2.5-1.5B's shapes at 512: Q4_K gate/up 59 against 113 ms, Q6_K down 74
@@ -90,25 +90,22 @@ HEAD_ON_BLOCKS = frozenset({"avx2"})
 
 
 def dense_min_rows(
-    weight: QuantizedTensor,
-    output_head: bool = False,
-    int8_gemm: bool = False,
-    int8_prompts: bool = False,
+    weight: QuantizedTensor, output_head: bool = False, int8_prompts: bool = False
 ) -> int:
-    """The row count from which `weight` leaves the block kernel on the active kernels:
-    for dequantized tiles + GEMM (DENSE_MIN_ROWS, DENSE_MIN_ROWS_INTEGER; never for a
-    HEAD_ON_BLOCKS head, nor for a layer taking `int8_prompts` at an
-    INT8_PROMPTS_ON_BLOCKS level), or with `int8_gemm` for the int8 GEMM
-    (GEMM_MIN_ROWS)."""
+    """The row count from which `weight` leaves the block kernel on the active kernels.
+    A layer taking `int8_prompts` (never the head) goes to the int8 GEMM from
+    GEMM_MIN_ROWS where the level has it, and stays on the block kernel at an
+    INT8_PROMPTS_ON_BLOCKS level; otherwise to dequantized tiles + GEMM from
+    DENSE_MIN_ROWS / DENSE_MIN_ROWS_INTEGER (never for a HEAD_ON_BLOCKS head)."""
     level = kernels.variant()
     if output_head and level in HEAD_ON_BLOCKS:
         return sys.maxsize
-    if int8_prompts and not int8_gemm and level in INT8_PROMPTS_ON_BLOCKS:
-        return sys.maxsize
-    if int8_gemm:
-        table = GEMM_MIN_ROWS
-    else:
-        table = DENSE_MIN_ROWS_INTEGER if weight.integer_scales else DENSE_MIN_ROWS
+    if int8_prompts and not output_head:
+        if level in INT8_GEMM_LEVELS:
+            return GEMM_MIN_ROWS[level]
+        if level in INT8_PROMPTS_ON_BLOCKS:
+            return sys.maxsize
+    table = DENSE_MIN_ROWS_INTEGER if weight.integer_scales else DENSE_MIN_ROWS
     return table.get(level, 4)
 
 
@@ -226,13 +223,10 @@ class BlockQuantized(LinearMethod):
             _row_max_abs(self.lib, weight) if self.output_head and self.lib is not None else None
         )
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
-        int8_prompts = self.int8_prompts and not self.output_head
-        self.int8_gemm = int8_gemm_for(self.lib, int8_prompts)
+        self.int8_gemm = int8_gemm_for(self.lib, self.int8_prompts and not self.output_head)
         # Without our kernels the dense path is the only one.
         self.dense_min_rows = (
-            dense_min_rows(weight, self.output_head, self.int8_gemm, int8_prompts)
-            if self.lib
-            else 1
+            dense_min_rows(weight, self.output_head, self.int8_prompts) if self.lib else 1
         )
 
     def process_weight(self, layer: Linear) -> None:

@@ -106,9 +106,10 @@ class Experts(nn.Module):
             self.lib = cpu_kernels(torch.empty(0, dtype=dtype))
             self.int8_gemm = int8_gemm_for(self.lib, int8_prompts)
             if self.lib is not None:
-                paths = {"int8_gemm": self.int8_gemm, "int8_prompts": int8_prompts}
-                self.gate_up_dense_rows = dense_min_rows(self.gate_up_weight, **paths)
-                self.down_dense_rows = dense_min_rows(down, **paths)
+                self.gate_up_dense_rows = dense_min_rows(
+                    self.gate_up_weight, int8_prompts=int8_prompts
+                )
+                self.down_dense_rows = dense_min_rows(down, int8_prompts=int8_prompts)
             return
         # On the model's device (the checkpoint's tensors are on the CPU).
         dense = [_dense(w, shape, dtype).to(self.tokens.device) for _, w, shape in parts]

@@ -277,10 +277,8 @@ class LlamaForCausalLM(nn.Module):
         mlp = layer.mlp
         if isinstance(mlp, SparseMoE):
             head = self.lm_head.method  # the model's quantization, as every Linear has it
-            if isinstance(head, BlockQuantized):
-                mlp.load(ck, p + "mlp.", True, head.int8_prompts)
-            else:
-                mlp.load(ck, p + "mlp.", False)
+            int8_prompts = isinstance(head, BlockQuantized) and head.int8_prompts
+            mlp.load(ck, p + "mlp.", isinstance(head, BlockQuantized), int8_prompts)
         else:
             ck.put_linear(mlp.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
             ck.put_linear(mlp.down_proj, [p + "mlp.down_proj.weight"])

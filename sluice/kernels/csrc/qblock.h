@@ -692,11 +692,12 @@ constexpr int kQbRowBlock = 12;
 constexpr int kQbRowBlock = 4;
 #endif
 
-// f(std::integral_constant<int, R>) for the runtime R in 1 .. kQbRowBlock.
-template <int R = 1, typename F>
+// f(std::integral_constant<int, R>) for the runtime R in 1 .. MAX (the block kernel's
+// kQbRowBlock, or another kernel's row block: qblock_gemm.h).
+template <int MAX = kQbRowBlock, int R = 1, typename F>
 SLUICE_INLINE void qb_with_rows(int rows, F&& f) {
-  if constexpr (R < kQbRowBlock) {
-    if (rows > R) return qb_with_rows<R + 1>(rows, f);
+  if constexpr (R < MAX) {
+    if (rows > R) return qb_with_rows<MAX, R + 1>(rows, f);
   }
   f(std::integral_constant<int, R>{});
 }

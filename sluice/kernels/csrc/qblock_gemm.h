@@ -337,18 +337,12 @@ void qblock_gemm_t(const T* x, int M, int K, const QbWeight& wt, int N, T* y,
     const int cols = std::min(kGemmCols, N - n0);
     for (int r0 = 0; r0 < M; r0 += kGemmRows) {
       const int rows = std::min(kGemmRows, M - r0);
-      const auto run = [&](auto R) {
+      qb_with_rows<kGemmRows>(rows, [&](auto R) {
         if (sym)
           gemm_rows<G, kSpanGroups, true, R>(panel, a, r0, K, out);
         else
           gemm_rows<G, kSpanGroups, false, R>(panel, a, r0, K, out);
-      };
-      switch (rows) {
-        case 1: run(std::integral_constant<int, 1>{}); break;
-        case 2: run(std::integral_constant<int, 2>{}); break;
-        case 3: run(std::integral_constant<int, 3>{}); break;
-        default: run(std::integral_constant<int, 4>{}); break;
-      }
+      });
       for (int r = 0; r < rows; ++r) {
         T* yr = y + static_cast<int64_t>(r0 + r) * N + n0;
         for (int c = 0; c < cols; ++c) yr[c] = round_to(yr + c, out[r][c]);
