@@ -15,6 +15,7 @@ from sluice.core.choices import (
     DTYPES,
     KV_CACHE_DTYPES,
     KV_ROLES,
+    LORA_DTYPES,
     PROMPT_ACTIVATIONS,
     QUANTIZATIONS,
     REASONING_PARSERS,
@@ -25,6 +26,7 @@ from sluice.core.choices import (
     DType,
     KVCacheDType,
     KVRole,
+    LoRADType,
     PoolingMode,
     PromptActivations,
     Quantization,
@@ -248,6 +250,15 @@ def resolve_prompt_activations(choice: str, hidden_size: int) -> bool:
     chosen = parse_choice("prompt_activations", choice, PROMPT_ACTIVATIONS, ConfigError)
     if chosen == "auto":
         return hidden_size >= INT8_PROMPTS_MIN_HIDDEN
+    return chosen == "int8"
+
+
+def resolve_lora_dtype(choice: str, quantization: WeightQuantization) -> bool:
+    """Whether adapters are stored as int8: beside quantized base weights (whose own
+    error is far larger than int8's on an adapter's small product), or when asked for."""
+    chosen = parse_choice("lora_dtype", choice, LORA_DTYPES, ConfigError)
+    if chosen == "auto":
+        return quantization != "none"
     return chosen == "int8"
 
 
@@ -609,6 +620,15 @@ class EngineConfig:
         default=16,
         metadata=doc("with --enable-lora, the highest adapter rank accepted (the slots' size)"),
     )
+    lora_dtype: LoRADType = field(
+        default="auto",
+        metadata=doc(
+            "with --enable-lora, how adapters' matrices are stored: int8 (a scale per row of "
+            "A and per column of B; half the bytes of bf16, which is what an adapter adds to "
+            "a decode step), model (the compute dtype: equal to PEFT's output in float32); "
+            "auto: int8 beside quantized base weights, model beside dense ones"
+        ),
+    )
     max_cpu_loras: int | None = field(
         default=None,
         metadata=doc(
@@ -652,6 +672,7 @@ class EngineConfig:
         self.prompt_activations = parse_choice(
             "prompt_activations", self.prompt_activations, PROMPT_ACTIVATIONS, ConfigError
         )
+        self.lora_dtype = parse_choice("lora_dtype", self.lora_dtype, LORA_DTYPES, ConfigError)
         self.dtype = parse_choice("dtype", self.dtype, DTYPES, ConfigError)
         self._check_kv_cache_dtype()
         self.distributed_executor_backend = parse_choice(

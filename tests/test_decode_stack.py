@@ -374,17 +374,22 @@ def test_stack_is_not_built_for_a_shared_expert_or_dense_experts(
 
 
 @pytest.mark.parametrize(
-    ("level", "dtype"),
+    ("level", "dtype", "lora_dtype"),
     [
-        (level, dtype)
+        (level, dtype, lora_dtype)
         for level in cpu.available_levels()
-        for dtype in (("bfloat16", "float32") if level == cpu.level() else ("float32",))
+        for dtype, lora_dtype in (
+            (("bfloat16", "int8"), ("bfloat16", "model"), ("float32", "int8"))
+            if level == cpu.level()
+            else (("float32", "int8"), ("float32", "model"))
+        )
     ],
 )
-def test_stack_equals_model_with_lora_adapters(level: str, dtype: str) -> None:
+def test_stack_equals_model_with_lora_adapters(level: str, dtype: str, lora_dtype: str) -> None:
     """Steps mixing two adapters and the base run in the stack, each adapted linear
-    adding its rows' products where the eager Linear adds them: the same tokens and
-    logprobs bit for bit as the model layer by layer."""
+    adding its rows' products where the eager Linear adds them (slots in int8 or in
+    the model's dtype): the same tokens and logprobs bit for bit as the model layer by
+    layer."""
     from sluice import LoRARequest
 
     lora_dir = Path(__file__).parent / "data" / "lora"
@@ -394,11 +399,11 @@ def test_stack_equals_model_with_lora_adapters(level: str, dtype: str) -> None:
         LoRARequest("caps", 2, str(lora_dir / "smollm2-caps")),
     ]
     with kernels_at(level):
-        llm = LLM(
-            quantization="gguf", dtype=dtype, kv_cache_memory=0.05, enable_lora=True, max_loras=2
-        )
+        llm = LLM(quantization="gguf", dtype=dtype, kv_cache_memory=0.05, enable_lora=True,
+                  max_loras=2, lora_dtype=lora_dtype)  # fmt: skip
         stack = built_stack(llm)
         assert stack.has_lora
+        assert llm.engine.runner.lora.layers[0].int8 == (lora_dtype == "int8")
         runner = llm.engine.runner
         sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=3)
         adapted_calls = 0
@@ -431,9 +436,10 @@ def test_stack_equals_model_with_lora_adapters(level: str, dtype: str) -> None:
         assert results[1][0][0] != plain[0].outputs[0].token_ids  # the adapters do act
 
 
+@pytest.mark.parametrize("lora_dtype", ["int8", "model"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stack_adds_the_qkv_bias_before_the_adapter(
-    dtype: str, tmp_path: Path, tokenizer: Path, kernel_level: str
+    dtype: str, lora_dtype: str, tmp_path: Path, tokenizer: Path, kernel_level: str
 ) -> None:
     """Qwen2's q/k/v biases: the stack adds each to the base output, rounded, before
     the adapter's product (as the eager Linear does), for rows with and without an
@@ -442,7 +448,7 @@ def test_stack_adds_the_qkv_bias_before_the_adapter(
 
     path = random_gguf("qwen2", "Q8_0", tmp_path, tokenizer)
     llm = LLM(model=str(path), quantization="gguf", dtype=dtype, kv_cache_memory=0.02,
-              enable_lora=True, max_loras=2)  # fmt: skip
+              enable_lora=True, max_loras=2, lora_dtype=lora_dtype)  # fmt: skip
     assert built_stack(llm).has_lora
     config = llm.engine.model_config
     folder = write_random_adapter(config, 8, 0, tmp_path / "adapter", b_scale=0.5)

@@ -9,6 +9,7 @@ import torch
 
 from sluice import kernels
 from sluice.core.lora import LoRAAdapter, LoRAModule
+from sluice.kernels import lora as lora_kernels
 from sluice.layers.lora import LoRAMapping, LoRASlots, lora_step
 
 # A q/k/v layer: in 64, outputs 160 + 64 + 40 (the expand sums 64 columns at a time:
@@ -48,16 +49,41 @@ def _reference(
     return out
 
 
-def _slots(dtype: torch.dtype, max_rank: int = 16) -> LoRASlots:
+def _slots(dtype: torch.dtype, max_rank: int = 16, int8: bool = False) -> LoRASlots:
     return LoRASlots(
-        layer=0, targets=TARGETS, widths=WIDTHS, in_features=IN, max_loras=3, max_rank=max_rank
-    ).to(dtype)
+        layer=0,
+        targets=TARGETS,
+        widths=WIDTHS,
+        in_features=IN,
+        max_loras=3,
+        max_rank=max_rank,
+        dtype=dtype,
+        int8=int8,
+    )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_row_adds_its_own_adapter(kernel_level: str, dtype: torch.dtype) -> None:
+def _as_stored(adapter: LoRAAdapter) -> LoRAAdapter:
+    """The adapter as int8 slots hold it: each A row and B column rounded to int8
+    steps of its own absmax / 127."""
+
+    def rounded(w: torch.Tensor) -> torch.Tensor:
+        step = w.abs().amax(dim=1, keepdim=True) / 127
+        return torch.round(w / step) * step
+
+    modules = {k: LoRAModule(rounded(m.a), rounded(m.b.t()).t())
+               for k, m in adapter.modules.items()}  # fmt: skip
+    return LoRAAdapter(adapter.name, "/x", adapter.key, adapter.rank, modules)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "int8"),
+    [(dtype, int8) for int8 in (False, True) for dtype in (torch.float32, torch.bfloat16)],
+)
+def test_each_row_adds_its_own_adapter(kernel_level: str, dtype: torch.dtype, int8: bool) -> None:
+    """Each row gets its own slot's product; int8 slots compute exactly what their
+    rounded matrices give (fp32), within int8's rounding of the adapter itself."""
     assert kernels.variant() == kernel_level
-    layer = _slots(dtype)
+    layer = _slots(dtype, int8=int8)
     ad = [
         _adapter(1, 8, TARGETS),
         _adapter(2, 16, ("q_proj", "v_proj")),
@@ -69,37 +95,45 @@ def test_each_row_adds_its_own_adapter(kernel_level: str, dtype: torch.dtype) ->
     x = torch.randn(len(rows), IN).to(dtype)
     y = torch.randn(len(rows), OUT).to(dtype)
     slots = torch.tensor([-1 if r is None else r for r in rows], dtype=torch.int32)
-    want = _reference(x, y, [None if r is None else ad[r] for r in rows])
+    stored = [_as_stored(a) for a in ad] if int8 else ad
+    want = _reference(x, y, [None if r is None else stored[r] for r in rows])
     with lora_step(LoRAMapping(slots, torch.device("cpu"))):
         got = layer(x, y.clone())
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     scale = want.abs().max().item()
     assert (got.double() - want).abs().max().item() <= tol * scale
+    if int8:  # and the rounding itself is small beside the product
+        exact = _reference(x, y, [None if r is None else ad[r] for r in rows])
+        assert (got.double() - exact).abs().max().item() <= 3e-2 * scale
     base_rows = [i for i, r in enumerate(rows) if r is None]
     assert torch.equal(got[base_rows], y[base_rows])  # untouched, bit for bit
 
 
-def test_torch_path_matches_kernels() -> None:
+@pytest.mark.parametrize("int8", [False, True])
+def test_torch_path_matches_kernels(int8: bool) -> None:
     """The path off CPU (every slot's product, masked per row) gives what the kernels
     give, also after a slot is loaded again."""
-    layer = _slots(torch.float32)
+    layer = _slots(torch.float32, int8=int8)
     ad = [_adapter(4, 8, TARGETS), _adapter(5, 12, TARGETS)]
     for slot, a in enumerate(ad):
         layer.load(slot, a)
     x, y = torch.randn(5, IN), torch.randn(5, OUT)
     slots = torch.tensor([1, -1, 0, 1, 0], dtype=torch.int32)
     mapping = LoRAMapping(slots, torch.device("cpu"))
+    # Two fp32 sums of the same products in different orders: a few units in the last
+    # place of the largest partial sums (the products reach ~64, where one is 7.6e-6).
+    close = {"rtol": 1e-5, "atol": 4e-5}
     with lora_step(mapping):
         fast = layer(x, y.clone())
     slow = y.clone()
     layer.add_with_torch(x, slow, mapping)
-    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast, slow, **close)
     layer.load(0, _adapter(9, 16, ("k_proj", "v_proj")))  # a new adapter in slot 0
     with lora_step(mapping):
         fast = layer(x, y.clone())
     slow = y.clone()
     layer.add_with_torch(x, slow, mapping)
-    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast, slow, **close)
 
 
 def test_reloading_a_slot_replaces_every_slice() -> None:
@@ -123,3 +157,11 @@ def test_no_mapping_leaves_the_output_alone() -> None:
     layer.load(0, _adapter(8, 8, TARGETS))
     y = torch.randn(2, OUT)
     assert layer(torch.randn(2, IN), y) is y
+
+
+def test_tile_width_matches_the_library() -> None:
+    """The slots are laid out in the tiles the compiled expand reads."""
+    lib = kernels.load()
+    if lib is None:
+        pytest.skip("no kernels")
+    assert lora_kernels.tile_columns(lib) == lora_kernels.TILE_COLUMNS

@@ -47,6 +47,13 @@ POOLING_MODES: tuple[PoolingMode, ...] = get_args(PoolingMode)
 LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_TARGETS: tuple[LoRATarget, ...] = get_args(LoRATarget)
 
+# How LoRA adapters' matrices are stored in their slots: "model" in the compute dtype;
+# "int8" with a scale per row of A and per column of B (half of bf16's bytes, which
+# is what an adapter costs a decode step); "auto": int8 beside quantized base
+# weights, the model's dtype beside dense ones (config.resolve_lora_dtype).
+LoRADType = Literal["auto", "int8", "model"]
+LORA_DTYPES: tuple[LoRADType, ...] = get_args(LoRADType)
+
 # How many-row matmuls (prompts, many streams) on GGUF-quantized weights take their
 # activations: "int8" as the block kernel and llama.cpp do, on the int8 GEMM; "float"
 # in the compute dtype, on dequantized tiles; "auto" by model size

@@ -28,6 +28,7 @@ from sluice.config import (
     ModelConfig,
     PoolerConfig,
     resolve_dtype,
+    resolve_lora_dtype,
     resolve_prompt_activations,
     resolve_quantization,
 )
@@ -220,6 +221,11 @@ def _load_target(config: EngineConfig, device: torch.device) -> _Target:
     return _Target(loaded, options, needs_features, drafter, _pooler(loaded), lora)
 
 
+def _lora_capacity(config: EngineConfig, options: RunnerOptions) -> LoRACapacity:
+    int8 = resolve_lora_dtype(config.lora_dtype, options.quantization)
+    return LoRACapacity(config.max_loras, config.max_lora_rank, int8=int8)
+
+
 def _pooler(loaded: LoadedModel) -> PoolerConfig:
     """What embedding requests get from this model: an encoder's (or a decoder's
     sentence-transformers folder's) pipeline, else a decoder's last token, normalized
@@ -260,7 +266,7 @@ def _build_serving(config: EngineConfig, target: _Target, undo: contextlib.ExitS
         variant=ModelVariant(
             return_features=target.needs_features,
             pool_mode=target.pooler.mode,
-            lora=LoRACapacity(config.max_loras, config.max_lora_rank) if target.lora else None,
+            lora=_lora_capacity(config, options) if target.lora else None,
         ),
         tp=tp.group if tp else None,
         followers=tp.workers if tp else None,

@@ -25,6 +25,7 @@ from sluice import kernels
 from sluice.core.choices import LoRATarget
 from sluice.core.lora import LoRAAdapter
 from sluice.kernels import lora as lora_kernels
+from sluice.kernels.lora import TILE_COLUMNS
 
 
 class LoRAMapping:
@@ -61,8 +62,13 @@ def lora_step(mapping: LoRAMapping | None) -> Iterator[None]:
 
 
 class LoRASlots(nn.Module):
-    """One Linear's adapter slots: A [slots, slices * rank, in] and B^T [slots, rank,
-    out] in the compute dtype, zero where a slot (or a slice of it) holds nothing."""
+    """One Linear's adapter slots: A [slots, slices * rank, in] and B^T in tiles of
+    columns, [slots, tiles, rank, TILE_COLUMNS] (each slice's columns cut into whole
+    tiles, the last zero-padded: an expand reads a tile's rank rows as one run), zero
+    where a slot (or a slice of it) holds nothing. In the compute dtype, or int8 with a
+    scale per row of A and per column of B (a row of B^T within a slice); the kernels
+    take their product per (slot, slice row), `u_scale`, as a factor of the shrink's
+    output, and read the int8 matrices as plain numbers."""
 
     def __init__(
         self,
@@ -73,34 +79,49 @@ class LoRASlots(nn.Module):
         in_features: int,
         max_loras: int,
         max_rank: int,
+        dtype: torch.dtype,
+        int8: bool = False,
     ) -> None:
         """targets and widths: the projections this layer fuses, in output order, and
-        how many output columns each has (built under the model's dtype and device)."""
+        how many output columns each has (built on the default device)."""
         super().__init__()
         self.layer = layer
         self.targets = targets
         self.rank = max_rank
-        bounds = [0]
+        self.dtype = dtype  # the activations' (and, unless int8, the matrices')
+        self.int8 = int8
+        bounds, tiles = [0], [0]  # each slice's first column, and first tile of B^T
         for w in widths:
             bounds.append(bounds[-1] + w)
-        self.bounds = bounds
+            tiles.append(tiles[-1] + -(-w // TILE_COLUMNS))
+        self.bounds, self.tiles = bounds, tiles
         self.offsets = torch.tensor(bounds, dtype=torch.int32, device="cpu")
         n = len(targets)
+        stored = torch.int8 if int8 else dtype
         self.a: torch.Tensor
         self.bt: torch.Tensor
-        self.register_buffer("a", torch.zeros(max_loras, n * max_rank, in_features), False)
-        self.register_buffer("bt", torch.zeros(max_loras, max_rank, bounds[-1]), False)
+        a = torch.zeros(max_loras, n * max_rank, in_features, dtype=stored)
+        bt = torch.zeros(max_loras, tiles[-1], max_rank, TILE_COLUMNS, dtype=stored)
+        self.register_buffer("a", a, False)
+        self.register_buffer("bt", bt, False)
+        # int8: A's row scales, B's column scales (per slice row), and their product.
+        self.a_scale: torch.Tensor | None
+        self.b_scale: torch.Tensor | None
+        self.u_scale: torch.Tensor | None
+        for name in ("a_scale", "b_scale", "u_scale"):
+            scale = torch.zeros(max_loras, n * max_rank) if int8 else None
+            self.register_buffer(name, scale, False)
         # Per slot, the rank its adapter has here (0: it adapts nothing in this layer):
         # the kernels read no padding past it. On the CPU, for the kernels.
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device="cpu")
-        self._blocks: torch.Tensor | None = None  # the torch path's B (_b_blocks)
+        self._dense: tuple[torch.Tensor, torch.Tensor] | None = None  # the torch path's
 
     def load(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Put this layer's part of `adapter` into `slot` (None: empty it)."""
         self.a[slot].zero_()
         self.bt[slot].zero_()
         self.ranks[slot] = 0
-        self._blocks = None
+        self._dense = None
         if adapter is None:
             return
         for j, target in enumerate(self.targets):
@@ -109,9 +130,16 @@ class LoRASlots(nn.Module):
                 continue
             r, first = m.a.shape[0], j * self.rank
             self.ranks[slot] = max(int(self.ranks[slot]), r)
-            self.a[slot, first : first + r] = m.a.to(self.a.dtype)
-            cols = slice(self.bounds[j], self.bounds[j + 1])
-            self.bt[slot, :r, cols] = m.b.t().to(self.bt.dtype)
+            rows, bt = slice(first, first + r), m.b.t()
+            if self.a_scale is None or self.b_scale is None:
+                self.a[slot, rows] = m.a.to(self.dtype)
+                self.bt[slot, self.tiles[j] : self.tiles[j + 1], :r] = _tiled(bt.to(self.dtype))
+                continue
+            self.a[slot, rows], self.a_scale[slot, rows] = _int8_rows(m.a)
+            bt, self.b_scale[slot, rows] = _int8_rows(bt)
+            self.bt[slot, self.tiles[j] : self.tiles[j + 1], :r] = _tiled(bt)
+        if self.u_scale is not None and self.a_scale is not None and self.b_scale is not None:
+            self.u_scale[slot] = self.a_scale[slot] * self.b_scale[slot]
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base output for rows x) plus each row's adapter product."""
@@ -119,9 +147,11 @@ class LoRASlots(nn.Module):
         if mapping is None:
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-        lib = _kernel_lib(x2, y2, self.a)
+        lib = _kernel_lib(x2, y2, self.dtype)
         if lib is not None:
-            u = lora_kernels.shrink(lib, x2, self.a, self.rank, mapping.slots, self.ranks)
+            u = lora_kernels.shrink(
+                lib, x2, self.a, self.u_scale, self.rank, mapping.slots, self.ranks
+            )
             lora_kernels.expand(lib, u, self.bt, self.offsets, mapping.slots, self.ranks, y2)
         else:
             self.add_with_torch(x2, y2, mapping)
@@ -135,34 +165,56 @@ class LoRASlots(nn.Module):
         launch-bound: a loop over slots and slices made one stream 2.6x slower); the
         extra multiplies (max_loras times the low-rank work) are small beside the
         base matmul."""
+        a, b = self._dense_weights(y.dtype)
         slots = self.a.shape[0]
-        u = x @ self.a.reshape(slots * self.a.shape[1], -1).t()  # [rows, slots * slices * rank]
+        u = x @ a.t()  # [rows, slots * slices * rank]
         u = u.view(-1, slots, self.a.shape[1]) * mapping.mask(slots, u.dtype)[:, :, None]
-        y.addmm_(u.view(u.shape[0], -1), self._b_blocks().flatten(0, 1))
+        y.addmm_(u.view(u.shape[0], -1), b)
 
-    def _b_blocks(self) -> torch.Tensor:
-        """B^T with a block per slice: [slots, slices * rank, out], slice j's rows
-        nonzero only in its own columns, so the fused layer's expand is one product.
-        Made from `bt` when the torch path first needs it after a load."""
-        if self._blocks is None:
-            n, r = len(self.targets), self.rank
-            if n == 1:
-                self._blocks = self.bt
-            else:
-                blocks = self.bt.new_zeros(self.bt.shape[0], n * r, self.bt.shape[2])
-                for j in range(n):
-                    cols = slice(self.bounds[j], self.bounds[j + 1])
-                    blocks[:, j * r : (j + 1) * r, cols] = self.bt[:, :, cols]
-                self._blocks = blocks
-        return self._blocks
+    def _dense_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path's A [slots * slices * rank, in] and B^T with a block per
+        slice [slots * slices * rank, out] (slice j's rows nonzero only in its own
+        columns, so the fused layer's expand is one product), int8 scaled back, in
+        `dtype`. Made when first needed after a load."""
+        if self._dense is None or self._dense[0].dtype != dtype:
+            a, bt = self.a.to(dtype), self.bt.to(dtype)
+            n, r, slots = len(self.targets), self.rank, bt.shape[0]
+            if self.a_scale is not None:
+                a = a * self.a_scale.to(dtype)[:, :, None]
+            blocks = bt.new_zeros(slots, n * r, self.bounds[-1])
+            for j in range(n):
+                tiles = bt[:, self.tiles[j] : self.tiles[j + 1]]  # [slots, t, rank, TILE]
+                width = self.bounds[j + 1] - self.bounds[j]
+                rows = tiles.permute(0, 2, 1, 3).reshape(slots, r, -1)[:, :, :width]
+                blocks[:, j * r : (j + 1) * r, self.bounds[j] : self.bounds[j + 1]] = rows
+            if self.b_scale is not None:
+                blocks = blocks * self.b_scale.to(dtype)[:, :, None]
+            self._dense = a.flatten(0, 1), blocks.flatten(0, 1)
+        return self._dense
 
 
-def _kernel_lib(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor) -> kernels.Library | None:
-    """Our kernels where the layout allows (CPU, fp32/bf16, contiguous, eager)."""
+def _tiled(bt: torch.Tensor) -> torch.Tensor:
+    """A slice's B^T [rank, width] as its tiles [tiles, rank, TILE_COLUMNS], zero-padded."""
+    r, width = bt.shape
+    padded = F.pad(bt, (0, -width % TILE_COLUMNS))
+    return padded.view(r, -1, TILE_COLUMNS).transpose(0, 1)
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [r, n] as int8 with one fp32 scale per row (absmax / 127, round to nearest)."""
+    w = w.float()
+    scale = w.abs().amax(dim=1) / 127.0
+    q = torch.round(w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
+    return q.clamp(-127, 127).to(torch.int8), scale
+
+
+def _kernel_lib(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> kernels.Library | None:
+    """Our kernels where the layout allows (CPU, fp32/bf16 as the slots were made for,
+    contiguous, eager)."""
     if (
         x.device.type != "cpu"
         or x.dtype not in (torch.float32, torch.bfloat16)
-        or not (x.dtype == y.dtype == a.dtype)
+        or not (x.dtype == y.dtype == dtype)
         or not (x.is_contiguous() and y.is_contiguous())
         or torch.compiler.is_compiling()
     ):

@@ -117,6 +117,7 @@ def _linear_fields(name: str, layer: Linear, bias_allowed: bool) -> tuple[int, F
     fields[f"{name}_lora_a"] = None if lora is None else lora.a
     fields[f"{name}_lora_bt"] = None if lora is None else lora.bt
     fields[f"{name}_lora_ranks"] = None if lora is None else lora.ranks
+    fields[f"{name}_lora_scale"] = None if lora is None else lora.u_scale  # None: not int8
     return fmt, fields
 
 
@@ -132,7 +133,7 @@ def _expert_fields(name: str, w: object) -> tuple[int, Fields] | None:
     fields: Fields = {n: t if t.numel() else None for n, t in zip(names, parts, strict=True)}
     fmt = decode_stack.qblock_format(w.bits, w.group)
     fields[f"{name}_format"] = fmt
-    for part in ("a", "bt", "ranks"):  # experts are not adapted
+    for part in ("a", "bt", "ranks", "scale"):  # experts are not adapted
         fields[f"{name}_lora_{part}"] = None
     return fmt, fields
 

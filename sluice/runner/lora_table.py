@@ -21,10 +21,16 @@ from sluice.models.llama import LlamaForCausalLM
 
 @dataclass(frozen=True)
 class LoRACapacity:
-    """How many adapters a model holds at once, and their largest rank."""
+    """How many adapters a model holds at once, their largest rank, and how they are
+    stored."""
 
     max_loras: int
+    """Slots beside every adaptable Linear: adapters that can run in one step."""
     max_rank: int
+    """The slots' rank per projection; a smaller adapter uses its first rows."""
+    int8: bool = False
+    """Slots hold int8 matrices with scales (config.resolve_lora_dtype), else the
+    model's dtype."""
 
 
 class LoRASlotTable:
@@ -39,8 +45,8 @@ class LoRASlotTable:
 
     @classmethod
     def attach(cls, model: LlamaForCausalLM, capacity: LoRACapacity) -> LoRASlotTable:
-        """Give every adaptable Linear of `model` its slots (in the model's dtype and
-        device) and return their table."""
+        """Give every adaptable Linear of `model` its slots (for the model's dtype, on
+        its device) and return their table."""
         dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
         layers = []
         for layer, linear, targets, widths in model.lora_linears():
@@ -52,7 +58,9 @@ class LoRASlotTable:
                     in_features=linear.in_features,
                     max_loras=capacity.max_loras,
                     max_rank=capacity.max_rank,
-                ).to(dtype)
+                    dtype=dtype,
+                    int8=capacity.int8,
+                )
             linear.lora = slots
             layers.append(slots)
         return cls(layers, capacity.max_loras)

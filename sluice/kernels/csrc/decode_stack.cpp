@@ -54,11 +54,14 @@ SLUICE_LINEAR_FIELDS(O)
 SLUICE_LINEAR_FIELDS(GateUp)
 SLUICE_LINEAR_FIELDS(Down)
 #undef SLUICE_LINEAR_FIELDS
-// lora_begin() and lora_end() find a linear's B^T and slot ranks right after its A.
+// lora_begin() and lora_end() find a linear's B^T, slot ranks and int8 scales right
+// after its A.
 static_assert(kQkvLoraBt == kQkvLoraA + 1 && kOLoraBt == kOLoraA + 1 &&
                   kGateUpLoraBt == kGateUpLoraA + 1 && kDownLoraBt == kDownLoraA + 1 &&
                   kQkvLoraRanks == kQkvLoraA + 2 && kOLoraRanks == kOLoraA + 2 &&
-                  kGateUpLoraRanks == kGateUpLoraA + 2 && kDownLoraRanks == kDownLoraA + 2,
+                  kGateUpLoraRanks == kGateUpLoraA + 2 && kDownLoraRanks == kDownLoraA + 2 &&
+                  kQkvLoraScale == kQkvLoraA + 3 && kOLoraScale == kOLoraA + 3 &&
+                  kGateUpLoraScale == kGateUpLoraA + 3 && kDownLoraScale == kDownLoraA + 3,
               "LoRA fields");
 
 // A linear's format field (decode_stack_fields.h): the int4 kernel, the per-channel
@@ -125,8 +128,13 @@ void lora_begin(const Shape& s, const int64_t* L, const Batch& b, const LoraLine
   const int n_slices = static_cast<int>(lin.offsets.size()) - 1;
   const int r_total = n_slices * s.lora_rank;
   const int32_t* ranks = at<int32_t>(L, Field(lin.a + 2));
-  sluice::lora_shrink(x, M, K, at<T>(L, lin.a), r_total, s.lora_rank, b.lora_slots, ranks,
-                      u.data());
+  const float* scale = at<float>(L, Field(lin.a + 3));  // not null: int8 A and B^T
+  if (scale != nullptr)
+    sluice::lora_shrink(x, M, K, at<int8_t>(L, lin.a), scale, r_total, s.lora_rank,
+                        b.lora_slots, ranks, u.data());
+  else
+    sluice::lora_shrink(x, M, K, at<T>(L, lin.a), scale, r_total, s.lora_rank, b.lora_slots,
+                        ranks, u.data());
 }
 
 template <typename T>
@@ -134,9 +142,14 @@ void lora_end(const Shape& s, const int64_t* L, const Batch& b, const LoraLinear
               const std::vector<float>& u, T* y) {
   if (!lora_on(L, b, lin)) return;
   const int n_slices = static_cast<int>(lin.offsets.size()) - 1;
-  sluice::lora_expand(u.data(), M, s.lora_rank, n_slices, lin.offsets.data(),
-                      at<T>(L, Field(lin.a + 1)), lin.offsets.back(), b.lora_slots,
-                      at<int32_t>(L, Field(lin.a + 2)), y);
+  const int32_t* ranks = at<int32_t>(L, Field(lin.a + 2));
+  if (L[lin.a + 3] != 0)
+    sluice::lora_expand(u.data(), M, s.lora_rank, n_slices, lin.offsets.data(),
+                        at<int8_t>(L, Field(lin.a + 1)), lin.offsets.back(), b.lora_slots, ranks,
+                        y);
+  else
+    sluice::lora_expand(u.data(), M, s.lora_rank, n_slices, lin.offsets.data(),
+                        at<T>(L, Field(lin.a + 1)), lin.offsets.back(), b.lora_slots, ranks, y);
 }
 
 // y [M, N] = x @ W.T for the linear whose fields start at `packed`, on the kernel its

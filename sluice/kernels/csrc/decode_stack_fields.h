@@ -24,8 +24,9 @@
 // formats only: expert e is rows e * 2 * inter .. and e * hidden ..), expert_tokens an
 // int64 [experts] counter of the rows each expert has been given (it is added to).
 // Each linear's LoRA slots (lora.h: A [slots, slices * rank, in], B^T [slots, rank,
-// out], the activations' type; each slot's rank here, int32 [slots]) are null where
-// LoRA is off or the linear is not adapted.
+// out], the activations' type, or int8 where the scale field, fp32 [slots, slices *
+// rank], is not null; each slot's rank here, int32 [slots]) are null where LoRA is
+// off or the linear is not adapted.
 #pragma once
 
 // X(enum suffix, field name)
@@ -66,12 +67,16 @@
   X(QkvLoraA, qkv_lora_a)             \
   X(QkvLoraBt, qkv_lora_bt)           \
   X(QkvLoraRanks, qkv_lora_ranks)     \
+  X(QkvLoraScale, qkv_lora_scale)     \
   X(OLoraA, o_lora_a)                 \
   X(OLoraBt, o_lora_bt)               \
   X(OLoraRanks, o_lora_ranks)         \
+  X(OLoraScale, o_lora_scale)         \
   X(GateUpLoraA, gate_up_lora_a)      \
   X(GateUpLoraBt, gate_up_lora_bt)    \
   X(GateUpLoraRanks, gate_up_lora_ranks)\
+  X(GateUpLoraScale, gate_up_lora_scale)\
   X(DownLoraA, down_lora_a)           \
   X(DownLoraBt, down_lora_bt)         \
-  X(DownLoraRanks, down_lora_ranks)
+  X(DownLoraRanks, down_lora_ranks)   \
+  X(DownLoraScale, down_lora_scale)

@@ -7,6 +7,7 @@
 namespace sluice {
 
 inline float to_float(float v) { return v; }
+inline float to_float(int8_t v) { return static_cast<float>(v); }  // int8 weights, scaled apart
 inline float to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;  // bf16 is the top half of an fp32
   float f;
