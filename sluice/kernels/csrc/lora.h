@@ -25,6 +25,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "dtype.h"
 #include "isa.h"
@@ -70,72 +71,160 @@ SLUICE_INLINE __m512 lora_load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
 }
 
-// The vectorizer left these two as mixed scalar and vector code at a third of the
-// speed written out: a decode step's adapter is ~8 calls a layer of a few rows each.
-template <typename T, typename W>
-inline float lora_dot_avx512(const T* x, const W* a, int n) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+// N rows of one slot at once: each A row or B^T tile row is loaded once for all of
+// them, and each row's sums are formed in the same order whatever N, so a row's
+// result does not depend on which rows share its step. (Written out: the vectorizer
+// left the portable loops as mixed scalar and vector code at a third of the speed.)
+template <int N, typename T, typename W>
+SLUICE_INLINE void lora_dots_avx512(const T* const* x, const W* a, int n, float* sums) {
+  __m512 acc0[N], acc1[N];
+  for (int k = 0; k < N; ++k) acc0[k] = acc1[k] = _mm512_setzero_ps();
   int h = 0;
   for (; h + 32 <= n; h += 32) {
-    acc0 = _mm512_fmadd_ps(lora_load16(x + h), lora_load16(a + h), acc0);
-    acc1 = _mm512_fmadd_ps(lora_load16(x + h + 16), lora_load16(a + h + 16), acc1);
+    const __m512 a0 = lora_load16(a + h), a1 = lora_load16(a + h + 16);
+    for (int k = 0; k < N; ++k) {
+      acc0[k] = _mm512_fmadd_ps(lora_load16(x[k] + h), a0, acc0[k]);
+      acc1[k] = _mm512_fmadd_ps(lora_load16(x[k] + h + 16), a1, acc1[k]);
+    }
   }
-  if (h + 16 <= n) {
-    acc0 = _mm512_fmadd_ps(lora_load16(x + h), lora_load16(a + h), acc0);
-    h += 16;
+  const bool half = h + 16 <= n;
+  if (half) {
+    const __m512 a0 = lora_load16(a + h);
+    for (int k = 0; k < N; ++k) acc0[k] = _mm512_fmadd_ps(lora_load16(x[k] + h), a0, acc0[k]);
   }
-  float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-  for (; h < n; ++h) sum += to_float(x[h]) * to_float(a[h]);
-  return sum;
+  for (int k = 0; k < N; ++k) {
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0[k], acc1[k]));
+    for (int c = h + (half ? 16 : 0); c < n; ++c) sum += to_float(x[k][c]) * to_float(a[c]);
+    sums[k] = sum;
+  }
 }
 
-template <typename W>
-SLUICE_INLINE void lora_tile64_avx512(const float* u, const W* b, int stride, int rank,
-                                      float* delta) {
-  __m512 d0 = _mm512_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
+template <int N, typename W>
+SLUICE_INLINE void lora_tiles64_avx512(const float* const* u, const W* b, int stride, int rank,
+                                       float* delta) {
+  __m512 d[N][4];
+  for (int k = 0; k < N; ++k) d[k][0] = d[k][1] = d[k][2] = d[k][3] = _mm512_setzero_ps();
   for (int r = 0; r < rank; ++r) {
-    const __m512 w = _mm512_set1_ps(u[r]);
     const W* br = b + static_cast<int64_t>(r) * stride;
-    d0 = _mm512_fmadd_ps(w, lora_load16(br), d0);
-    d1 = _mm512_fmadd_ps(w, lora_load16(br + 16), d1);
-    d2 = _mm512_fmadd_ps(w, lora_load16(br + 32), d2);
-    d3 = _mm512_fmadd_ps(w, lora_load16(br + 48), d3);
+    const __m512 b0 = lora_load16(br), b1 = lora_load16(br + 16);
+    const __m512 b2 = lora_load16(br + 32), b3 = lora_load16(br + 48);
+    for (int k = 0; k < N; ++k) {
+      const __m512 w = _mm512_set1_ps(u[k][r]);
+      d[k][0] = _mm512_fmadd_ps(w, b0, d[k][0]);
+      d[k][1] = _mm512_fmadd_ps(w, b1, d[k][1]);
+      d[k][2] = _mm512_fmadd_ps(w, b2, d[k][2]);
+      d[k][3] = _mm512_fmadd_ps(w, b3, d[k][3]);
+    }
   }
-  _mm512_storeu_ps(delta, d0);
-  _mm512_storeu_ps(delta + 16, d1);
-  _mm512_storeu_ps(delta + 32, d2);
-  _mm512_storeu_ps(delta + 48, d3);
+  for (int k = 0; k < N; ++k)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(delta + k * 64 + j * 16, d[k][j]);
 }
 #endif
+
+// Up to this many rows of one slot share each read of an adapter's row (a step of
+// many streams spread over a few adapters: the reads, not the multiplies, were its
+// cost).
+constexpr int kLoraRows = 4;
+
+// A step's rows that have an adapter, grouped by slot (stable) in blocks of up to
+// kLoraRows rows of one slot: block b is rows order[start[b] .. start[b + 1]).
+struct LoraBlocks {
+  std::vector<int32_t> order, start;
+
+  int64_t count() const { return static_cast<int64_t>(start.size()) - 1; }
+};
+
+// This thread's blocks for a call (every thread of the team makes the same ones; the
+// buffers are the thread's own and kept, so a decode step allocates nothing).
+inline const LoraBlocks& lora_blocks(int64_t rows, const int32_t* slots) {
+  static thread_local LoraBlocks blocks;
+  auto& order = blocks.order;
+  auto& start = blocks.start;
+  order.clear();
+  start.clear();
+  for (int64_t t = 0; t < rows; ++t)
+    if (slots[t] >= 0) order.push_back(static_cast<int32_t>(t));
+  std::stable_sort(order.begin(), order.end(),
+                   [slots](int32_t p, int32_t q) { return slots[p] < slots[q]; });
+  for (size_t i = 0; i < order.size(); ++i)
+    if (i == 0 || slots[order[i]] != slots[order[i - 1]] ||
+        static_cast<int>(i) - start.back() == kLoraRows)
+      start.push_back(static_cast<int32_t>(i));
+  start.push_back(static_cast<int32_t>(order.size()));
+  return blocks;
+}
+
+// sums[k] = x[rows[k]] . a for the n <= kLoraRows rows of a block.
+template <typename T, typename W>
+inline void lora_block_dots(const T* x, const int32_t* rows, int n, int in_dim, const W* a,
+                            float* sums) {
+  const T* xr[kLoraRows];
+  for (int k = 0; k < n; ++k) xr[k] = x + static_cast<int64_t>(rows[k]) * in_dim;
+#if defined(SLUICE_ISA_AVX512)
+  switch (n) {
+    case 1: return lora_dots_avx512<1>(xr, a, in_dim, sums);
+    case 2: return lora_dots_avx512<2>(xr, a, in_dim, sums);
+    case 3: return lora_dots_avx512<3>(xr, a, in_dim, sums);
+    default: return lora_dots_avx512<kLoraRows>(xr, a, in_dim, sums);
+  }
+#else
+  for (int k = 0; k < n; ++k) sums[k] = lora_dot(xr[k], a, in_dim);
+#endif
+}
+
+// delta[k * kTile ..] for each of a block's n rows (their u rows) over one tile of B^T.
+template <int kTile, typename W>
+inline void lora_block_tile(const float* const* u, const W* b, int rank, int n, int cols,
+                            float* delta) {
+#if defined(SLUICE_ISA_AVX512)
+  static_assert(kTile == 64, "the AVX-512 tile is 64 columns");
+  if (cols == kTile) {
+    switch (n) {
+      case 1: return lora_tiles64_avx512<1>(u, b, kTile, rank, delta);
+      case 2: return lora_tiles64_avx512<2>(u, b, kTile, rank, delta);
+      case 3: return lora_tiles64_avx512<3>(u, b, kTile, rank, delta);
+      default: return lora_tiles64_avx512<kLoraRows>(u, b, kTile, rank, delta);
+    }
+  }
+#endif
+  for (int k = 0; k < n; ++k) {
+    if (cols == kTile)
+      lora_tile<kTile>(u[k], b, kTile, rank, cols, delta + k * kTile);
+    else
+      lora_tile<0>(u[k], b, kTile, rank, cols, delta + k * kTile);
+  }
+}
 
 // u[t, :] = A[slot(t)] x[t] in fp32 (zeros for rows without an adapter). ranks[s]:
 // the rows of each slice that slot s uses (its adapter's rank, 0 where it adapts
 // nothing here); the padding beyond is zero and never read. scale: null where W is
-// T, else each slot's per-row factor of u (int8 A and B^T). No barrier at the end.
+// T, else each slot's per-row factor of u (int8 A and B^T). A work item is one row of
+// A for a block of rows of its slot. No barrier at the end.
 template <typename T, typename W>
 void lora_shrink(const T* x, int64_t rows, int in_dim, const W* a, const float* scale,
                  int r_total, int rank, const int32_t* slots, const int32_t* ranks, float* u) {
-  const int64_t items = rows * r_total;
+  const LoraBlocks& blocks = lora_blocks(rows, slots);
+#pragma omp for schedule(static) nowait
+  for (int64_t t = 0; t < rows; ++t)
+    if (slots[t] < 0) std::fill(u + t * r_total, u + (t + 1) * r_total, 0.f);
+  const int64_t items = blocks.count() * r_total;
 #pragma omp for schedule(static) nowait
   for (int64_t i = 0; i < items; ++i) {
-    const int64_t t = i / r_total;
+    const int64_t blk = i / r_total;
     const int r = static_cast<int>(i % r_total);
-    const int32_t s = slots[t];
-    if (s < 0 || r % rank >= ranks[s]) {
-      u[i] = 0.f;
-      continue;
+    const int32_t* block = blocks.order.data() + blocks.start[blk];
+    const int n = blocks.start[blk + 1] - blocks.start[blk];
+    const int32_t s = slots[block[0]];
+    float sums[kLoraRows] = {};
+    if (r % rank < ranks[s]) {
+      const W* ar = a + (static_cast<int64_t>(s) * r_total + r) * in_dim;
+      lora_block_dots(x, block, n, in_dim, ar, sums);
+      if (scale != nullptr)
+        for (int k = 0; k < n; ++k) sums[k] *= scale[static_cast<int64_t>(s) * r_total + r];
     }
-    const T* xr = x + t * in_dim;
-    const W* ar = a + (static_cast<int64_t>(s) * r_total + r) * in_dim;
-#if defined(SLUICE_ISA_AVX512)
-    const float sum = lora_dot_avx512(xr, ar, in_dim);
-#else
-    const float sum = lora_dot(xr, ar, in_dim);
-#endif
-    u[i] = scale == nullptr ? sum : sum * scale[static_cast<int64_t>(s) * r_total + r];
+    for (int k = 0; k < n; ++k) u[static_cast<int64_t>(block[k]) * r_total + r] = sums[k];
   }
 }
-
 
 // The columns a tile of B^T holds: a slice's columns are cut into tiles of this many
 // (its last one zero-padded), each stored as its rank rows one after another, so an
@@ -154,21 +243,24 @@ inline int64_t lora_tiles(int n_slices, const int32_t* offsets) {
 
 // y[t, :] += B[slot(t)] u[t, :] over every slice: the product summed in fp32 from zero
 // (as PEFT adds the adapter's output to the base's), then added to y and rounded once
-// to y's type. B^T is [slots, tiles, rank, kLoraTile]; a work item is one tile of a
-// row, summed in registers while it reads the slot's rank rows there (W: as the
-// shrink's A; int8 B^T's scales are already in u).
+// to y's type. B^T is [slots, tiles, rank, kLoraTile]; a work item is one tile for a
+// block of rows of its slot, summed in registers while it reads the slot's rank rows
+// there (W: as the shrink's A; int8 B^T's scales are already in u).
 template <typename T, typename W>
 void lora_expand(const float* u, int64_t rows, int rank, int n_slices, const int32_t* offsets,
                  const W* bt, int out_dim, const int32_t* slots, const int32_t* ranks, T* y) {
   constexpr int kTile = kLoraTile;
+  const LoraBlocks& blocks = lora_blocks(rows, slots);
   const int64_t tiles = lora_tiles(n_slices, offsets);  // per row, over the slices
-  const int64_t items = rows * tiles;
+  const int64_t items = blocks.count() * tiles;
   const int r_total = n_slices * rank;
 #pragma omp for schedule(static)
   for (int64_t i = 0; i < items; ++i) {
-    const int64_t t = i / tiles;
-    const int32_t s = slots[t];
-    const int rank_s = s < 0 ? 0 : ranks[s];
+    const int64_t blk = i / tiles;
+    const int32_t* block = blocks.order.data() + blocks.start[blk];
+    const int n = blocks.start[blk + 1] - blocks.start[blk];
+    const int32_t s = slots[block[0]];
+    const int rank_s = ranks[s];
     if (rank_s == 0) continue;
     const int64_t tile = i % tiles;
     int j = 0, k = static_cast<int>(tile);
@@ -177,20 +269,17 @@ void lora_expand(const float* u, int64_t rows, int rank, int n_slices, const int
       if (k < in_slice) break;
       k -= in_slice;
     }
-    const int begin = offsets[j] + k * kTile, n = std::min(kTile, offsets[j + 1] - begin);
-    const float* ur = u + t * r_total + j * rank;
+    const int begin = offsets[j] + k * kTile, cols = std::min(kTile, offsets[j + 1] - begin);
+    const float* ur[kLoraRows];
+    for (int q = 0; q < n; ++q) ur[q] = u + static_cast<int64_t>(block[q]) * r_total + j * rank;
     const W* b = bt + (static_cast<int64_t>(s) * tiles + tile) * rank * kTile;
-    float delta[kTile];
-    if (n == kTile)
-#if defined(SLUICE_ISA_AVX512)
-      lora_tile64_avx512(ur, b, kTile, rank_s, delta);
-#else
-      lora_tile<kTile>(ur, b, kTile, rank_s, n, delta);
-#endif
-    else
-      lora_tile<0>(ur, b, kTile, rank_s, n, delta);
-    T* yr = y + t * out_dim + begin;
-    for (int c = 0; c < n; ++c) yr[c] = round_to(yr, to_float(yr[c]) + delta[c]);
+    float delta[kLoraRows * kTile];
+    lora_block_tile<kTile>(ur, b, rank_s, n, cols, delta);
+    for (int q = 0; q < n; ++q) {
+      T* yr = y + static_cast<int64_t>(block[q]) * out_dim + begin;
+      for (int c = 0; c < cols; ++c)
+        yr[c] = round_to(yr, to_float(yr[c]) + delta[q * kTile + c]);
+    }
   }
 }
 
