@@ -799,14 +799,10 @@ class EngineConfig:
             if self.lora_modules:
                 raise ConfigError("lora_modules", "lora_modules needs enable_lora")
             return
-        clashes = {"tensor_parallel_size": self.tensor_parallel_size > 1, "compile": self.compile}
-        for name, clash in clashes.items():
-            if clash:
-                raise ConfigError(
-                    "enable_lora",
-                    f"enable_lora cannot be combined with {name}={getattr(self, name)!r} "
-                    "(not implemented)",
-                )
+        if self.compile:
+            raise ConfigError(
+                "enable_lora", "enable_lora cannot be combined with compile=True (not implemented)"
+            )
 
     def lora_requests(self) -> list[LoRARequest]:
         """lora_modules as the requests that name them (ids from 1, in order): the one

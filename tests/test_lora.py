@@ -248,7 +248,7 @@ def test_lora_request_needs_enable_lora(llm_fp32: Any) -> None:
         ({"enable_lora": True, "lora_modules": ("a=/x", "a=/y")}, "lora_modules"),
         ({"enable_lora": True, "max_loras": 0}, "max_loras"),
         ({"enable_lora": True, "max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras"),
-        ({"enable_lora": True, "tensor_parallel_size": 2}, "enable_lora"),
+        ({"enable_lora": True, "compile": True}, "enable_lora"),
         ({"enable_lora": True, "lora_dtype": "fp4"}, "lora_dtype"),
     ],
 )

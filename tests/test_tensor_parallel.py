@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -154,6 +155,38 @@ def test_tp2_on_gguf_blocks_equals_tp1(tmp_path: Path, smollm2_path: Path) -> No
                            layer.mlp.gate_up_proj, layer.mlp.down_proj):  # fmt: skip
                 assert isinstance(linear.method, BlockQuantized), linear
         assert greedy(two) == expected
+    finally:
+        two.shutdown()
+
+
+def test_tp2_with_lora_adapters_equals_tp1(tmp_path: Path, smollm2_path: Path) -> None:
+    """Two adapters and the base in one batch over two ranks: each rank holds its part
+    of each adapter (B's rows of its q/k/v and gate/up outputs, A's columns of its o
+    and down inputs, whose partial products the all-reduce sums with the base's), put
+    in the slots rank 0 chose; greedy tokens equal one rank's, and the adapters act."""
+    from benchmarks.random_models import write_random_adapter
+    from sluice import LoRARequest
+
+    build("qwen2", tmp_path / "hf", smollm2_path)
+    one = engine(tmp_path / "hf", 1, enable_lora=True, max_loras=2)
+    folders = [
+        write_random_adapter(one.engine.model_config, 8, seed, tmp_path / f"a{seed}", 0.5)
+        for seed in (1, 2)
+    ]
+    loras = [LoRARequest("a", 1, str(folders[0])), None, LoRARequest("b", 2, str(folders[1]))]
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    sp = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+
+    def tokens(llm: LLM, lora: list[Any]) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, lora_request=lora)]
+
+    expected = tokens(one, loras)
+    assert expected != tokens(one, [None] * 3)  # the adapters change the answers
+    del one
+    two = engine(tmp_path / "hf", 2, enable_lora=True, max_loras=2)
+    try:
+        assert tokens(two, loras) == expected
     finally:
         two.shutdown()
 

@@ -257,7 +257,8 @@ def _build_serving(config: EngineConfig, target: _Target, undo: contextlib.ExitS
         layout.local_num_blocks,
         layout.local_window,
     )
-    tp = _start_tensor_parallel(config, options, layout, undo)
+    lora = _lora_capacity(config, options) if target.lora else None
+    tp = _start_tensor_parallel(config, WorkerBuild(options, layout, lora), undo)
     runner = build_runner(
         config=mc,
         tensors=loaded.tensors,  # consumed: each weight is freed once its layer holds it
@@ -266,7 +267,7 @@ def _build_serving(config: EngineConfig, target: _Target, undo: contextlib.ExitS
         variant=ModelVariant(
             return_features=target.needs_features,
             pool_mode=target.pooler.mode,
-            lora=_lora_capacity(config, options) if target.lora else None,
+            lora=lora,
         ),
         tp=tp.group if tp else None,
         followers=tp.workers if tp else None,
@@ -369,13 +370,13 @@ def _within_context(pooler: PoolerConfig, layout: KVLayout, mc: ModelConfig) -> 
 
 
 def _start_tensor_parallel(
-    config: EngineConfig, options: RunnerOptions, layout: KVLayout, undo: contextlib.ExitStack
+    config: EngineConfig, build: WorkerBuild, undo: contextlib.ExitStack
 ) -> TensorParallelRanks | None:
     """Ranks 1..N-1 (each loads the checkpoint and keeps its slice), stopped again if a
     later part fails; None without tensor parallelism."""
     if config.tensor_parallel_size == 1:
         return None
-    tp = start_tensor_parallel(config, WorkerBuild(options, layout))
+    tp = start_tensor_parallel(config, build)
     undo.callback(tp.close)
     return tp
 

@@ -35,10 +35,12 @@ import torch
 from sluice import settings
 from sluice.config import EngineConfig
 from sluice.core.errors import TensorParallelError
+from sluice.core.lora import LoRAAdapter
 from sluice.loader import load_model
 from sluice.parallel import GroupSpec, TPGroup, join_group, make_spec, remove_spec_files
-from sluice.runner.factory import RunnerOptions, build_runner
+from sluice.runner.factory import ModelVariant, RunnerOptions, build_runner
 from sluice.runner.kv_layout import KVLayout
+from sluice.runner.lora_table import LoRACapacity
 from sluice.runner.model_runner import ModelRunner, StepInputs
 
 logger = logging.getLogger("sluice")
@@ -53,6 +55,9 @@ class WorkerBuild:
 
     options: RunnerOptions
     layout: KVLayout
+    lora: LoRACapacity | None = None
+    """Adapter slots beside every adaptable layer (with enable_lora): rank 0 sends each
+    adapter it puts in a slot, and every rank holds its part of it there."""
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -90,6 +95,7 @@ def _worker_main(
             tensors=loaded.tensors,
             options=dataclasses.replace(build.options, device=rank_device(config, rank)),
             layout=build.layout,
+            variant=ModelVariant(lora=build.lora),
             tp=group,
         )
         del loaded
@@ -115,6 +121,10 @@ def _serve(runner: ModelRunner, conn: Connection) -> None:
             runner.run_step(payload.to(runner.device))
         elif kind == "copy":
             runner.copy_blocks(payload)
+        elif kind == "lora":
+            assert runner.lora is not None, "LoRA slots on rank 0 only"
+            for slot, adapter in payload:
+                runner.lora.load(slot, adapter)
         else:
             return
 
@@ -178,6 +188,9 @@ class TensorParallelWorkers:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self._broadcast(("copy", copies))
+
+    def load_lora(self, loads: list[tuple[int, LoRAAdapter]]) -> None:
+        self._broadcast(("lora", loads))
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Tell the workers to stop and join them (killed if they do not exit)."""

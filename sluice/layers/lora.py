@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,28 @@ def lora_step(mapping: LoRAMapping | None) -> Iterator[None]:
         _current = previous
 
 
+@dataclass(frozen=True)
+class LoRAShard:
+    """Which part of an adapter a tensor-parallel rank's slots hold: a column-parallel
+    layer's (q/k/v, gate/up: outputs split) B rows of its output slice; a row-parallel
+    layer's (o, down: inputs split) A columns of its input slice, its partial product
+    summed by the layer's all-reduce like the base output. One rank holds it all."""
+
+    rank: int = 0
+    row_parallel: bool = False
+
+    def cut(
+        self, a: torch.Tensor, bt: torch.Tensor, in_features: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [r, in] and B^T [r, out] of one projection -> this rank's (r, in_features)
+        and (r, width)."""
+        if self.row_parallel:
+            start = self.rank * in_features
+            return a[:, start : start + in_features], bt
+        start = self.rank * width
+        return a, bt[:, start : start + width]
+
+
 class LoRASlots(nn.Module):
     """One Linear's adapter slots: A [slots, slices * rank, in] and B^T in tiles of
     columns, [slots, tiles, rank, TILE_COLUMNS] (each slice's columns cut into whole
@@ -81,12 +104,14 @@ class LoRASlots(nn.Module):
         max_rank: int,
         dtype: torch.dtype,
         int8: bool = False,
+        shard: LoRAShard = LoRAShard(),
     ) -> None:
         """targets and widths: the projections this layer fuses, in output order, and
-        how many output columns each has (built on the default device)."""
+        how many output columns each has, on this rank (built on the default device)."""
         super().__init__()
         self.layer = layer
         self.targets = targets
+        self.shard = shard
         self.rank = max_rank
         self.dtype = dtype  # the activations' (and, unless int8, the matrices')
         self.int8 = int8
@@ -130,12 +155,15 @@ class LoRASlots(nn.Module):
                 continue
             r, first = m.a.shape[0], j * self.rank
             self.ranks[slot] = max(int(self.ranks[slot]), r)
-            rows, bt = slice(first, first + r), m.b.t()
+            a, bt = self.shard.cut(
+                m.a, m.b.t(), self.a.shape[2], self.bounds[j + 1] - self.bounds[j]
+            )
+            rows = slice(first, first + r)
             if self.a_scale is None or self.b_scale is None:
-                self.a[slot, rows] = m.a.to(self.dtype)
+                self.a[slot, rows] = a.to(self.dtype)
                 self.bt[slot, self.tiles[j] : self.tiles[j + 1], :r] = _tiled(bt.to(self.dtype))
                 continue
-            self.a[slot, rows], self.a_scale[slot, rows] = _int8_rows(m.a)
+            self.a[slot, rows], self.a_scale[slot, rows] = _int8_rows(a)
             bt, self.b_scale[slot, rows] = _int8_rows(bt)
             self.bt[slot, self.tiles[j] : self.tiles[j + 1], :r] = _tiled(bt)
         if self.u_scale is not None and self.a_scale is not None and self.b_scale is not None:

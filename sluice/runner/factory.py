@@ -100,7 +100,9 @@ def build_runner(
     model.load_weights(tensors)
     model.init_rotary(layout.max_model_len)
     model.eval()
-    lora = LoRASlotTable.attach(model, variant.lora) if variant.lora is not None else None
+    lora = None
+    if variant.lora is not None:
+        lora = LoRASlotTable.attach(model, variant.lora, tp.rank if tp is not None else 0)
     if layout.kv_cache_dtype == "int8":
         kv_int8.check_head_dim(config.head_dim)
     backend = select_backend(options.device, options.dtype, config.head_dim)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice.core.lora import LoRAAdapter
-from sluice.layers.lora import LoRASlots
+from sluice.layers.lora import LoRAShard, LoRASlots
 from sluice.models.llama import LlamaForCausalLM
 
 
@@ -44,12 +44,16 @@ class LoRASlotTable:
         self.loads = 0  # adapters copied into a slot since start
 
     @classmethod
-    def attach(cls, model: LlamaForCausalLM, capacity: LoRACapacity) -> LoRASlotTable:
+    def attach(
+        cls, model: LlamaForCausalLM, capacity: LoRACapacity, tp_rank: int = 0
+    ) -> LoRASlotTable:
         """Give every adaptable Linear of `model` its slots (for the model's dtype, on
-        its device) and return their table."""
+        its device; on a tensor-parallel rank, for its part of each adapter: a layer
+        whose output the group all-reduces is row-parallel) and return their table."""
         dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
         layers = []
         for layer, linear, targets, widths in model.lora_linears():
+            shard = LoRAShard(tp_rank, row_parallel=linear.reduce is not None)
             with torch.device(device):
                 slots = LoRASlots(
                     layer=layer,
@@ -60,6 +64,7 @@ class LoRASlotTable:
                     max_rank=capacity.max_rank,
                     dtype=dtype,
                     int8=capacity.int8,
+                    shard=shard,
                 )
             linear.lora = slots
             layers.append(slots)
@@ -69,8 +74,11 @@ class LoRASlotTable:
     def num_loaded(self) -> int:
         return sum(k is not None for k in self.keys)
 
-    def slots_for(self, adapters: list[LoRAAdapter]) -> dict[int, int]:
-        """adapter key -> slot for every adapter of a step, loading those not held."""
+    def slots_for(
+        self, adapters: list[LoRAAdapter]
+    ) -> tuple[dict[int, int], list[tuple[int, LoRAAdapter]]]:
+        """adapter key -> slot for every adapter of a step, loading those not held;
+        and the (slot, adapter) loads made (other tensor-parallel ranks repeat them)."""
         self.clock += 1
         wanted = {a.key: a for a in adapters}
         placed: dict[int, int] = {}
@@ -78,17 +86,23 @@ class LoRASlotTable:
             if key is not None and key in wanted:
                 placed[key] = slot
                 self.last_used[slot] = self.clock
+        loaded = []
         for key, adapter in wanted.items():
             if key in placed:
                 continue
             slot = self._victim(set(placed.values()))
-            for layer in self.layers:
-                layer.load(slot, adapter)
-            self.keys[slot] = key
+            self.load(slot, adapter)
             self.last_used[slot] = self.clock
-            self.loads += 1
             placed[key] = slot
-        return placed
+            loaded.append((slot, adapter))
+        return placed, loaded
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy `adapter` into `slot` of every layer (rank 0's choice, on any rank)."""
+        for layer in self.layers:
+            layer.load(slot, adapter)
+        self.keys[slot] = adapter.key
+        self.loads += 1
 
     def _victim(self, taken: set[int]) -> int:
         """A free slot, else the least recently used one this step does not need."""

@@ -16,6 +16,7 @@ from sluice.attention.step import StepContext, step_context
 from sluice.config import GLOBAL_KV_GROUP, ModelConfig
 from sluice.core.choices import PoolingMode
 from sluice.core.errors import ConfigError
+from sluice.core.lora import LoRAAdapter
 from sluice.core.request import Request
 from sluice.layers.block_quant import weight_bytes
 from sluice.layers.experts import Experts
@@ -115,6 +116,8 @@ class StepFollowers(Protocol):
     def run_step(self, inputs: StepInputs) -> None: ...
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None: ...
+
+    def load_lora(self, loads: list[tuple[int, LoRAAdapter]]) -> None: ...
 
 
 # A request computing at most this many tokens in a step is attended row by row (see
@@ -340,7 +343,9 @@ class ModelRunner:
         adapters = [r.lora for r, _ in scheduled if r.lora is not None]
         if not adapters or self.lora is None:  # a draft model drafts without adapters
             return None
-        placed = self.lora.slots_for(adapters)
+        placed, loaded = self.lora.slots_for(adapters)
+        if loaded and self.followers is not None:
+            self.followers.load_lora(loaded)  # before the step that needs them
         per_request = [-1 if r.lora is None else placed[r.lora.key] for r, _ in scheduled]
         counts = torch.tensor([n for _, n in scheduled])
         return torch.tensor(per_request, dtype=torch.int32).repeat_interleave(counts)
