@@ -25,7 +25,14 @@ from conftest import PROMPTS
 from serving import Server, serve, wait_idle
 
 from sluice.config import EngineConfig
-from sluice.core.errors import ConfigError, EngineStepError, QueueFullError, RequestError
+from sluice.core.errors import (
+    ConfigError,
+    EngineStepError,
+    ModelFileError,
+    QueueFullError,
+    RequestError,
+)
+from sluice.core.lora import LoRARequest
 from sluice.distributed import DataParallelLLM
 from sluice.distributed.backend import ReplicaDied
 from sluice.distributed.messages import Stop
@@ -406,6 +413,85 @@ def test_adapter_requests_reach_their_replica_with_the_adapter() -> None:
         assert replicas[3] != replicas[0]  # the base goes to the less loaded one
         seen = AdapterRecordingEngine.seen
         assert [seen[s.request_id] for s in streams] == ["sql"] * 3 + [None] * 2
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+class FakeRegistry:
+    """An engine's LoRA registry as the replica loop uses it; refuses a path "/bad"."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = set(names)
+
+    def register(self, request: LoRARequest) -> None:
+        if request.lora_path == "/bad":
+            raise ModelFileError(request.lora_path, "truncated")
+        self.names.add(request.lora_name)
+
+    def unregister(self, name: str) -> bool:
+        if name not in self.names:
+            return False
+        self.names.remove(name)
+        return True
+
+
+class AdapterServingEngine(AdapterRecordingEngine):
+    """Serves the config's adapters, and those loaded at run time; every instance
+    (a restarted replica makes a new one) is kept for the test to look at."""
+
+    made: ClassVar[list[AdapterServingEngine]] = []
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.lora = FakeRegistry([r.lora_name for r in config.lora_requests()])
+        self.made.append(self)
+
+
+class AdapterServingHandle(ThreadHandle):
+    engine = AdapterServingEngine
+
+
+def test_adapters_load_and_unload_on_every_replica_at_run_time() -> None:
+    """POST /v1/load_lora_adapter behind data-parallel replicas: every replica loads
+    it (a refusal anywhere unloads it everywhere and names the defect), requests
+    naming it run, a restarted replica loads it before its first request, and an
+    unload reaches every replica."""
+    config = EngineConfig(data_parallel_size=2, enable_lora=True,
+                          lora_modules=("sql=/adapters/sql",))  # fmt: skip
+    made = AdapterServingEngine.made
+    made.clear()
+
+    async def main() -> None:
+        dp = DataParallelLLM(config, start=AdapterServingHandle)
+        try:
+            await dp.load_lora_adapter(LoRARequest("caps", 2, "/adapters/caps"))
+            assert [e.lora.names for e in made] == [{"sql", "caps"}] * 2
+            assert set(dp.lora_adapters()) == {"sql", "caps"}
+            with pytest.raises(RequestError, match="already loaded"):
+                await dp.load_lora_adapter(LoRARequest("caps", 3, "/adapters/caps"))
+            with pytest.raises(ModelFileError, match="truncated"):
+                await dp.load_lora_adapter(LoRARequest("broken", 4, "/bad"))
+            assert "broken" not in dp.lora_adapters()
+            caps = dp.lora_adapters()["caps"]
+            stream = await dp.generate([1, 2, 3], SamplingParams(max_tokens=3), lora_request=caps)
+            assert [len(o.outputs[0].token_ids) async for o in stream][-1] == 3
+            assert AdapterRecordingEngine.seen[stream.request_id] == "caps"
+            assert await dp.unload_lora_adapter("sql")  # one it started with
+            dp.replicas[0].kill()
+            deadline = time.monotonic() + 10
+            while not dp.replicas[0].alive:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            again = await dp.generate([4, 5], SamplingParams(max_tokens=2), lora_request=caps)
+            assert [len(o.outputs[0].token_ids) async for o in again][-1] == 2
+            assert len(made) == 3 and made[2].lora.names == {"caps"}  # the restarted one
+            assert await dp.unload_lora_adapter("caps")
+            assert not await dp.unload_lora_adapter("caps")
+            # The two live replicas serve nothing now; the killed one's engine kept caps.
+            assert sorted(len(e.lora.names) for e in made) == [0, 0, 1]
+            assert dp.lora_adapters() == {}
+        finally:
+            dp.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 30))
 

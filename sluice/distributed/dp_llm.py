@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,11 +38,14 @@ from sluice.distributed.backend import StartReplica
 from sluice.distributed.messages import (
     AbortRequest,
     Accepted,
+    AdapterDone,
     AddRequest,
     Event,
+    LoadAdapter,
     Outputs,
     Rejected,
     StepFailed,
+    UnloadAdapter,
 )
 from sluice.distributed.replica_client import ReplicaClient
 from sluice.distributed.router import Router
@@ -133,6 +137,12 @@ class DataParallelLLM:
         self.num_resent = 0
         self.num_lost = 0
         self._ids = itertools.count()
+        # LoRA adapters: those served (lora_modules, then run-time loads and unloads),
+        # those being loaded, and the adapter commands awaiting a replica's answer.
+        self._adapters = {r.lora_name: r for r in config.lora_requests()}
+        self._loading: dict[str, LoRARequest] = {}
+        self._adapter_calls: dict[tuple[int, int], concurrent.futures.Future[bool]] = {}
+        self._tokens = itertools.count(1)  # 0: an answer nobody waits for
         self._accepting = True
         self._stopped = False
         start = start or starter(config.distributed_executor_backend)
@@ -216,21 +226,62 @@ class DataParallelLLM:
             self.replicas[entry.replica].send(AbortRequest(request_id))
 
     def lora_adapters(self) -> dict[str, LoRARequest]:
-        """Every replica serves the lora_modules it was started with."""
-        return {r.lora_name: r for r in self.config.lora_requests()}
+        """The adapters every replica serves: the lora_modules they start with, as
+        loaded and unloaded since."""
+        with self._lock:
+            return dict(self._adapters)
 
     async def load_lora_adapter(self, request: LoRARequest) -> None:
-        raise RequestError(
-            "lora_name",
-            "loading adapters at run time is not supported with data_parallel_size > 1 "
-            "(give them with --lora-modules)",
-        )
+        """Load an adapter on every replica (each reads the files); if one refuses,
+        those that took it drop it again and its error is raised. A replica that
+        restarts later loads it before its first request."""
+        name = request.lora_name
+        with self._lock:
+            if not self.config.enable_lora:
+                raise RequestError("lora_name", "LoRA adapters need --enable-lora")
+            if name in self._adapters or name in self._loading:
+                raise RequestError("lora_name", f"an adapter named {name!r} is already loaded")
+            self._loading[name] = request
+        try:
+            answers = await self._on_every_replica(lambda token: LoadAdapter(token, request))
+            errors = [a for a in answers if isinstance(a, BaseException)]
+            if errors:
+                await self._on_every_replica(lambda token: UnloadAdapter(token, name))
+                raise errors[0]
+            with self._lock:
+                self._adapters[name] = request
+        finally:
+            with self._lock:
+                self._loading.pop(name, None)
 
     async def unload_lora_adapter(self, name: str) -> bool:
-        raise RequestError(
-            "lora_name",
-            "unloading adapters at run time is not supported with data_parallel_size > 1",
-        )
+        """Stop serving an adapter on every replica (their running requests for it
+        finish); False if it was not served."""
+        with self._lock:
+            if self._adapters.pop(name, None) is None:
+                return False
+        answers = await self._on_every_replica(lambda token: UnloadAdapter(token, name))
+        errors = [a for a in answers if isinstance(a, BaseException)]
+        if errors:
+            raise errors[0]
+        return True
+
+    async def _on_every_replica(
+        self, command: Callable[[int], LoadAdapter | UnloadAdapter]
+    ) -> list[bool | BaseException]:
+        """Send an adapter command to every live replica and gather their answers (a
+        replica that dies first answers with an EngineStepError)."""
+        with self._lock:
+            token = next(self._tokens)
+            targets = [r for r in self.replicas if r.alive]
+            futures = []
+            for r in targets:
+                future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+                self._adapter_calls[(token, r.index)] = future
+                futures.append(asyncio.wrap_future(future))
+        for r in targets:
+            r.send(command(token))
+        return await asyncio.gather(*futures, return_exceptions=True)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -323,7 +374,21 @@ class DataParallelLLM:
             replica.alive = True
             parked, self._parked = self._parked, []
             moves = [(e, self._place(e)) for e in parked]
+            changes = self._adapter_changes()
+        for change in changes:  # before any request that may name them
+            replica.send(change)
         _send_adds(moves)
+
+    def _adapter_changes(self) -> list[LoadAdapter | UnloadAdapter]:
+        """Under the lock: what a (re)started replica, which serves the lora_modules,
+        must load and unload to serve what the others do."""
+        started = {r.lora_name for r in self.config.lora_requests()}
+        wanted = {**self._adapters, **self._loading}
+        changes: list[LoadAdapter | UnloadAdapter] = [
+            UnloadAdapter(0, name) for name in started if name not in wanted
+        ]
+        changes += [LoadAdapter(0, r) for name, r in wanted.items() if name not in started]
+        return changes
 
     def on_event(self, replica: ReplicaClient, event: Event) -> None:
         if isinstance(event, Accepted | Outputs | StepFailed):
@@ -337,6 +402,13 @@ class DataParallelLLM:
             entry = self._own(replica, event.request_id)
             if entry is not None:
                 _fail([entry], event.error)
+        elif isinstance(event, AdapterDone):
+            with self._lock:
+                call = self._adapter_calls.pop((event.token, replica.index), None)
+            if call is not None:
+                _answer(call, event.changed, event.error)
+            elif event.error is not None:
+                logger.warning("replica %d: %s", replica.index, event.error)
         elif isinstance(event, Outputs):
             self._dispatch(replica, event.outputs)
         elif isinstance(event, StepFailed):
@@ -384,6 +456,10 @@ class DataParallelLLM:
             moves = [(e, self._place(e)) for e in mine if e not in lost]
             self.num_resent += len(moves)
             self.num_lost += len(lost)
+            calls = [k for k in self._adapter_calls if k[1] == replica.index]
+            unanswered = [self._adapter_calls.pop(k) for k in calls]
+        for call in unanswered:
+            _answer(call, False, EngineStepError(f"replica {replica.index} died"))
         if was_alive:
             logger.warning(
                 "replica %d died: %d requests re-sent, %d ended with an error",
@@ -406,6 +482,18 @@ def _send_adds(moves: list[tuple[_Inflight, ReplicaClient | None]]) -> None:
     for entry, target in moves:
         if target is not None:
             target.send(entry.add_command())
+
+
+def _answer(
+    future: concurrent.futures.Future[bool], changed: bool, error: BaseException | None
+) -> None:
+    try:
+        if error is None:
+            future.set_result(changed)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass  # its caller was cancelled
 
 
 def _resolve(future: concurrent.futures.Future[None], error: BaseException | None) -> None:

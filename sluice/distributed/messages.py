@@ -1,9 +1,10 @@
 """What the front end and a replica say to each other; plain picklable dataclasses, so
 a pipe (mp) and Ray's object store (ray) carry them alike.
 
-Front end -> replica: AddRequest, AbortRequest, Stop. Replica -> front end: Ready (or
-StartFailed) once, then Accepted/Rejected for each add, Outputs after each step,
-StepFailed when a step raises, and Stopped last.
+Front end -> replica: AddRequest, AbortRequest, LoadAdapter, UnloadAdapter, Stop.
+Replica -> front end: Ready (or StartFailed) once, then Accepted/Rejected for each add,
+AdapterDone for each adapter command, Outputs after each step, StepFailed when a step
+raises, and Stopped last.
 """
 
 from __future__ import annotations
@@ -35,11 +36,27 @@ class AbortRequest:
 
 
 @dataclass
+class LoadAdapter:
+    """Serve a LoRA adapter loaded at run time (POST /v1/load_lora_adapter)."""
+
+    token: int  # AdapterDone's; 0: nobody waits for the answer
+    request: LoRARequest
+
+
+@dataclass
+class UnloadAdapter:
+    """Stop serving an adapter (its running requests finish)."""
+
+    token: int
+    name: str
+
+
+@dataclass
 class Stop:
     """Abort everything and exit."""
 
 
-Command = AddRequest | AbortRequest | Stop
+Command = AddRequest | AbortRequest | LoadAdapter | UnloadAdapter | Stop
 
 
 @dataclass
@@ -80,8 +97,18 @@ class StepFailed:
 
 
 @dataclass
+class AdapterDone:
+    """A LoadAdapter or UnloadAdapter's answer: the error, else whether it changed
+    anything (an unload of an adapter the replica did not serve did not)."""
+
+    token: int
+    error: BaseException | None
+    changed: bool
+
+
+@dataclass
 class Stopped:
     """The replica aborted its requests and is exiting."""
 
 
-Event = Ready | StartFailed | Accepted | Rejected | Outputs | StepFailed | Stopped
+Event = Ready | StartFailed | Accepted | Rejected | AdapterDone | Outputs | StepFailed | Stopped

@@ -16,13 +16,15 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from sluice.config import EngineConfig
-from sluice.core.errors import EngineStepError
+from sluice.core.errors import EngineStepError, RequestError
 from sluice.distributed.messages import (
     AbortRequest,
     Accepted,
+    AdapterDone,
     AddRequest,
     Command,
     Event,
+    LoadAdapter,
     Outputs,
     Ready,
     Rejected,
@@ -30,6 +32,7 @@ from sluice.distributed.messages import (
     StepFailed,
     Stop,
     Stopped,
+    UnloadAdapter,
 )
 from sluice.engine.async_engine import EngineLike
 from sluice.engine.engine import LLMEngine
@@ -100,6 +103,9 @@ def _handle(engine: ReplicaEngine, channel: ReplicaChannel, commands: list[Comma
         if isinstance(cmd, AbortRequest):
             aborted |= engine.abort_request(cmd.request_id)
             continue
+        if isinstance(cmd, LoadAdapter | UnloadAdapter):
+            channel.send(_adapter_command(engine, cmd))
+            continue
         try:
             engine.add_request(
                 cmd.request_id,
@@ -116,6 +122,21 @@ def _handle(engine: ReplicaEngine, channel: ReplicaChannel, commands: list[Comma
     if accepted or aborted:  # the front end's view of load and KV must follow
         channel.send(Accepted(accepted, engine.stats()))
     return True
+
+
+def _adapter_command(engine: ReplicaEngine, cmd: LoadAdapter | UnloadAdapter) -> AdapterDone:
+    """Load or unload an adapter in the engine's registry (reading an adapter's files
+    takes tens of ms, between two steps)."""
+    registry = getattr(engine, "lora", None)
+    try:
+        if registry is None:
+            raise RequestError("lora_name", "LoRA adapters need --enable-lora")
+        if isinstance(cmd, LoadAdapter):
+            registry.register(cmd.request)
+            return AdapterDone(cmd.token, None, True)
+        return AdapterDone(cmd.token, None, bool(registry.unregister(cmd.name)))
+    except Exception as exc:
+        return AdapterDone(cmd.token, portable(exc), False)
 
 
 def _step(engine: ReplicaEngine, channel: ReplicaChannel) -> None:
