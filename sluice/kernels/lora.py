@@ -55,7 +55,7 @@ def shrink(
     not read)."""
     rows, in_dim = x.shape
     r_total = a.shape[1]
-    u = torch.empty(rows, r_total, dtype=torch.float32)
+    u = torch.zeros(rows, r_total, dtype=torch.float32)  # the kernel skips rows at -1
     _SHRINK(
         lib, is_bf16(x), ptr(x), rows, in_dim, ptr(a), ptr_or_null(scale), r_total, rank,
         ptr(slots), ptr(ranks), ptr(u),

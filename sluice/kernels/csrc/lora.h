@@ -144,8 +144,9 @@ inline const LoraBlocks& lora_blocks(int64_t rows, const int32_t* slots) {
   start.clear();
   for (int64_t t = 0; t < rows; ++t)
     if (slots[t] >= 0) order.push_back(static_cast<int32_t>(t));
-  std::stable_sort(order.begin(), order.end(),
-                   [slots](int32_t p, int32_t q) { return slots[p] < slots[q]; });
+  const auto by_slot = [slots](int32_t p, int32_t q) { return slots[p] < slots[q]; };
+  if (!std::is_sorted(order.begin(), order.end(), by_slot))  // one row: nothing to sort
+    std::stable_sort(order.begin(), order.end(), by_slot);
   for (size_t i = 0; i < order.size(); ++i)
     if (i == 0 || slots[order[i]] != slots[order[i - 1]] ||
         static_cast<int>(i) - start.back() == kLoraRows)
@@ -195,18 +196,16 @@ inline void lora_block_tile(const float* const* u, const W* b, int rank, int n, 
   }
 }
 
-// u[t, :] = A[slot(t)] x[t] in fp32 (zeros for rows without an adapter). ranks[s]:
-// the rows of each slice that slot s uses (its adapter's rank, 0 where it adapts
-// nothing here); the padding beyond is zero and never read. scale: null where W is
-// T, else each slot's per-row factor of u (int8 A and B^T). A work item is one row of
-// A for a block of rows of its slot. No barrier at the end.
+// u[t, :] = A[slot(t)] x[t] in fp32 for the rows with an adapter (the others' u is
+// left as it is: nothing reads it). ranks[s]: the rows of each slice that slot s uses
+// (its adapter's rank, 0 where it adapts nothing here); the padding beyond is zero and
+// never read. scale: null where W is T, else each slot's per-row factor of u (int8 A
+// and B^T). A work item is one row of A for a block of rows of its slot. No barrier
+// at the end.
 template <typename T, typename W>
 void lora_shrink(const T* x, int64_t rows, int in_dim, const W* a, const float* scale,
                  int r_total, int rank, const int32_t* slots, const int32_t* ranks, float* u) {
   const LoraBlocks& blocks = lora_blocks(rows, slots);
-#pragma omp for schedule(static) nowait
-  for (int64_t t = 0; t < rows; ++t)
-    if (slots[t] < 0) std::fill(u + t * r_total, u + (t + 1) * r_total, 0.f);
   const int64_t items = blocks.count() * r_total;
 #pragma omp for schedule(static) nowait
   for (int64_t i = 0; i < items; ++i) {
