@@ -672,7 +672,6 @@ class EngineConfig:
         self.prompt_activations = parse_choice(
             "prompt_activations", self.prompt_activations, PROMPT_ACTIVATIONS, ConfigError
         )
-        self.lora_dtype = parse_choice("lora_dtype", self.lora_dtype, LORA_DTYPES, ConfigError)
         self.dtype = parse_choice("dtype", self.dtype, DTYPES, ConfigError)
         self._check_kv_cache_dtype()
         self.distributed_executor_backend = parse_choice(
@@ -769,6 +768,7 @@ class EngineConfig:
                 )
 
     def _check_lora(self) -> None:
+        self.lora_dtype = parse_choice("lora_dtype", self.lora_dtype, LORA_DTYPES, ConfigError)
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
