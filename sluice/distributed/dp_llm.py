@@ -23,7 +23,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sluice.config import EngineConfig
 from sluice.core.errors import (
@@ -105,6 +105,7 @@ class _Inflight:
 
 
 _Delivery = list[tuple[RequestStream, RequestOutput | BaseException]]
+_T = TypeVar("_T")
 
 
 class DataParallelLLM:
@@ -397,7 +398,7 @@ class DataParallelLLM:
             for rid in event.request_ids:
                 entry = self._requests.get(rid)
                 if entry is not None:
-                    _resolve(entry.accepted, None)
+                    _resolve(entry.accepted, None, None)
         elif isinstance(event, Rejected):
             entry = self._own(replica, event.request_id)
             if entry is not None:
@@ -406,7 +407,7 @@ class DataParallelLLM:
             with self._lock:
                 call = self._adapter_calls.pop((event.token, replica.index), None)
             if call is not None:
-                _answer(call, event.changed, event.error)
+                _resolve(call, event.error, event.changed)
             elif event.error is not None:
                 logger.warning("replica %d: %s", replica.index, event.error)
         elif isinstance(event, Outputs):
@@ -459,7 +460,7 @@ class DataParallelLLM:
             calls = [k for k in self._adapter_calls if k[1] == replica.index]
             unanswered = [self._adapter_calls.pop(k) for k in calls]
         for call in unanswered:
-            _answer(call, False, EngineStepError(f"replica {replica.index} died"))
+            _resolve(call, EngineStepError(f"replica {replica.index} died"), False)
         if was_alive:
             logger.warning(
                 "replica %d died: %d requests re-sent, %d ended with an error",
@@ -484,26 +485,17 @@ def _send_adds(moves: list[tuple[_Inflight, ReplicaClient | None]]) -> None:
             target.send(entry.add_command())
 
 
-def _answer(
-    future: concurrent.futures.Future[bool], changed: bool, error: BaseException | None
+def _resolve(
+    future: concurrent.futures.Future[_T], error: BaseException | None, result: _T
 ) -> None:
+    """Give `future` its result, or `error`; one already settled keeps what it has."""
     try:
         if error is None:
-            future.set_result(changed)
+            future.set_result(result)
         else:
             future.set_exception(error)
     except concurrent.futures.InvalidStateError:
-        pass  # its caller was cancelled
-
-
-def _resolve(future: concurrent.futures.Future[None], error: BaseException | None) -> None:
-    try:
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
-    except concurrent.futures.InvalidStateError:
-        pass  # already accepted, or cancelled by its caller
+        pass  # already settled, or cancelled by its caller
 
 
 def _fail(entries: list[_Inflight], error: BaseException) -> None:
@@ -512,7 +504,7 @@ def _fail(entries: list[_Inflight], error: BaseException) -> None:
     by_loop: dict[asyncio.AbstractEventLoop, _Delivery] = {}
     for entry in entries:
         if not entry.accepted.done():
-            _resolve(entry.accepted, error)
+            _resolve(entry.accepted, error, None)
             continue
         stream = entry.stream()
         if stream is not None:
