@@ -84,6 +84,20 @@ class LoRAShard:
         return a, bt[:, start : start + width]
 
 
+@dataclass(frozen=True)
+class _Int8Scales:
+    """int8 slots' scales, [slots, slices * rank] fp32 each: A's per row, B's per
+    column (a row of B^T within a slice), and their product (u's factor)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    u: torch.Tensor
+
+    @classmethod
+    def zeros(cls, slots: int, rows: int) -> _Int8Scales:
+        return cls(*(torch.zeros(slots, rows) for _ in range(3)))
+
+
 class LoRASlots(nn.Module):
     """One Linear's adapter slots: A [slots, slices * rank, in] and B^T in tiles of
     columns, [slots, tiles, rank, TILE_COLUMNS] (each slice's columns cut into whole
@@ -114,7 +128,6 @@ class LoRASlots(nn.Module):
         self.shard = shard
         self.rank = max_rank
         self.dtype = dtype  # the activations' (and, unless int8, the matrices')
-        self.int8 = int8
         bounds, tiles = [0], [0]  # each slice's first column, and first tile of B^T
         for w in widths:
             bounds.append(bounds[-1] + w)
@@ -129,13 +142,7 @@ class LoRASlots(nn.Module):
         bt = torch.zeros(max_loras, tiles[-1], max_rank, TILE_COLUMNS, dtype=stored)
         self.register_buffer("a", a, False)
         self.register_buffer("bt", bt, False)
-        # int8: A's row scales, B's column scales (per slice row), and their product.
-        self.a_scale: torch.Tensor | None
-        self.b_scale: torch.Tensor | None
-        self.u_scale: torch.Tensor | None
-        for name in ("a_scale", "b_scale", "u_scale"):
-            scale = torch.zeros(max_loras, n * max_rank) if int8 else None
-            self.register_buffer(name, scale, False)
+        self.scales = _Int8Scales.zeros(max_loras, n * max_rank) if int8 else None
         # Per slot, the rank its adapter has here (0: it adapts nothing in this layer):
         # the kernels read no padding past it. On the CPU, for the kernels.
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device="cpu")
@@ -158,16 +165,25 @@ class LoRASlots(nn.Module):
             a, bt = self.shard.cut(
                 m.a, m.b.t(), self.a.shape[2], self.bounds[j + 1] - self.bounds[j]
             )
-            rows = slice(first, first + r)
-            if self.a_scale is None or self.b_scale is None:
+            rows, tiles = slice(first, first + r), slice(self.tiles[j], self.tiles[j + 1])
+            if self.scales is None:
                 self.a[slot, rows] = a.to(self.dtype)
-                self.bt[slot, self.tiles[j] : self.tiles[j + 1], :r] = _tiled(bt.to(self.dtype))
+                self.bt[slot, tiles, :r] = _tiled(bt.to(self.dtype))
                 continue
-            self.a[slot, rows], self.a_scale[slot, rows] = _int8_rows(a)
-            bt, self.b_scale[slot, rows] = _int8_rows(bt)
-            self.bt[slot, self.tiles[j] : self.tiles[j + 1], :r] = _tiled(bt)
-        if self.u_scale is not None and self.a_scale is not None and self.b_scale is not None:
-            self.u_scale[slot] = self.a_scale[slot] * self.b_scale[slot]
+            self.a[slot, rows], self.scales.a[slot, rows] = _int8_rows(a)
+            bt, self.scales.b[slot, rows] = _int8_rows(bt)
+            self.bt[slot, tiles, :r] = _tiled(bt)
+        if self.scales is not None:
+            self.scales.u[slot] = self.scales.a[slot] * self.scales.b[slot]
+
+    @property
+    def int8(self) -> bool:
+        return self.scales is not None
+
+    @property
+    def u_scale(self) -> torch.Tensor | None:
+        """What the kernels take: u's factor per (slot, slice row); None: not int8."""
+        return None if self.scales is None else self.scales.u
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base output for rows x) plus each row's adapter product."""
@@ -207,16 +223,16 @@ class LoRASlots(nn.Module):
         if self._dense is None or self._dense[0].dtype != dtype:
             a, bt = self.a.to(dtype), self.bt.to(dtype)
             n, r, slots = len(self.targets), self.rank, bt.shape[0]
-            if self.a_scale is not None:
-                a = a * self.a_scale.to(dtype)[:, :, None]
+            if self.scales is not None:
+                a = a * self.scales.a.to(dtype)[:, :, None]
             blocks = bt.new_zeros(slots, n * r, self.bounds[-1])
             for j in range(n):
                 tiles = bt[:, self.tiles[j] : self.tiles[j + 1]]  # [slots, t, rank, TILE]
                 width = self.bounds[j + 1] - self.bounds[j]
                 rows = tiles.permute(0, 2, 1, 3).reshape(slots, r, -1)[:, :, :width]
                 blocks[:, j * r : (j + 1) * r, self.bounds[j] : self.bounds[j + 1]] = rows
-            if self.b_scale is not None:
-                blocks = blocks * self.b_scale.to(dtype)[:, :, None]
+            if self.scales is not None:
+                blocks = blocks * self.scales.b.to(dtype)[:, :, None]
             self._dense = a.flatten(0, 1), blocks.flatten(0, 1)
         return self._dense
 

@@ -117,6 +117,12 @@ bool lora_on(const int64_t* L, const Batch& b, const LoraLinear& lin) {
   return b.lora_slots != nullptr && L[lin.a] != 0;
 }
 
+// A linear's int8 slots' scales (lora.h's `scale`); null where the slots hold the
+// activations' type.
+const float* lora_scale(const int64_t* L, const LoraLinear& lin) {
+  return at<float>(L, Field(lin.a + 3));
+}
+
 // A linear's adapter work comes in two halves around its base matmul (every thread
 // calls both): lora_begin's shrink of x [M, K] into u needs no barrier of its own, the
 // matmul's closes it; lora_end adds each row's B u to y [M, N], a barrier after.
@@ -128,13 +134,9 @@ void lora_begin(const Shape& s, const int64_t* L, const Batch& b, const LoraLine
   const int n_slices = static_cast<int>(lin.offsets.size()) - 1;
   const int r_total = n_slices * s.lora_rank;
   const int32_t* ranks = at<int32_t>(L, Field(lin.a + 2));
-  const float* scale = at<float>(L, Field(lin.a + 3));  // not null: int8 A and B^T
-  if (scale != nullptr)
-    sluice::lora_shrink(x, M, K, at<int8_t>(L, lin.a), scale, r_total, s.lora_rank,
-                        b.lora_slots, ranks, u.data());
-  else
-    sluice::lora_shrink(x, M, K, at<T>(L, lin.a), scale, r_total, s.lora_rank, b.lora_slots,
-                        ranks, u.data());
+  sluice::lora_shrink_stored(x, M, K, reinterpret_cast<const void*>(L[lin.a]),
+                             lora_scale(L, lin), r_total, s.lora_rank, b.lora_slots, ranks,
+                             u.data());
 }
 
 template <typename T>
@@ -142,14 +144,10 @@ void lora_end(const Shape& s, const int64_t* L, const Batch& b, const LoraLinear
               const std::vector<float>& u, T* y) {
   if (!lora_on(L, b, lin)) return;
   const int n_slices = static_cast<int>(lin.offsets.size()) - 1;
-  const int32_t* ranks = at<int32_t>(L, Field(lin.a + 2));
-  if (L[lin.a + 3] != 0)
-    sluice::lora_expand(u.data(), M, s.lora_rank, n_slices, lin.offsets.data(),
-                        at<int8_t>(L, Field(lin.a + 1)), lin.offsets.back(), b.lora_slots, ranks,
-                        y);
-  else
-    sluice::lora_expand(u.data(), M, s.lora_rank, n_slices, lin.offsets.data(),
-                        at<T>(L, Field(lin.a + 1)), lin.offsets.back(), b.lora_slots, ranks, y);
+  sluice::lora_expand_stored(u.data(), M, s.lora_rank, n_slices, lin.offsets.data(),
+                             reinterpret_cast<const void*>(L[lin.a + 1]),
+                             lora_scale(L, lin) != nullptr, lin.offsets.back(), b.lora_slots,
+                             at<int32_t>(L, Field(lin.a + 2)), y);
 }
 
 // y [M, N] = x @ W.T for the linear whose fields start at `packed`, on the kernel its

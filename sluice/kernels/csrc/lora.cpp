@@ -6,29 +6,6 @@ namespace {
 // Below this many multiply-adds a call stays on one thread (a decode step's few rows:
 // waking the team costs more than it saves).
 constexpr int64_t kParallelWork = 1 << 18;
-
-template <typename T>
-void shrink(const T* x, int64_t rows, int in_dim, const void* a, const float* scale, int r_total,
-            int rank, const int32_t* slots, const int32_t* ranks, float* u) {
-  if (scale != nullptr)
-    sluice::lora_shrink(x, rows, in_dim, static_cast<const int8_t*>(a), scale, r_total, rank,
-                        slots, ranks, u);
-  else
-    sluice::lora_shrink(x, rows, in_dim, static_cast<const T*>(a), scale, r_total, rank, slots,
-                        ranks, u);
-}
-
-template <typename T>
-void expand(const float* u, int64_t rows, int rank, int n_slices, const int32_t* offsets,
-            const void* bt, int bt_int8, int out_dim, const int32_t* slots,
-            const int32_t* ranks, T* y) {
-  if (bt_int8)
-    sluice::lora_expand(u, rows, rank, n_slices, offsets, static_cast<const int8_t*>(bt),
-                        out_dim, slots, ranks, y);
-  else
-    sluice::lora_expand(u, rows, rank, n_slices, offsets, static_cast<const T*>(bt), out_dim,
-                        slots, ranks, y);
-}
 }  // namespace
 
 extern "C" {
@@ -42,10 +19,11 @@ void sluice_lora_shrink(int bf16, const void* x, int64_t rows, int in_dim, const
                         const int32_t* ranks, float* u) {
 #pragma omp parallel if (rows * r_total * in_dim > kParallelWork)
   if (bf16)
-    shrink(static_cast<const uint16_t*>(x), rows, in_dim, a, scale, r_total, rank, slots, ranks,
-           u);
+    sluice::lora_shrink_stored(static_cast<const uint16_t*>(x), rows, in_dim, a, scale, r_total,
+                               rank, slots, ranks, u);
   else
-    shrink(static_cast<const float*>(x), rows, in_dim, a, scale, r_total, rank, slots, ranks, u);
+    sluice::lora_shrink_stored(static_cast<const float*>(x), rows, in_dim, a, scale, r_total,
+                               rank, slots, ranks, u);
 }
 
 // bt_int8: B^T is int8 (its scales in u, from the shrink), else in y's type.
@@ -54,11 +32,11 @@ void sluice_lora_expand(int bf16, const float* u, int64_t rows, int rank, int n_
                         const int32_t* slots, const int32_t* ranks, void* y) {
 #pragma omp parallel if (rows * out_dim * rank > kParallelWork)
   if (bf16)
-    expand(u, rows, rank, n_slices, offsets, bt, bt_int8, out_dim, slots, ranks,
-           static_cast<uint16_t*>(y));
+    sluice::lora_expand_stored(u, rows, rank, n_slices, offsets, bt, bt_int8 != 0, out_dim,
+                               slots, ranks, static_cast<uint16_t*>(y));
   else
-    expand(u, rows, rank, n_slices, offsets, bt, bt_int8, out_dim, slots, ranks,
-           static_cast<float*>(y));
+    sluice::lora_expand_stored(u, rows, rank, n_slices, offsets, bt, bt_int8 != 0, out_dim,
+                               slots, ranks, static_cast<float*>(y));
 }
 
 }  // extern "C"

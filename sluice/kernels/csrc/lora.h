@@ -282,4 +282,30 @@ void lora_expand(const float* u, int64_t rows, int rank, int n_slices, const int
   }
 }
 
+// The entry points' and the decode stack's calls: A and B^T as the slots store them,
+// int8 where `scale` is not null, else in the activations' type T.
+template <typename T>
+void lora_shrink_stored(const T* x, int64_t rows, int in_dim, const void* a,
+                        const float* scale, int r_total, int rank, const int32_t* slots,
+                        const int32_t* ranks, float* u) {
+  if (scale != nullptr)
+    lora_shrink(x, rows, in_dim, static_cast<const int8_t*>(a), scale, r_total, rank, slots,
+                ranks, u);
+  else
+    lora_shrink(x, rows, in_dim, static_cast<const T*>(a), scale, r_total, rank, slots, ranks,
+                u);
+}
+
+template <typename T>
+void lora_expand_stored(const float* u, int64_t rows, int rank, int n_slices,
+                        const int32_t* offsets, const void* bt, bool int8, int out_dim,
+                        const int32_t* slots, const int32_t* ranks, T* y) {
+  if (int8)
+    lora_expand(u, rows, rank, n_slices, offsets, static_cast<const int8_t*>(bt), out_dim,
+                slots, ranks, y);
+  else
+    lora_expand(u, rows, rank, n_slices, offsets, static_cast<const T*>(bt), out_dim, slots,
+                ranks, y);
+}
+
 }  // namespace sluice
