@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from sluice.config import ModelConfig
-from sluice.core.choices import LORA_TARGETS
+from sluice.core.choices import LORA_MODEL_TARGETS, LORA_TARGETS
 from sluice.loader.lora import target_shape
 
 # Three layers, GQA 4/2, SmolLM2's vocabulary (its tokenizer detokenizes the output).
@@ -104,10 +104,16 @@ _PEFT_PREFIX = "base_model.model.model.layers"
 
 
 def write_random_adapter(
-    config: ModelConfig, rank: int, seed: int, out: Path, b_scale: float = 0.01
+    config: ModelConfig,
+    rank: int,
+    seed: int,
+    out: Path,
+    b_scale: float = 0.01,
+    model_level: bool = False,
 ) -> Path:
     """A random PEFT LoRA adapter folder of rank `rank` on every projection of a model
-    of `config`'s shape, in fp16. B's entries have standard deviation `b_scale`: the
+    of `config`'s shape (model_level: the token embedding and the head too, named as
+    peft names them), in fp16. B's entries have standard deviation `b_scale`: the
     default keeps the output a model's, not noise (speed does not depend on what an
     adapter learned); a larger one makes the adapter change the tokens."""
     g = torch.Generator().manual_seed(seed)
@@ -119,13 +125,21 @@ def write_random_adapter(
             name = f"{_PEFT_PREFIX}.{layer}.{part}.{target}"
             tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in**0.5
             tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * b_scale
+    if model_level:  # A's rows are a token's (embedding) or the hidden state's (head)
+        vocab, hidden = config.vocab_size, config.hidden_size
+        embed, head = "base_model.model.model.embed_tokens", "base_model.model.lm_head"
+        tensors[f"{embed}.lora_embedding_A"] = torch.randn(rank, vocab, generator=g)
+        tensors[f"{embed}.lora_embedding_B"] = torch.randn(hidden, rank, generator=g) * b_scale
+        tensors[f"{head}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) / hidden**0.5
+        tensors[f"{head}.lora_B.weight"] = torch.randn(vocab, rank, generator=g) * b_scale
+    targets = [*LORA_TARGETS, *(LORA_MODEL_TARGETS if model_level else ())]
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.half() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
     config_json = {
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": 2 * rank,
-        "target_modules": list(LORA_TARGETS),
+        "target_modules": targets,
         "bias": "none",
         "base_model_name_or_path": config.name,
     }

@@ -161,16 +161,20 @@ def test_tp2_on_gguf_blocks_equals_tp1(tmp_path: Path, smollm2_path: Path) -> No
 
 def test_tp2_with_lora_adapters_equals_tp1(tmp_path: Path, smollm2_path: Path) -> None:
     """Two adapters and the base in one batch over two ranks: each rank holds its part
-    of each adapter (B's rows of its q/k/v and gate/up outputs, A's columns of its o
-    and down inputs, whose partial products the all-reduce sums with the base's), put
-    in the slots rank 0 chose; greedy tokens equal one rank's, and the adapters act."""
+    of each adapter (B's rows of its q/k/v and gate/up outputs and of its vocabulary
+    slice of the head, A's columns of its o and down inputs and A^T's rows of its
+    slice of the embedding, whose partial products the all-reduce sums with the
+    base's), put in the slots rank 0 chose; greedy tokens equal one rank's, and the
+    adapters act."""
     from benchmarks.random_models import write_random_adapter
     from sluice import LoRARequest
 
     build("qwen2", tmp_path / "hf", smollm2_path)
     one = engine(tmp_path / "hf", 1, enable_lora=True, max_loras=2)
     folders = [
-        write_random_adapter(one.engine.model_config, 8, seed, tmp_path / f"a{seed}", 0.5)
+        write_random_adapter(
+            one.engine.model_config, 8, seed, tmp_path / f"a{seed}", 0.5, model_level=seed == 2
+        )
         for seed in (1, 2)
     ]
     loras = [LoRARequest("a", 1, str(folders[0])), None, LoRARequest("b", 2, str(folders[1]))]

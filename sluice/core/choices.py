@@ -41,11 +41,16 @@ ARCHITECTURES: tuple[Architecture, ...] = get_args(Architecture)
 PoolingMode = Literal["mean", "cls", "last"]
 POOLING_MODES: tuple[PoolingMode, ...] = get_args(PoolingMode)
 
-# The projections a LoRA adapter may adapt, by the names PEFT and transformers give
-# them in Llama-family decoders (sluice/layers/lora.py maps them onto the fused q/k/v
-# and gate/up layers).
-LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LORA_TARGETS: tuple[LoRATarget, ...] = get_args(LoRATarget)
+# What a LoRA adapter may adapt, by the names PEFT and transformers give them in
+# Llama-family decoders: each layer's projections (sluice/layers/lora.py maps them
+# onto the fused q/k/v and gate/up layers), and the model's token embedding and head.
+LoRAProjection = Literal[
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+]
+LoRAModelTarget = Literal["embed_tokens", "lm_head"]
+LoRATarget = LoRAProjection | LoRAModelTarget
+LORA_TARGETS: tuple[LoRAProjection, ...] = get_args(LoRAProjection)
+LORA_MODEL_TARGETS: tuple[LoRAModelTarget, ...] = get_args(LoRAModelTarget)
 
 # How LoRA adapters' matrices are stored in their slots: "model" in the compute dtype;
 # "int8" with a scale per row of A and per column of B (half of bf16's bytes, which

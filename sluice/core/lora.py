@@ -36,9 +36,15 @@ class LoRARequest:
             raise RequestError("lora_path", f"lora_path must be a path, got {self.lora_path!r}")
 
 
+# The layer index of the modules that belong to the model rather than a layer (the
+# token embedding and the head) in LoRAAdapter.modules' keys.
+MODEL_LAYER = -1
+
+
 @dataclass(frozen=True, eq=False)
 class LoRAModule:
-    """One adapted projection of one layer: y += scale * (x A^T) B^T."""
+    """One adapted projection of one layer: y += scale * (x A^T) B^T. The token
+    embedding's is the same with x a token's one-hot row: in = the vocabulary."""
 
     a: torch.Tensor  # [rank, in] fp32
     b: torch.Tensor  # [out, rank] fp32, the scale folded in
@@ -56,6 +62,7 @@ class LoRAAdapter:
     rank: int
     """The largest rank of its projections."""
     modules: dict[tuple[int, LoRATarget], LoRAModule]
+    """By (layer, projection); the embedding's and the head's at layer MODEL_LAYER."""
 
     @property
     def nbytes(self) -> int:

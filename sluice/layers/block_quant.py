@@ -38,6 +38,7 @@ from sluice import kernels
 from sluice.core.quantized_tensor import QuantizedTensor, dequantize
 from sluice.kernels import Library, qblock
 from sluice.layers.linear import Linear, LinearMethod
+from sluice.layers.lora import EmbeddingLoRASlots
 
 # Rows at or above which dequantized tiles + the dense GEMM beat the block kernel, per
 # kernel level (see the module docstring). At avx2 (fp32) the block kernel is faster
@@ -343,6 +344,9 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
         self.quantized: QuantizedTensor | None = None
         self.lib: Library | None = None
+        # Adapter slots (LoRASlotTable.attach, with LoRA enabled): each token adds its
+        # request's adapter's product to its row.
+        self.lora: EmbeddingLoRASlots | None = None
 
     def load_quantized(self, weight: QuantizedTensor) -> None:
         if weight.shape != tuple(self.weight.shape):
@@ -355,6 +359,11 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self._lookup(ids)
+        return h if self.lora is None else self.lora(ids, h)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The base table's rows for ids."""
         if self.quantized is None:
             return F.embedding(ids, self.weight)
         if self.lib is not None:

@@ -24,7 +24,7 @@ from torch import nn
 
 from sluice import kernels
 from sluice.core.choices import LoRATarget
-from sluice.core.lora import LoRAAdapter
+from sluice.core.lora import MODEL_LAYER, LoRAAdapter
 from sluice.kernels import lora as lora_kernels
 from sluice.kernels.lora import TILE_COLUMNS
 
@@ -37,6 +37,14 @@ class LoRAMapping:
         self.slots = slots.to(torch.int32).contiguous()
         self.device = device
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._used: frozenset[int] | None = None
+
+    @property
+    def used(self) -> frozenset[int]:
+        """The slots some row uses (made once a step)."""
+        if self._used is None:
+            self._used = frozenset(s for s in self.slots.unique().tolist() if s >= 0)
+        return self._used
 
     def mask(self, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
         """[rows, num_slots] on the device: 1 in each row's slot, 0 elsewhere (a row
@@ -46,6 +54,10 @@ class LoRAMapping:
             onehot = F.one_hot(self.slots.long() + 1, num_slots + 1)[:, 1:]
             self._masks[key] = onehot.to(device=self.device, dtype=dtype)
         return self._masks[key]
+
+    def select(self, rows: torch.Tensor | slice) -> LoRAMapping:
+        """The mapping of some of the step's rows (the head's: those that sample)."""
+        return LoRAMapping(self.slots[rows], self.device)
 
 
 _current: LoRAMapping | None = None
@@ -76,12 +88,13 @@ class LoRAShard:
         self, a: torch.Tensor, bt: torch.Tensor, in_features: int, width: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A [r, in] and B^T [r, out] of one projection -> this rank's (r, in_features)
-        and (r, width)."""
+        and (r, width), zero-padded where the last rank's slice is short (a vocabulary
+        padded to a multiple of the ranks)."""
         if self.row_parallel:
             start = self.rank * in_features
-            return a[:, start : start + in_features], bt
+            return _padded(a[:, start : start + in_features], in_features), bt
         start = self.rank * width
-        return a, bt[:, start : start + width]
+        return a, _padded(bt[:, start : start + width], width)
 
 
 @dataclass(frozen=True)
@@ -146,6 +159,7 @@ class LoRASlots(nn.Module):
         # Per slot, the rank its adapter has here (0: it adapts nothing in this layer):
         # the kernels read no padding past it. On the CPU, for the kernels.
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device="cpu")
+        self._adapts: list[bool] = [False] * max_loras  # ranks != 0, read without torch
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None  # the torch path's
 
     def load(self, slot: int, adapter: LoRAAdapter | None) -> None:
@@ -153,6 +167,7 @@ class LoRASlots(nn.Module):
         self.a[slot].zero_()
         self.bt[slot].zero_()
         self.ranks[slot] = 0
+        self._adapts[slot] = False
         self._dense = None
         if adapter is None:
             return
@@ -175,6 +190,7 @@ class LoRASlots(nn.Module):
             self.bt[slot, tiles, :r] = _tiled(bt)
         if self.scales is not None:
             self.scales.u[slot] = self.scales.a[slot] * self.scales.b[slot]
+        self._adapts[slot] = bool(self.ranks[slot])
 
     @property
     def int8(self) -> bool:
@@ -188,8 +204,8 @@ class LoRASlots(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base output for rows x) plus each row's adapter product."""
         mapping = _current
-        if mapping is None:
-            return y
+        if mapping is None or not any(self._adapts[s] for s in mapping.used):
+            return y  # (the head, most adapters leave alone, skips two kernels' calls)
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         lib = _kernel_lib(x2, y2, self.dtype)
         if lib is not None:
@@ -235,6 +251,55 @@ class LoRASlots(nn.Module):
                 blocks = blocks * self.scales.b.to(dtype)[:, :, None]
             self._dense = a.flatten(0, 1), blocks.flatten(0, 1)
         return self._dense
+
+
+class EmbeddingLoRASlots(nn.Module):
+    """The token embedding's adapter slots: per slot A^T [vocab, rank] (a token's row
+    of it is the shrink's output: the token is a one-hot row) and B^T [rank, hidden],
+    in the compute dtype (a step reads one row of A^T per token). On a tensor-parallel
+    rank, the rows of its vocabulary slice: a token outside it is zeroed with the
+    embedding's own row, and the all-reduce sums the ranks' rows."""
+
+    def __init__(
+        self, *, vocab: int, hidden: int, max_loras: int, max_rank: int, dtype: torch.dtype,
+        shard: LoRAShard = LoRAShard(row_parallel=True),
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.shard = shard
+        self.at: torch.Tensor
+        self.bt: torch.Tensor
+        self.register_buffer("at", torch.zeros(max_loras, vocab, max_rank, dtype=dtype), False)
+        self.register_buffer("bt", torch.zeros(max_loras, max_rank, hidden, dtype=dtype), False)
+
+    def load(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Put `adapter`'s embedding pair into `slot` (None, or none: empty it)."""
+        self.at[slot].zero_()
+        self.bt[slot].zero_()
+        m = None if adapter is None else adapter.modules.get((MODEL_LAYER, "embed_tokens"))
+        if m is None:
+            return
+        r = m.a.shape[0]
+        a, bt = self.shard.cut(m.a, m.b.t(), self.at.shape[1], self.bt.shape[2])
+        self.at[slot, :, :r] = a.t().to(self.at.dtype)
+        self.bt[slot, :r] = bt.to(self.bt.dtype)
+
+    def forward(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h (the embeddings of ids) plus each row's adapter product: its token's row
+        of A^T times B^T, through the step's mapping's mask as LoRASlots' torch path."""
+        mapping = _current
+        if mapping is None:
+            return h
+        slots, rank = self.at.shape[0], self.at.shape[2]
+        rows = self.at[:, ids.reshape(-1)].transpose(0, 1)  # [tokens, slots, rank]
+        u = rows * mapping.mask(slots, rows.dtype)[:, :, None]
+        h2 = h.view(-1, h.shape[-1])
+        h2.addmm_(u.reshape(u.shape[0], slots * rank), self.bt.view(slots * rank, -1))
+        return h
+
+
+def _padded(w: torch.Tensor, width: int) -> torch.Tensor:
+    """w [r, n <= width] with zero columns up to width."""
+    return F.pad(w, (0, width - w.shape[1]))
 
 
 def _tiled(bt: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +24,9 @@ from gguf.quants import dequantize
 
 from sluice.architectures import spec_of
 from sluice.config import ModelConfig
-from sluice.core.choices import LORA_TARGETS, LoRATarget
+from sluice.core.choices import LORA_MODEL_TARGETS, LORA_TARGETS, LoRATarget
 from sluice.core.errors import ModelFileError
-from sluice.core.lora import LoRAAdapter, LoRAModule
+from sluice.core.lora import MODEL_LAYER, LoRAAdapter, LoRAModule
 from sluice.loader.gguf_metadata import GGUFMetadata
 from sluice.loader.hf_loader import check_safetensors
 
@@ -35,12 +35,22 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _MAX_CONFIG_BYTES = 1 << 20
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# PEFT's names: base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight.
+# PEFT's names: base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight; the
+# model's own modules base_model.model.lm_head.lora_A.weight and, for the embedding,
+# base_model.model.model.embed_tokens.lora_embedding_A (no .weight).
 _PEFT_RE = re.compile(
     r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
 )
-# llama.cpp's: blk.N.attn_q.weight.lora_a.
+_PEFT_MODEL_RE = re.compile(
+    r"(?:base_model\.model\.)?(?:model\.)?()(lm_head|embed_tokens)\.lora_(?:embedding_)?([AB])"
+    r"(?:\.weight)?"
+)
+_PEFT_BASE_COPY_RE = re.compile(
+    r"(?:base_model\.model\.)?(?:model\.)?(?:lm_head|embed_tokens)\.base_layer\.weight"
+)
+# llama.cpp's: blk.N.attn_q.weight.lora_a; token_embd.weight.lora_a, output.weight.lora_a.
 _GGUF_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])")
+_GGUF_MODEL_RE = re.compile(r"()(token_embd|output)\.weight\.lora_([ab])")
 _GGUF_TARGETS: dict[str, LoRATarget] = {
     "attn_q": "q_proj",
     "attn_k": "k_proj",
@@ -49,6 +59,8 @@ _GGUF_TARGETS: dict[str, LoRATarget] = {
     "ffn_gate": "gate_proj",
     "ffn_up": "up_proj",
     "ffn_down": "down_proj",
+    "token_embd": "embed_tokens",
+    "output": "lm_head",
 }
 
 
@@ -68,10 +80,13 @@ class LoRAAdapterError(ModelFileError):
 
 
 def target_shape(config: ModelConfig, target: LoRATarget) -> tuple[int, int]:
-    """(in, out) of a projection of the base model."""
+    """(in, out) of a projection of the base model (the embedding's `in` is the
+    vocabulary: a token is its one-hot row)."""
     hidden, q = config.hidden_size, config.num_heads * config.head_dim
     kv, inter = config.num_kv_heads * config.head_dim, config.intermediate_size
     return {
+        "embed_tokens": (config.vocab_size, hidden),
+        "lm_head": (hidden, config.vocab_size),
         "q_proj": (hidden, q),
         "k_proj": (hidden, kv),
         "v_proj": (hidden, kv),
@@ -83,19 +98,24 @@ def target_shape(config: ModelConfig, target: LoRATarget) -> tuple[int, int]:
 
 
 def adaptable_targets(config: ModelConfig) -> tuple[LoRATarget, ...]:
-    """What an adapter may adapt on this model: attention, and a dense model's MLP (a
-    Mixture-of-Experts model's experts are not adapted)."""
+    """What an adapter may adapt on this model: attention, a dense model's MLP (a
+    Mixture-of-Experts model's experts are not adapted), the embedding and the head."""
     if config.is_moe:
-        return ("q_proj", "k_proj", "v_proj", "o_proj")
-    return LORA_TARGETS
+        return ("q_proj", "k_proj", "v_proj", "o_proj", *LORA_MODEL_TARGETS)
+    return (*LORA_TARGETS, *LORA_MODEL_TARGETS)
 
 
 def max_adapter_bytes(config: ModelConfig, max_rank: int) -> int:
     """The most bytes an adapter of rank <= max_rank can hold for this model (fp32
-    every target of every layer), plus room for headers: a larger file is refused
-    before it is read."""
-    per_layer = sum(sum(target_shape(config, t)) for t in adaptable_targets(config))
-    return per_layer * max_rank * 4 * config.num_layers + (1 << 20)
+    every target of every layer, the embedding and the head, and peft's copies of the
+    base embedding and head), plus room for headers: a larger file is refused before
+    it is read."""
+    targets = adaptable_targets(config)
+    per_layer = sum(sum(target_shape(config, t)) for t in targets if t in LORA_TARGETS)
+    model_level = sum(sum(target_shape(config, t)) for t in LORA_MODEL_TARGETS)
+    base_copies = 2 * config.vocab_size * config.hidden_size * 4  # _read_peft_tensors
+    low_rank = (per_layer * config.num_layers + model_level) * max_rank * 4
+    return low_rank + base_copies + (1 << 20)
 
 
 @dataclass(frozen=True)
@@ -217,46 +237,82 @@ def _load_peft(src: _Source) -> LoRAAdapter:
     _check_targets(src, cfg)
     weights = src.path / WEIGHTS_FILE
     _bounded_size(src, weights)
-    try:
-        check_safetensors(weights)
-        from safetensors.torch import load_file
-
-        tensors = load_file(weights)
-    except (ModelFileError, OSError, ValueError) as exc:
-        raise src.error(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from None
-    pairs = _pairs(src, tensors, _PEFT_RE, {t: t for t in LORA_TARGETS})
+    tensors = _read_peft_tensors(src, weights)
+    pairs = _pairs(src, tensors, _name_parser(_PEFT_RE, _PEFT_MODEL_RE, {}))
     digest = hashlib.sha256((src.path / CONFIG_FILE).read_bytes())
     digest.update(weights.read_bytes())
-    return _adapter(src, pairs, {t: rank for t in LORA_TARGETS}, scale, digest)
+    ranks: dict[LoRATarget, int] = {t: rank for t in (*LORA_TARGETS, *LORA_MODEL_TARGETS)}
+    return _adapter(src, pairs, ranks, scale, digest)
+
+
+def _read_peft_tensors(src: _Source, weights: Path) -> dict[str, torch.Tensor]:
+    """The adapter's tensors, less the copies of the base embedding and head that peft
+    saves beside their adapters (save_embedding_layers): frozen in LoRA training, so
+    the base model's own, which are not read; one of another shape means a resized
+    vocabulary, which the base model does not have."""
+    try:
+        check_safetensors(weights)
+        from safetensors import safe_open
+
+        tensors = {}
+        with safe_open(weights, "pt") as f:
+            for name in f.keys():
+                if _PEFT_BASE_COPY_RE.fullmatch(name):
+                    shape = list(f.get_slice(name).get_shape())
+                    base = [src.config.vocab_size, src.config.hidden_size]
+                    if shape != base:
+                        raise src.error(
+                            f"tensor {name} has shape {shape}; the base model's is {base} "
+                            "(trained with a resized vocabulary?)"
+                        )
+                    continue
+                tensors[name] = f.get_tensor(name)
+        return tensors
+    except LoRAAdapterError:
+        raise
+    except (ModelFileError, OSError, ValueError) as exc:
+        raise src.error(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from None
 
 
 _Pairs = dict[tuple[int, LoRATarget], tuple[torch.Tensor, torch.Tensor, str]]
+# A tensor's name -> (its layer, MODEL_LAYER for the model's own modules; the target;
+# "A" or "B"), or None where it is not a LoRA weight of anything this model adapts.
+_NameParser = Callable[[str], tuple[int, str, str] | None]
 
 
-def _pairs(
-    src: _Source,
-    tensors: dict[str, torch.Tensor],
-    pattern: re.Pattern[str],
-    targets: Mapping[str, LoRATarget],
-) -> _Pairs:
-    """(layer, target) -> (A, B, A's name) from tensor names (`pattern`'s second group
-    is the projection as the format names it, `targets` its name here); anything else
-    is refused."""
+def _name_parser(
+    layer_re: re.Pattern[str], model_re: re.Pattern[str], renames: dict[str, LoRATarget]
+) -> _NameParser:
+    """A format's parser: each pattern's groups are (layer, or empty for the model's
+    own modules; the target as the format names it, `renames` mapping it to ours; A/B)."""
+
+    def parse(name: str) -> tuple[int, str, str] | None:
+        m = layer_re.fullmatch(name) or model_re.fullmatch(name)
+        if m is None:
+            return None
+        layer = int(m.group(1)) if m.group(1) else MODEL_LAYER
+        return layer, renames.get(m.group(2), m.group(2)), m.group(3).upper()
+
+    return parse
+
+
+def _pairs(src: _Source, tensors: dict[str, torch.Tensor], parse: _NameParser) -> _Pairs:
+    """(layer, target) -> (A, B, A's name) from tensor names; anything else is refused."""
     found: dict[tuple[int, LoRATarget], dict[str, tuple[str, torch.Tensor]]] = {}
     allowed = adaptable_targets(src.config)
     for name, t in tensors.items():
-        m = pattern.fullmatch(name)
-        target = targets.get(m.group(2)) if m else None
-        if m is None or target is None or target not in allowed:
+        layer, target, part = parse(name) or (0, "", "")
+        # A layer's projection inside a layer, the embedding and head outside one.
+        in_place = (layer == MODEL_LAYER) == (target in LORA_MODEL_TARGETS)
+        if target not in allowed or not in_place:
             raise src.error(f"tensor {name} is not a LoRA weight of a supported projection")
-        layer = int(m.group(1))
         if layer >= src.config.num_layers:
             raise src.error(
                 f"tensor {name}: layer {layer} past the model's {src.config.num_layers}"
             )
         if t.dtype not in _FLOAT_DTYPES:
             raise src.error(f"tensor {name} has dtype {t.dtype}; adapters are float32/16 or bf16")
-        found.setdefault((layer, target), {})[m.group(3).upper()] = (name, t)
+        found.setdefault((layer, target), {})[part] = (name, t)
     if not found:
         raise src.error("holds no LoRA weights")
     pairs: _Pairs = {}
@@ -331,8 +387,12 @@ def _load_gguf(src: _Source) -> LoRAAdapter:
         # ValueError/TypeError/RuntimeError for data that does not fit the shape.
         except (ValueError, TypeError, NotImplementedError, RuntimeError) as exc:
             raise src.error(f"tensor {t.name} cannot be read: {exc}") from None
-    pairs = _pairs(src, tensors, _GGUF_RE, _GGUF_TARGETS)
+    pairs = _pairs(src, tensors, _name_parser(_GGUF_RE, _GGUF_MODEL_RE, _GGUF_TARGETS))
     for (layer, target), (a, b, name) in pairs.items():
+        if target == "embed_tokens":  # stored as A^T [vocab, r]: a token's row (llama.cpp)
+            pairs[(layer, target)] = (a.t(), b, name)
+        if layer == MODEL_LAYER:
+            continue
         hf = f"model.layers.{layer}.self_attn.{target}.weight"
         unpermuted = spec.gguf_weight(hf, b, src.config)
         assert isinstance(unpermuted, torch.Tensor)  # a dense tensor stays dense

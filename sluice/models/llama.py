@@ -17,6 +17,7 @@ from torch import nn
 from sluice.attention.step import attend
 from sluice.config import ModelConfig
 from sluice.core.choices import LoRATarget
+from sluice.core.lora import MODEL_LAYER
 from sluice.core.quantized_tensor import (
     QuantizedTensor,
     Weight,
@@ -181,10 +182,14 @@ class LlamaForCausalLM(nn.Module):
                 layer.mlp.down_proj.reduce = tp.all_reduce
 
     def lora_linears(self) -> list[tuple[int, Linear, tuple[LoRATarget, ...], tuple[int, ...]]]:
-        """What a LoRA adapter may adapt: (layer, the Linear, the projections it fuses
-        in output order, their output widths). A Mixture-of-Experts layer's experts are
-        not adapted."""
-        out: list[tuple[int, Linear, tuple[LoRATarget, ...], tuple[int, ...]]] = []
+        """The Linears a LoRA adapter may adapt: (layer, the Linear, the projections it
+        fuses in output order, their output widths); the head's layer is MODEL_LAYER.
+        A Mixture-of-Experts layer's experts are not adapted. (The embedding, not a
+        Linear, has slots of its own.)"""
+        head: tuple[LoRATarget, ...] = ("lm_head",)
+        out: list[tuple[int, Linear, tuple[LoRATarget, ...], tuple[int, ...]]] = [
+            (MODEL_LAYER, self.lm_head, head, (self.lm_head.out_features,))
+        ]
         hidden = self.config.hidden_size
         for i, layer in enumerate(self.layers):
             att = layer.self_attn

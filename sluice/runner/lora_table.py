@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice.core.lora import LoRAAdapter
-from sluice.layers.lora import LoRAShard, LoRASlots
+from sluice.layers.lora import EmbeddingLoRASlots, LoRAShard, LoRASlots
 from sluice.models.llama import LlamaForCausalLM
 
 
@@ -36,7 +36,7 @@ class LoRACapacity:
 class LoRASlotTable:
     """The slots of every adapted layer of one model, filled least recently used out."""
 
-    def __init__(self, layers: list[LoRASlots], max_loras: int) -> None:
+    def __init__(self, layers: list[LoRASlots | EmbeddingLoRASlots], max_loras: int) -> None:
         self.layers = layers
         self.keys: list[int | None] = [None] * max_loras
         self.last_used = [0] * max_loras
@@ -47,11 +47,12 @@ class LoRASlotTable:
     def attach(
         cls, model: LlamaForCausalLM, capacity: LoRACapacity, tp_rank: int = 0
     ) -> LoRASlotTable:
-        """Give every adaptable Linear of `model` its slots (for the model's dtype, on
-        its device; on a tensor-parallel rank, for its part of each adapter: a layer
-        whose output the group all-reduces is row-parallel) and return their table."""
+        """Give every adaptable Linear of `model` and its token embedding their slots
+        (for the model's dtype, on its device; on a tensor-parallel rank, for its part
+        of each adapter: a layer whose output the group all-reduces is row-parallel, the
+        embedding's vocabulary slice too) and return their table."""
         dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
-        layers = []
+        layers: list[LoRASlots | EmbeddingLoRASlots] = []
         for layer, linear, targets, widths in model.lora_linears():
             shard = LoRAShard(tp_rank, row_parallel=linear.reduce is not None)
             with torch.device(device):
@@ -68,6 +69,18 @@ class LoRASlotTable:
                 )
             linear.lora = slots
             layers.append(slots)
+        config = model.config
+        with torch.device(device):
+            embedding = EmbeddingLoRASlots(
+                vocab=config.vocab_size,
+                hidden=config.hidden_size,
+                max_loras=capacity.max_loras,
+                max_rank=capacity.max_rank,
+                dtype=dtype,
+                shard=LoRAShard(tp_rank, row_parallel=True),
+            )
+        model.embed_tokens.lora = embedding
+        layers.append(embedding)
         return cls(layers, capacity.max_loras)
 
     @property

@@ -389,21 +389,34 @@ class ModelRunner:
             and (lora is None or stack.has_lora)
             and stack.accepts(inputs.input_ids.numel(), meta)
         ):
-            hidden = stack(inputs.input_ids, inputs.positions, meta, inputs.lora_slots)
+            with lora_step(lora):  # the embedding's adapters (the stack runs the layers')
+                hidden = stack(inputs.input_ids, inputs.positions, meta, inputs.lora_slots)
         else:
             ctx = StepContext(self.backend, meta, self.kv_caches, self._layer_metadata(inputs))
             extra = () if inputs.features is None else (inputs.features,)
             with step_context(ctx), lora_step(lora):
                 hidden = self.forward(inputs.input_ids, inputs.positions.to(self.device), *extra)
-        prompt = [self.model.compute_logits(hidden[a:b]) for a, b in inputs.prompt_rows]
+        prompt = [self._logits(hidden[a:b], lora, slice(a, b)) for a, b in inputs.prompt_rows]
         rows = inputs.logit_rows.to(self.device)
         pooled = None
         if inputs.pool_rows is not None:
             pooled = self.model.norm(hidden[inputs.pool_rows.to(self.device)])
         if not self.return_features:
-            return self.model.compute_logits(hidden[rows]), prompt, None, pooled
+            return self._logits(hidden[rows], lora, inputs.logit_rows), prompt, None, pooled
         normed = self.model.norm(hidden)  # the features, and the head's input: one norm
-        return self.model.compute_logits(normed[rows], normed=True), prompt, normed, pooled
+        logits = self._logits(normed[rows], lora, inputs.logit_rows, normed=True)
+        return logits, prompt, normed, pooled
+
+    def _logits(
+        self,
+        hidden: torch.Tensor,
+        lora: LoRAMapping | None,
+        rows: torch.Tensor | slice,
+        normed: bool = False,
+    ) -> torch.Tensor:
+        """The head's logits for some of the step's rows, each with its adapter's head."""
+        with lora_step(None if lora is None else lora.select(rows)):
+            return self.model.compute_logits(hidden, normed=normed)
 
     def _layer_metadata(self, inputs: StepInputs) -> list[AttentionMetadata] | None:
         """Each layer's metadata where a split cache gives its groups their own; None
