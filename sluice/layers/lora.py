@@ -270,12 +270,14 @@ class EmbeddingLoRASlots(nn.Module):
         self.bt: torch.Tensor
         self.register_buffer("at", torch.zeros(max_loras, vocab, max_rank, dtype=dtype), False)
         self.register_buffer("bt", torch.zeros(max_loras, max_rank, hidden, dtype=dtype), False)
+        self._adapts: list[bool] = [False] * max_loras  # whether a slot's adapter has a pair
 
     def load(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Put `adapter`'s embedding pair into `slot` (None, or none: empty it)."""
         self.at[slot].zero_()
         self.bt[slot].zero_()
         m = None if adapter is None else adapter.modules.get((MODEL_LAYER, "embed_tokens"))
+        self._adapts[slot] = m is not None
         if m is None:
             return
         r = m.a.shape[0]
@@ -287,7 +289,7 @@ class EmbeddingLoRASlots(nn.Module):
         """h (the embeddings of ids) plus each row's adapter product: its token's row
         of A^T times B^T, through the step's mapping's mask as LoRASlots' torch path."""
         mapping = _current
-        if mapping is None:
+        if mapping is None or not any(self._adapts[s] for s in mapping.used):
             return h
         slots, rank = self.at.shape[0], self.at.shape[2]
         rows = self.at[:, ids.reshape(-1)].transpose(0, 1)  # [tokens, slots, rank]
