@@ -7,10 +7,11 @@ sluice's loader is tested on these files against transformers and benchmarked on
 against llama.cpp, which runs the same file.
 
 `hf_to_gguf` converts a transformers-saved directory (config.json, *.safetensors) as
-llama.cpp's convert_hf_to_gguf.py (conversion/llama.py, qwen.py, olmo.py, base.py in
-the vendored llama.cpp) does for LlamaForCausalLM, MixtralForCausalLM ("llama"),
-Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM and
-OlmoeForCausalLM. What it follows, and where the converter surprises:
+llama.cpp's convert_hf_to_gguf.py (conversion/llama.py, granite.py, qwen.py, olmo.py,
+base.py in the vendored llama.cpp) does for LlamaForCausalLM, MistralForCausalLM,
+MixtralForCausalLM ("llama"), GraniteForCausalLM ("granite"), Qwen2ForCausalLM,
+Qwen3ForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM.
+What it follows, and where the converter surprises:
 
 - Names come from gguf's own tensor-name map, as the converter's do. Experts, saved one
   by one (`mlp.experts.3.gate_proj`, Mixtral's `block_sparse_moe.experts.3.w1`), are
@@ -86,7 +87,9 @@ A = gguf.MODEL_ARCH
 
 HF_ARCHS: dict[str, gguf.MODEL_ARCH] = {
     "LlamaForCausalLM": A.LLAMA,
+    "MistralForCausalLM": A.LLAMA,
     "MixtralForCausalLM": A.LLAMA,
+    "GraniteForCausalLM": A.GRANITE,
     "Qwen2ForCausalLM": A.QWEN2,
     "Qwen3ForCausalLM": A.QWEN3,
     "Qwen2MoeForCausalLM": A.QWEN2MOE,
@@ -255,15 +258,25 @@ def _add_hf_metadata(
         w.add_expert_count(experts)
     if (used := _find(config, "num_experts_per_tok")) is not None:
         w.add_expert_used_count(used)
-    if (head_dim := config.get("head_dim")) is not None:
+    head_dim = None if arch == A.GRANITE else config.get("head_dim")  # GraniteModel drops it
+    if head_dim is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_file_type(ftype)
-    if arch == A.LLAMA:
+    if arch in (A.LLAMA, A.GRANITE):
         w.add_vocab_size(config["vocab_size"])
         w.add_rope_dimension_count(
             head_dim or config["hidden_size"] // config["num_attention_heads"]
         )
+    if arch == A.GRANITE:  # GraniteModel: the multipliers, as *_scale keys
+        for key, add in (
+            ("attention_multiplier", w.add_attention_scale),
+            ("embedding_multiplier", w.add_embedding_scale),
+            ("residual_multiplier", w.add_residual_scale),
+            ("logits_scaling", w.add_logit_scale),
+        ):
+            if config.get(key):
+                add(config[key])
     if arch in (A.QWEN2MOE, A.QWEN3MOE):
         if (moe_ffn := config.get("moe_intermediate_size")) is not None:
             w.add_expert_feed_forward_length(moe_ffn)
@@ -387,7 +400,7 @@ def _hf_tensors(
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {name!r} in arch {arch.name}")
         n = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else 0
-        permute = arch == A.LLAMA and n > 0
+        permute = arch in (A.LLAMA, A.GRANITE) and n > 0
 
         shape = st.shapes[name]
         if shexp_gate_1d and gguf_name.endswith(".ffn_gate_inp_shexp.weight"):

@@ -45,7 +45,9 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
-KINDS = ("llama", "llama-rope3", "qwen2", "qwen3")
+KINDS = ("llama", "llama-rope3", "mistral-nemo", "granite", "qwen2", "qwen3")
+# The architecture sluice runs each kind as (Mistral's checkpoints load as Llama).
+ARCHITECTURE = {"mistral-nemo": "llama"}
 # Mixture-of-Experts: 8 experts of 64 units, a few chosen per token, as each family
 # routes (Qwen3-MoE renormalizes its top k, as the released models do; Qwen2-MoE and
 # OLMoE do not; Mixtral always does).
@@ -61,6 +63,20 @@ def hf_config(kind: str, shape: dict[str, Any]) -> Any:
         return transformers.LlamaConfig(**{"rope_theta": 10000.0, **shape})
     if kind == "llama-rope3":
         return transformers.LlamaConfig(**shape, rope_parameters=_LLAMA3_ROPE)
+    if kind == "mistral-nemo":  # head_dim set apart from hidden / heads (Nemo: 128 of 160)
+        hidden, heads = shape["hidden_size"], shape["num_attention_heads"]
+        return transformers.MistralConfig(
+            **shape, head_dim=hidden // heads + 16, sliding_window=None, rope_theta=1e6
+        )
+    if kind == "granite":  # Granite 3.x's four scalings (8B: 12, 0.22, 1/128, 16)
+        return transformers.GraniteConfig(
+            **shape,
+            rope_theta=1e4,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.03,
+            logits_scaling=4.0,
+        )
     if kind == "qwen2":
         return transformers.Qwen2Config(**{**shape, "rope_theta": 1000000.0})
     if kind == "qwen3":

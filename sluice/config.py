@@ -79,6 +79,14 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     # Logits become cap * tanh(logits / cap) (Gemma 2 and 3 configs may set it).
     final_logit_softcapping: float | None = None
+    # Granite's scalings: the embeddings times `embedding_multiplier`, each sublayer's
+    # output times `residual_multiplier` before it joins the residual stream, scores
+    # times `attention_multiplier` (instead of head_dim ** -0.5), the logits divided by
+    # `logits_scaling`. 1.0 / None: Llama's.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     # Mixture-of-Experts (sluice/models/moe.py): each layer's MLP is `num_experts`
     # experts of `moe_intermediate_size` units, of which a router picks
     # `num_experts_per_tok` per token (softmax over all, top-k; the k weights
@@ -122,6 +130,16 @@ class ModelConfig:
                 raise ValueError(
                     f"sliding_window_layers lists layer {i}; the model has {self.num_layers}"
                 )
+
+    @property
+    def attention_scale(self) -> float | None:
+        """What attention scores are multiplied by; None: 1 / sqrt(head_dim), which
+        each attention backend computes its own way."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        if self.query_pre_attn_scalar is not None:
+            return float(float(self.query_pre_attn_scalar) ** -0.5)
+        return None
 
     def _check_experts(self) -> None:
         """A Mixture-of-Experts shape that can run: k of E experts, 1 <= k <= E."""

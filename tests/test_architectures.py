@@ -1,5 +1,6 @@
-"""Small random-weight Llama, Qwen2 and Qwen3 models: sluice's greedy output must equal
-transformers' on the same weights, token for token (fp32)."""
+"""Small random-weight Llama (also with Llama 3's rope scaling), Mistral-Nemo (a head
+size apart from hidden / heads), Qwen2 and Qwen3 models: sluice's greedy output must
+equal transformers' on the same weights, token for token (fp32)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.random_models import KINDS, SMALL, build_model
+from benchmarks.random_models import ARCHITECTURE, KINDS, SMALL, build_model
 from sluice import LLM, SamplingParams
 from sluice.loader import tokenizer_from_gguf
 
@@ -38,7 +39,8 @@ def test_random_model_matches_transformers(
         block_size=8,
         compile=compile,
     )
-    assert llm.engine.model_config.architecture == kind.split("-")[0]
+    arch = ARCHITECTURE.get(kind, kind.split("-")[0])
+    assert llm.engine.model_config.architecture == arch
     sp = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     with torch.no_grad():
@@ -76,3 +78,21 @@ def test_compiled_bf16_matches_eager(tmp_path: Path, smollm2_path: Path) -> None
     diff = (scores[True] - scores[False]).abs()
     print(f"compiled - eager prompt logprobs: mean {diff.mean():.4f}, max {diff.max():.4f}")
     assert diff.mean() < 0.1 and diff.max() < 0.5
+
+
+def test_granite_scales_its_logits(tmp_path: Path, smollm2_path: Path) -> None:
+    """Greedy tokens cannot see Granite's logits_scaling (argmax is unchanged by it):
+    the prompt's logprobs equal transformers' log-softmax of its scaled logits."""
+    model = build("granite", tmp_path, smollm2_path)
+    prompt = torch.randint(3, 49152, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory=0.02, block_size=8)
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    (out,) = llm.generate(prompt, sp, use_tqdm=False)
+    assert out.prompt_logprobs is not None
+    got = torch.tensor(
+        [e[t].logprob for t, e in zip(prompt[1:], out.prompt_logprobs[1:], strict=True)]
+    )
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1], dim=-1)
+    want = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

@@ -85,6 +85,28 @@ def test_f32_gguf_equals_transformers(kind: str, tmp_path: Path, tokenizer: Path
     assert [o.outputs[0].token_ids for o in outs] == [_reference(model, p) for p in _prompts()]
 
 
+@pytest.mark.parametrize("kind", ["mistral-nemo", "granite"])
+def test_dense_family_gguf_equals_transformers(kind: str, tmp_path: Path, tokenizer: Path) -> None:
+    """Mistral-Nemo's head size is not hidden / heads (128 of 5120 / 32): the GGUF says
+    so in attention.key_length, and the q/k permutation and attention follow it.
+    Granite's four scalings come as granite.*_scale keys."""
+    model = build_model(kind, SHAPE, tmp_path / "hf")
+    path = tmp_path / f"{kind}.gguf"
+    hf_to_gguf(tmp_path / "hf", path, tokenizer_gguf=tokenizer)
+    llm = _llm(path, dtype="float32", quantization="none")
+    config = llm.engine.model_config
+    if kind == "mistral-nemo":
+        assert config.head_dim * config.num_heads != config.hidden_size
+    else:
+        scalings = (config.residual_multiplier, config.logits_scaling)
+        assert scalings == (pytest.approx(0.22), 4.0)  # float32 in the file
+    # ignore_eos, not min_tokens: this model's greedy 12th token is the tokenizer's EOS
+    # (id 0; transformers' config says 2), which min_tokens would mask.
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate(_prompts(), sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(model, p) for p in _prompts()]
+
+
 def test_llama3_rope_freqs_gguf_equals_transformers(tmp_path: Path, tokenizer: Path) -> None:
     # Positions past original_max_position_embeddings (64) and inside it: the 33-token
     # prompt and 12 new tokens cross where llama3's scaled and unscaled bands differ.

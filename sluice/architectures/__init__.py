@@ -13,7 +13,17 @@ live with the models, and the models need them as much as the loader does.
 
 from __future__ import annotations
 
-from sluice.architectures import bert, gemma3, llama, olmoe, qwen2, qwen2moe, qwen3, qwen3moe
+from sluice.architectures import (
+    bert,
+    gemma3,
+    granite,
+    llama,
+    olmoe,
+    qwen2,
+    qwen2moe,
+    qwen3,
+    qwen3moe,
+)
 from sluice.architectures.spec import ArchitectureSpec, GGUFKeys, rope_from_hf
 from sluice.config import check_architecture
 from sluice.core.choices import Architecture
@@ -26,6 +36,7 @@ REGISTRY: dict[Architecture, ArchitectureSpec] = {
         qwen2.SPEC,
         qwen3.SPEC,
         gemma3.SPEC,
+        granite.SPEC,
         qwen2moe.SPEC,
         qwen3moe.SPEC,
         olmoe.SPEC,

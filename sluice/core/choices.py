@@ -32,7 +32,16 @@ WEIGHT_QUANTIZATIONS: tuple[WeightQuantization, ...] = get_args(WeightQuantizati
 # encoders of embedding models; each registered once in sluice/architectures/, whose
 # REGISTRY lists exactly these, in this order.
 Architecture = Literal[
-    "llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe", "olmoe", "bert", "mpnet"
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "granite",
+    "qwen2moe",
+    "qwen3moe",
+    "olmoe",
+    "bert",
+    "mpnet",
 ]
 ARCHITECTURES: tuple[Architecture, ...] = get_args(Architecture)
 

@@ -60,8 +60,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.window = config.layer_window(layer_index)
-        scalar = config.query_pre_attn_scalar
-        self.scale = None if scalar is None else float(scalar) ** -0.5
+        self.scale = config.attention_scale
         # q, k and v in one matmul: one weight read, one kernel launch.
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
@@ -113,6 +112,7 @@ class DecoderLayer(nn.Module):
             if config.is_moe
             else MLP(config.hidden_size, config.intermediate_size)
         )
+        self.residual_multiplier = config.residual_multiplier  # Granite's; 1.0: none
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
@@ -125,8 +125,10 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.add_forward(h, residual)
         x = self.self_attn(x, cos, sin)
-        x, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(x), residual
+        m = self.residual_multiplier
+        x, residual = self.post_attention_layernorm.add_forward(x if m == 1.0 else x * m, residual)
+        out = self.mlp(x)
+        return out if m == 1.0 else out * m, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -218,6 +220,8 @@ class LlamaForCausalLM(nn.Module):
         assert self.rotary is not None, "call init_rotary() first"
         cos, sin = self.rotary.lookup(positions)
         h = self.embed_tokens(input_ids) if self.tp is None else self._embed_slice(input_ids)
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            h = h * self.config.embedding_multiplier
         residual: torch.Tensor | None = None
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin)
@@ -243,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
             gathered = self.tp.gather_last_dim(logits)
             if gathered is not None:
                 logits = gathered[:, : self.full_vocab_size].contiguous()
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -283,6 +283,11 @@ class LlamaDecodeStack:
         c = model.config
         if any(c.layer_window(i) is not None for i in range(c.num_layers)):
             return None
+        # Granite's scalings of the embeddings, each sublayer's output and the scores
+        # are not in the stack either (its logits' scaling is outside it).
+        granite = (c.embedding_multiplier, c.residual_multiplier, c.attention_multiplier)
+        if granite != (1.0, 1.0, None):
+            return None
         dtype = model.embed_tokens.weight.dtype
         if (
             getattr(backend, "kernel", None) is None
