@@ -152,18 +152,23 @@ def _tile_rows(k: int) -> int:
 
 def _row_max_abs(lib: Library, qt: QuantizedTensor) -> torch.Tensor:
     """[N] fp32: each row's largest |W[n, k]|, a dequantized tile of rows at a time. The
-    tiles are fresh tensors, freed here: through the shared scratch, a bf16 model kept a
-    16 MiB fp32 tile resident after load that nothing else used."""
+    tiles are fresh tensors, freed here (through the shared scratch, a bf16 model kept a
+    16 MiB fp32 tile resident after load that nothing else used), and small: this runs
+    at the end of a load, whose peak memory they add to (no |W| copy either)."""
     n, k = qt.shape
-    rows = _tile_rows(k)
+    rows = max(1, _ROW_MAX_TILE // k)
     out = torch.empty(n, dtype=torch.float32)
     for start in range(0, n, rows):
         stop = min(n, start + rows)
         tile = qblock.qblock_dequantize(
             lib, *_kernel_args(qt.row_slice(start, stop)), torch.float32
         )
-        out[start:stop] = tile.abs().amax(1)
+        low, high = torch.aminmax(tile, dim=1)
+        out[start:stop] = torch.maximum(high, -low)
     return out
+
+
+_ROW_MAX_TILE = 1 << 18  # values of a _row_max_abs tile: 1 MiB of fp32
 
 
 def _kernel_args(
