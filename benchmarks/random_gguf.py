@@ -7,10 +7,11 @@ sluice's loader is tested on these files against transformers and benchmarked on
 against llama.cpp, which runs the same file.
 
 `hf_to_gguf` converts a transformers-saved directory (config.json, *.safetensors) as
-llama.cpp's convert_hf_to_gguf.py (conversion/llama.py, granite.py, qwen.py, olmo.py,
-base.py in the vendored llama.cpp) does for LlamaForCausalLM, MistralForCausalLM,
+llama.cpp's convert_hf_to_gguf.py (conversion/llama.py, granite.py, phi.py, qwen.py,
+olmo.py, base.py in the vendored llama.cpp) does for LlamaForCausalLM, MistralForCausalLM,
 MixtralForCausalLM ("llama"), GraniteForCausalLM ("granite"), Qwen2ForCausalLM,
-Qwen3ForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM.
+Phi3ForCausalLM ("phi3"), Qwen3ForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+and OlmoeForCausalLM.
 What it follows, and where the converter surprises:
 
 - Names come from gguf's own tensor-name map, as the converter's do. Experts, saved one
@@ -90,6 +91,7 @@ HF_ARCHS: dict[str, gguf.MODEL_ARCH] = {
     "MistralForCausalLM": A.LLAMA,
     "MixtralForCausalLM": A.LLAMA,
     "GraniteForCausalLM": A.GRANITE,
+    "Phi3ForCausalLM": A.PHI3,
     "Qwen2ForCausalLM": A.QWEN2,
     "Qwen3ForCausalLM": A.QWEN3,
     "Qwen2MoeForCausalLM": A.QWEN2MOE,
@@ -229,10 +231,40 @@ def _rope(config: dict[str, Any]) -> dict[str, Any]:
     return rope
 
 
+def _add_phi3_metadata(w: gguf.GGUFWriter, config: dict[str, Any], ftype: LlamaFileType) -> None:
+    """Phi3MiniModel.set_gguf_parameters, and the attention factor its extra tensors add."""
+    rope = _rope(config)
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    max_pos = config["max_position_embeddings"]
+    original = rope.get("original_max_position_embeddings") or config.get(
+        "original_max_position_embeddings", max_pos
+    )
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_context_length(max_pos)
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_file_type(ftype)
+    w.add_sliding_window(config.get("sliding_window") or 0)
+    if rope.get("long_factor"):
+        scale = max_pos / original
+        attn = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        w.add_rope_scaling_attn_factors(attn)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
 def _add_hf_metadata(
     w: gguf.GGUFWriter, config: dict[str, Any], arch: gguf.MODEL_ARCH, ftype: LlamaFileType
 ) -> None:
     # TextModel.set_gguf_parameters, then each arch class's additions.
+    if arch == A.PHI3:  # its own, not TextModel's
+        return _add_phi3_metadata(w, config, ftype)
     w.add_type(gguf.GGUFType.MODEL)
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
@@ -379,6 +411,10 @@ def _hf_tensors(
         plans.append(TensorPlan(gguf_name, shape, qtype, lambda: iter([_as_type(load(), qtype)])))
 
     rope = _rope(config)
+    if arch == A.PHI3 and rope.get("long_factor"):  # Phi3MiniModel.generate_extra_tensors
+        for which in ("long", "short"):
+            factors = np.asarray(rope[f"{which}_factor"], dtype=np.float32)
+            add(f"rope_factors_{which}.weight", factors.shape, lambda f=factors: f)
     if arch == A.LLAMA and rope.get("rope_type") == "llama3":
         factors = llama3_rope_factors(
             rope, config.get("head_dim") or config["hidden_size"] // heads

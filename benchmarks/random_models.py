@@ -45,7 +45,10 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
-KINDS = ("llama", "llama-rope3", "mistral-nemo", "granite", "qwen2", "qwen3")
+KINDS = ("llama", "llama-rope3", "mistral-nemo", "granite", "phi3", "qwen2", "qwen3")
+# Built like KINDS, tested on their own: which LongRoPE factors apply depends on the
+# context served (tests/test_architectures.py).
+ROPE_KINDS = ("phi3-longrope",)
 # The architecture sluice runs each kind as (Mistral's checkpoints load as Llama).
 ARCHITECTURE = {"mistral-nemo": "llama"}
 # Mixture-of-Experts: 8 experts of 64 units, a few chosen per token, as each family
@@ -77,6 +80,25 @@ def hf_config(kind: str, shape: dict[str, Any]) -> Any:
             attention_multiplier=0.03,
             logits_scaling=4.0,
         )
+    if kind == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint
+        return transformers.Phi3Config(
+            **shape, rope_theta=1e4, sliding_window=None, pad_token_id=shape["eos_token_id"]
+        )
+    if kind == "phi3-longrope":  # Phi-3.5-mini's scaling: trained on 64, extended 8x
+        pairs = shape["hidden_size"] // shape["num_attention_heads"] // 2
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 1e4,
+            "short_factor": [1.0 + 0.05 * i for i in range(pairs)],
+            "long_factor": [1.0 + 0.5 * i for i in range(pairs)],
+        }
+        return transformers.Phi3Config(
+            **{**shape, "max_position_embeddings": 512},
+            original_max_position_embeddings=64,
+            rope_parameters=rope,
+            sliding_window=None,
+            pad_token_id=shape["eos_token_id"],  # Phi-3's own (32000) is past small vocabularies
+        )
     if kind == "qwen2":
         return transformers.Qwen2Config(**{**shape, "rope_theta": 1000000.0})
     if kind == "qwen3":
@@ -96,7 +118,7 @@ def hf_config(kind: str, shape: dict[str, Any]) -> Any:
         )
     if kind == "olmoe":
         return transformers.OlmoeConfig(**{**shape, **_MOE, "intermediate_size": 64})
-    raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS + MOE_KINDS)}")
+    raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS + ROPE_KINDS + MOE_KINDS)}")
 
 
 def build_model(kind: str, shape: dict[str, Any], directory: Path) -> Any:

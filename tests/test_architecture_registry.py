@@ -80,11 +80,11 @@ def test_names_are_claimed_once_and_every_model_class_is_used() -> None:
 
 
 def test_an_unregistered_name_is_refused_naming_what_is_supported() -> None:
-    gguf_names = "llama, qwen2, qwen3, gemma3, granite, qwen2moe, qwen3moe, olmoe"
+    gguf_names = "llama, qwen2, qwen3, gemma3, granite, phi3, qwen2moe, qwen3moe, olmoe"
     hf_classes = (
         "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
         "Qwen3ForCausalLM, Gemma3ForCausalLM, Gemma3TextModel, GraniteForCausalLM, "
-        "Qwen2MoeForCausalLM, "
+        "Phi3ForCausalLM, Qwen2MoeForCausalLM, "
         "Qwen3MoeForCausalLM, OlmoeForCausalLM, BertModel, BertForMaskedLM, MPNetModel, "
         "MPNetForMaskedLM"
     )

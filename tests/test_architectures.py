@@ -96,3 +96,55 @@ def test_granite_scales_its_logits(tmp_path: Path, smollm2_path: Path) -> None:
         ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1], dim=-1)
     want = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_phi3_longrope_matches_transformers(tmp_path: Path, smollm2_path: Path) -> None:
+    """Phi-3.5's LongRoPE (trained on 64 positions here, extended to 512): serving a
+    context inside the trained one takes the short factors, one past it the long
+    factors, for every position (llama.cpp's rule); transformers picks per forward by
+    the sequence's length, so both agree on sequences that stay inside 64 tokens and on
+    ones that start past it. The attention factor (from 512 / 64) applies to both."""
+    model = build("phi3-longrope", tmp_path, smollm2_path)
+    gen = torch.Generator().manual_seed(4)
+    cases = {64: (10, 30), 512: (80, 150)}  # max_model_len: prompt lengths
+    for max_model_len, lengths in cases.items():
+        llm = LLM(
+            model=str(tmp_path),
+            dtype="float32",
+            kv_cache_memory=0.02,
+            block_size=8,
+            max_model_len=max_model_len,
+        )
+        n = 24 if max_model_len == 512 else 64 - max(lengths)
+        sp = SamplingParams(temperature=0, max_tokens=n, min_tokens=n)
+        prompts = [torch.randint(3, 49152, (k,), generator=gen).tolist() for k in lengths]
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        with torch.no_grad():
+            for ids, out in zip(prompts, outs, strict=True):
+                ref = model.generate(
+                    torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False
+                )[0, len(ids) :].tolist()
+                assert out.outputs[0].token_ids == ref, (max_model_len, len(ids))
+
+
+def test_phi3_config_window_and_partial_rotary() -> None:
+    """Phi-3-mini-4k's window (2047 of 4096) applies; Phi-3.5's (262,144 of 131,072)
+    never could and is dropped (the fused decode stack then stays on); Phi-4-mini's
+    partial rotary embedding is refused by name."""
+    from sluice.loader.hf_loader import config_from_hf
+
+    base = {
+        "architectures": ["Phi3ForCausalLM"],
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+    }
+    mini = config_from_hf({**base, "max_position_embeddings": 4096, "sliding_window": 2047})
+    assert mini.sliding_window == 2047
+    long = config_from_hf({**base, "max_position_embeddings": 131072, "sliding_window": 262144})
+    assert long.sliding_window is None
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.75"):
+        config_from_hf({**base, "partial_rotary_factor": 0.75})

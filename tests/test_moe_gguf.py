@@ -85,11 +85,12 @@ def test_f32_gguf_equals_transformers(kind: str, tmp_path: Path, tokenizer: Path
     assert [o.outputs[0].token_ids for o in outs] == [_reference(model, p) for p in _prompts()]
 
 
-@pytest.mark.parametrize("kind", ["mistral-nemo", "granite"])
+@pytest.mark.parametrize("kind", ["mistral-nemo", "granite", "phi3"])
 def test_dense_family_gguf_equals_transformers(kind: str, tmp_path: Path, tokenizer: Path) -> None:
     """Mistral-Nemo's head size is not hidden / heads (128 of 5120 / 32): the GGUF says
     so in attention.key_length, and the q/k permutation and attention follow it.
-    Granite's four scalings come as granite.*_scale keys."""
+    Granite's four scalings come as granite.*_scale keys. Phi-3's q/k/v and gate/up
+    come fused (attn_qkv, ffn_up) and are cut apart."""
     model = build_model(kind, SHAPE, tmp_path / "hf")
     path = tmp_path / f"{kind}.gguf"
     hf_to_gguf(tmp_path / "hf", path, tokenizer_gguf=tokenizer)
@@ -97,7 +98,7 @@ def test_dense_family_gguf_equals_transformers(kind: str, tmp_path: Path, tokeni
     config = llm.engine.model_config
     if kind == "mistral-nemo":
         assert config.head_dim * config.num_heads != config.hidden_size
-    else:
+    elif kind == "granite":
         scalings = (config.residual_multiplier, config.logits_scaling)
         assert scalings == (pytest.approx(0.22), 4.0)  # float32 in the file
     # ignore_eos, not min_tokens: this model's greedy 12th token is the tokenizer's EOS
@@ -105,6 +106,21 @@ def test_dense_family_gguf_equals_transformers(kind: str, tmp_path: Path, tokeni
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = llm.generate(_prompts(), sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [_reference(model, p) for p in _prompts()]
+
+
+def test_phi3_longrope_gguf_equals_transformers(tmp_path: Path, tokenizer: Path) -> None:
+    """LongRoPE from a GGUF (rope_factors_short/long tensors, the trained context and
+    the attention factor as keys): short factors serving the trained context (64),
+    long ones past it, as tests/test_architectures.py checks from config.json."""
+    model = build_model("phi3-longrope", SHAPE, tmp_path / "hf")
+    path = tmp_path / "phi3.gguf"
+    hf_to_gguf(tmp_path / "hf", path, tokenizer_gguf=tokenizer)
+    for max_model_len, prompts in ((64, _prompts()), (512, [list(range(3, 90))])):
+        llm = _llm(path, dtype="float32", quantization="none", max_model_len=max_model_len)
+        assert llm.engine.model_config.rope_scaling["rope_type"] == "longrope"
+        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [_reference(model, p) for p in prompts]
 
 
 def test_llama3_rope_freqs_gguf_equals_transformers(tmp_path: Path, tokenizer: Path) -> None:

@@ -56,6 +56,9 @@ GGUFFields = Callable[[GGUFKeys, Mapping[str, Any]], Fields]
 HFFields = Callable[[Mapping[str, Any], str], Fields]
 # A weight as a GGUF stores it -> as the HF checkpoint has it: (HF name, weight, config).
 WeightTransform = Callable[[str, Weight, ModelConfig], Weight]
+# A checkpoint's tensor (HF name, weight, config) -> the tensors it stands for (a fused
+# projection's parts under their own names; most tensors: itself).
+WeightSplit = Callable[[str, Weight, ModelConfig], dict[str, Weight]]
 
 
 def no_fields(*_: object) -> Fields:
@@ -66,6 +69,11 @@ def no_fields(*_: object) -> Fields:
 def as_stored(name: str, weight: Weight, config: ModelConfig) -> Weight:
     """The GGUF stores the weight as the HF checkpoint does."""
     return weight
+
+
+def unfused(name: str, weight: Weight, config: ModelConfig) -> dict[str, Weight]:
+    """Every tensor stands for itself."""
+    return {name: weight}
 
 
 # llama.cpp's per-layer tensor names (blk.N.<name>.weight) and the HF ones
@@ -137,6 +145,10 @@ class ArchitectureSpec:
     # Undoes what llama.cpp's converter did to a weight; the GGUF loader applies it to
     # every tensor of such a file, after renaming.
     gguf_weight: WeightTransform = as_stored
+    # Cuts a tensor that holds several projections (Phi-3's qkv_proj and gate_up_proj)
+    # into the ones the model loads (q/k/v, gate/up); both loaders apply it, after the
+    # renames and transforms above.
+    split_weight: WeightSplit = unfused
     # What the engine asks: can tensor_parallel_size > 1 split it (sluice/models/
     # tp_shard.py), can an EAGLE head draft for it (speculative_method="eagle").
     tensor_parallel: bool = True

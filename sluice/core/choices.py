@@ -37,6 +37,7 @@ Architecture = Literal[
     "qwen3",
     "gemma3",
     "granite",
+    "phi3",
     "qwen2moe",
     "qwen3moe",
     "olmoe",

@@ -8,13 +8,21 @@ from typing import Any
 import torch
 
 
-def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def _inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int
+) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv_freq
+    if kind == "longrope":  # Phi-3: each pair's divisor, long past the trained context
+        long = max_positions > int(scaling["original_max_position_embeddings"])
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"])
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"longrope: {factors.numel()} factors for {inv_freq.numel()} pairs")
+        return inv_freq / factors.to(torch.float64)
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
     if kind == "freq_factors":  # a GGUF's rope_freqs.weight: each pair's divisor
@@ -36,12 +44,29 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(is_mid, mid, scaled)
     raise ValueError(
-        f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, freq_factors)"
+        "unsupported rope_scaling type "
+        f"{kind!r} (supported: linear, llama3, longrope, freq_factors)"
     )
 
 
+def _attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: LongRoPE's attention factor (given, or from
+    how far the context was extended), else 1."""
+    if not scaling or scaling.get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, original = float(scaling["factor"]), int(scaling["original_max_position_embeddings"])
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 class RotaryEmbedding:
-    """Precomputed cos/sin tables; `lookup` once per step (applied by layers.fused.rotate)."""
+    """Precomputed cos/sin tables; `lookup` once per step (applied by layers.fused.rotate).
+    LongRoPE takes its long factors where `max_positions` (the context the engine
+    serves) is past the trained context, its short ones otherwise, for every position
+    (llama.cpp's rule; transformers switches per forward pass on the sequence's length,
+    which agrees for a sequence inside the trained context and for one that starts
+    past it)."""
 
     def __init__(
         self,
@@ -52,11 +77,12 @@ class RotaryEmbedding:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        inv_freq = _inv_freq(head_dim, theta, scaling)
+        inv_freq = _inv_freq(head_dim, theta, scaling, max_positions)
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
-        self.cos = freqs.cos().to(dtype=dtype, device=device)
-        self.sin = freqs.sin().to(dtype=dtype, device=device)
+        mscale = _attention_factor(scaling)
+        self.cos = (freqs.cos() * mscale).to(dtype=dtype, device=device)
+        self.sin = (freqs.sin() * mscale).to(dtype=dtype, device=device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [T, 1, D/2]: broadcasts over heads.

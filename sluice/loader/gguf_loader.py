@@ -65,6 +65,7 @@ def config_from_gguf(meta: GGUFMetadata, name: str = "model") -> ModelConfig:
         rms_norm_eps=float(keys.get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(keys.get("rope.freq_base", 10000.0)),
         rope_scaling=_rope_freq_factors(tensor_names, key_length, hidden // heads)
+        or _longrope(keys, tensor_names, hidden // heads)
         or _rope_scaling(keys),
         max_position_embeddings=int(keys.get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
@@ -95,20 +96,52 @@ def _rope_freq_factors(
     `rope_freqs.weight` tensor of one factor per rotary pair that divides that pair's
     frequency (llama.cpp's freq_factors). The factors are read as stored, so any
     scaling the converter baked in is reproduced exactly."""
-    tensor = tensor_names.get(ROPE_FREQS)
-    if tensor is None:
+    if ROPE_FREQS not in tensor_names:
         return None
     head_dim = int(key_length) if key_length is not None else default_head_dim
+    factors = _pair_factors(tensor_names, ROPE_FREQS, head_dim)
+    return {"rope_type": "freq_factors", "factors": factors}
+
+
+def _pair_factors(tensor_names: dict[str, Any], name: str, head_dim: int) -> list[float]:
+    """A tensor of one rope factor per rotary pair: F32, head_dim / 2 finite positive
+    values, else an error naming it."""
+    tensor = tensor_names[name]
     shape = tuple(int(d) for d in tensor.shape)
     if tensor.tensor_type.name != "F32" or shape != (head_dim // 2,):
         raise ValueError(
-            f"{ROPE_FREQS} must be F32 of {head_dim // 2} values (one per rotary "
+            f"{name} must be F32 of {head_dim // 2} values (one per rotary "
             f"pair of head_dim {head_dim}); the file has {tensor.tensor_type.name} {list(shape)}"
         )
     factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
     if factors.size != head_dim // 2 or not bool(np.all(np.isfinite(factors) & (factors > 0))):
-        raise ValueError(f"{ROPE_FREQS} holds a factor that is not a finite positive number")
-    return {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
+        raise ValueError(f"{name} holds a factor that is not a finite positive number")
+    return [float(f) for f in factors]
+
+
+# Phi-3's LongRoPE as llama.cpp's converter writes it: a factor per rotary pair for
+# short and for long contexts, the trained context and the attention factor as keys.
+ROPE_FACTORS = {"short": "rope_factors_short.weight", "long": "rope_factors_long.weight"}
+
+
+def _longrope(keys: GGUFKeys, tensor_names: dict[str, Any], head_dim: int) -> dict[str, Any] | None:
+    """layers/rotary.py's longrope scaling from a GGUF, or None where it has none."""
+    if not any(name in tensor_names for name in ROPE_FACTORS.values()):
+        return None
+    missing = [n for n in ROPE_FACTORS.values() if n not in tensor_names]
+    if missing:
+        raise ValueError(f"LongRoPE needs both factor tensors; {missing[0]} is missing")
+    original = int(keys.require("rope.scaling.original_context_length"))
+    context = int(keys.get("context_length", original))
+    return {
+        "rope_type": "longrope",
+        **{
+            f"{k}_factor": _pair_factors(tensor_names, n, head_dim) for k, n in ROPE_FACTORS.items()
+        },
+        "original_max_position_embeddings": original,
+        "factor": context / original,
+        "attention_factor": keys.get("rope.scaling.attn_factor"),
+    }
 
 
 def _rope_scaling(keys: GGUFKeys) -> dict[str, Any] | None:
@@ -211,7 +244,7 @@ def _to_weight(f: io.BufferedReader, entry: TensorEntry, keep_quantized: bool) -
 
 
 # Tensors that hold hyper-parameters, not weights: config_from_gguf reads them.
-CONFIG_TENSORS = frozenset({ROPE_FREQS})
+CONFIG_TENSORS = frozenset({ROPE_FREQS, *ROPE_FACTORS.values()})
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -237,8 +270,9 @@ def tensors_from_gguf(
             weight = _to_weight(f, entry, keep_quantized)
             if not keep_quantized and isinstance(weight, torch.Tensor):
                 weight = weight.float()
-            # What llama.cpp's converter changed (llama's q/k row order, Gemma's norms).
-            out[name] = spec.gguf_weight(name, weight, config)
+            # What llama.cpp's converter changed (llama's q/k row order, Gemma's norms),
+            # and a fused projection cut into its parts (Phi-3's).
+            out.update(spec.split_weight(name, spec.gguf_weight(name, weight, config), config))
     return out
 
 

@@ -98,7 +98,8 @@ def tensors_from_hf_dir(directory: Path, config: ModelConfig) -> dict[str, torch
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
         for name, tensor in _load_shard(shard).items():
-            tensors[spec.hf_checkpoint_name(name)] = tensor.float()
+            parts = spec.split_weight(spec.hf_checkpoint_name(name), tensor.float(), config)
+            tensors.update((n, t) for n, t in parts.items() if isinstance(t, torch.Tensor))
     if not spec.encoder and not any(n.startswith("model.") for n in tensors):
         # A bare backbone (transformers' *Model classes: EmbeddingGemma's
         # Gemma3TextModel) saves its layers without the causal LM's "model." prefix.

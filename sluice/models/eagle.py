@@ -146,7 +146,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rotary_tables(c: ModelConfig, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    inv = _inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).float()
+    inv = _inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, n).float()
     freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv).to(device)
     return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
 
