@@ -99,7 +99,9 @@ def tensors_from_hf_dir(directory: Path, config: ModelConfig) -> dict[str, torch
     for shard in shards:
         for name, tensor in _load_shard(shard).items():
             parts = spec.split_weight(spec.hf_checkpoint_name(name), tensor.float(), config)
-            tensors.update((n, t) for n, t in parts.items() if isinstance(t, torch.Tensor))
+            for part, weight in parts.items():
+                assert isinstance(weight, torch.Tensor), part  # dense in, dense out
+                tensors[part] = weight
     if not spec.encoder and not any(n.startswith("model.") for n in tensors):
         # A bare backbone (transformers' *Model classes: EmbeddingGemma's
         # Gemma3TextModel) saves its layers without the causal LM's "model." prefix.
