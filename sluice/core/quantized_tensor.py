@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice.core import host_memory
+
 LAYOUT_BITS = (4, 5, 6, 8)
 GROUPS = (16, 32)
 # Values under one multiplier of integer scales (a K-quant super-block), and the
@@ -112,7 +114,7 @@ class QuantizedTensor:
 
     def rows(self, index: torch.Tensor) -> QuantizedTensor:
         """The rows `index` (rows are independent in every layout)."""
-        return self._map(lambda t: t[index].contiguous())
+        return self._map(lambda t: _take_rows(t, index))
 
     def row_slice(self, start: int, stop: int) -> QuantizedTensor:
         """Rows start..stop, as views (no copy)."""
@@ -178,13 +180,28 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     return QuantizedTensor(
         bits,
         group,
-        torch.cat([p.packed for p in parts]),
-        torch.cat([p.hbits for p in parts]) if bits in (5, 6) else parts[0].hbits,
-        torch.cat([p.scale for p in parts]),
-        torch.cat([p.minimum for p in parts]),
-        torch.cat([p.super_scale for p in parts]) if integer else _EMPTY_F16,
+        _cat([p.packed for p in parts]),
+        _cat([p.hbits for p in parts]) if bits in (5, 6) else parts[0].hbits,
+        _cat([p.scale for p in parts]),
+        _cat([p.minimum for p in parts]),
+        _cat([p.super_scale for p in parts]) if integer else _EMPTY_F16,
         "+".join(sources),
     )
+
+
+def _take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t[index] as a tensor of its own, a 1-D index's in memory held for the model's
+    lifetime (host_memory: a load reorders and selects whole weights this way)."""
+    if index.dim() != 1 or index.dtype == torch.bool:
+        return t[index].contiguous()
+    out = host_memory.zeroed((index.numel(), *t.shape[1:]), t.dtype, t.device)
+    return torch.index_select(t, 0, index.to(t.device), out=out)
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Rows stacked into memory held for the model's lifetime (host_memory)."""
+    shape = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
+    return torch.cat(tensors, out=host_memory.zeroed(shape, tensors[0].dtype, tensors[0].device))
 
 
 def _to_positions(u: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import cast
 import torch
 
 from sluice import kernels
+from sluice.core import host_memory
 from sluice.kernels import Library, matmul
 from sluice.layers.block_quant import BlockQuantized
 from sluice.layers.linear import Linear, LinearMethod
@@ -88,7 +89,7 @@ class Int8WeightOnly(_WeightOnly):
             # Offset to unsigned (vpdpbusd), each pair of 32-blocks in the activations'
             # order: [b0 low 16, b1 low 16, b0 high 16, b1 high 16].
             u = (q + 128).to(torch.uint8).view(n, k // 64, 2, 2, 16).transpose(2, 3)
-            layer.q8_packed = u.reshape(n, k).contiguous()
+            layer.q8_packed = host_memory.copied(u.reshape(n, k))
             layer.q8_scale = scale.contiguous()
             return
         layer.qweight = q.to(torch.int8)
@@ -147,7 +148,9 @@ class Int4WeightOnly(_WeightOnly):
         q = ((groups - lo) / scale).round().clamp(0, 15).to(torch.uint8)
         if self.lib is not None:
             # Byte j of a block: q[j] in the low nibble, q[j + 16] in the high one.
-            layer.q4_packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+            layer.q4_packed = host_memory.copied(
+                (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2)
+            )
             layer.q4_scale = scale.reshape(n, k // g).to(torch.float16).contiguous()
             layer.q4_min = lo.reshape(n, k // g).to(torch.float16).contiguous()
             return

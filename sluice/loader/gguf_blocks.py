@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from sluice.core import host_memory
 from sluice.core.quantized_tensor import QuantizedTensor, pack
 
 # (values, scale, offset, multipliers): u [blocks, block values] uint8, scale/offset
@@ -166,7 +167,7 @@ def repack(
                 result.setdefault(name, t)
                 continue
             if name not in result:
-                result[name] = t.new_empty(rows, *t.shape[1:])
+                result[name] = host_memory.zeroed((rows, *t.shape[1:]), t.dtype)
             result[name][r0:r1] = t
     packed, hbits, scale, minimum, super_scale = (result[name] for name in fields)
     return QuantizedTensor(bits, group, packed, hbits, scale, minimum, super_scale, type_name)

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from sluice.attention import kv_int8
 from sluice.config import GLOBAL_KV_GROUP, LOCAL_KV_GROUP, ModelConfig
+from sluice.core import host_memory
 from sluice.core.choices import KVCacheDType
 from sluice.core.errors import ConfigError
 
@@ -126,30 +124,13 @@ def allocate_kv_pools(
             if not layers or blocks is None:
                 continue
             shape = (len(layers), 2, blocks, kv_heads, layout.block_size, row)
-            pool = allocate_zeroed(shape, elem, device)
+            # Zeros, not garbage: a padded SDPA fallback multiplies unused slots by a
+            # zero weight, and 0 * NaN would poison it. Huge pages: decode reads and
+            # writes K/V in blocks scattered over the pool, and with 4 KiB pages nearly
+            # every block access missed the TLB.
+            pool = host_memory.zeroed(shape, elem, device)
             out.pools.append(pool)
             out.pool_groups.append(group)
             caches.update({layer: (pool[j, 0], pool[j, 1]) for j, layer in enumerate(layers)})
     out.caches = [caches[i] for i in range(config.num_layers)]
     return out
-
-
-def allocate_zeroed(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """A zero-filled tensor. On CPU it is an anonymous mapping: the OS supplies zero pages
-    lazily, so no seconds go to writing a large KV pool at start-up and blocks never used
-    never take memory. It asks for transparent huge pages: decode reads and writes K/V
-    in blocks scattered over the pool, and with 4 KiB pages nearly every block access
-    missed the TLB. (Zeros, not garbage: a padded SDPA fallback multiplies unused slots
-    by a zero weight, and 0 * NaN would poison it.)"""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):  # THP off or unsupported: 4 KiB pages then
-            buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
