@@ -248,7 +248,8 @@ def _add_phi3_metadata(w: gguf.GGUFWriter, config: dict[str, Any], ftype: LlamaF
     w.add_head_count(heads)
     w.add_head_count_kv(config["num_key_value_heads"])
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_rope_dimension_count(hidden // heads)
+    partial = rope.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0
+    w.add_rope_dimension_count(int(partial * hidden) // heads)  # the converter's rounding
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_file_type(ftype)
     w.add_sliding_window(config.get("sliding_window") or 0)

@@ -48,7 +48,7 @@ _LLAMA3_ROPE = {
 KINDS = ("llama", "llama-rope3", "mistral-nemo", "granite", "phi3", "qwen2", "qwen3")
 # Built like KINDS, tested on their own: which LongRoPE factors apply depends on the
 # context served (tests/test_architectures.py).
-ROPE_KINDS = ("phi3-longrope",)
+ROPE_KINDS = ("phi3-longrope", "phi4-mini")
 # The architecture sluice runs each kind as (Mistral's checkpoints load as Llama).
 ARCHITECTURE = {"mistral-nemo": "llama"}
 # Mixture-of-Experts: 8 experts of 64 units, a few chosen per token, as each family
@@ -84,8 +84,10 @@ def hf_config(kind: str, shape: dict[str, Any]) -> Any:
         return transformers.Phi3Config(
             **shape, rope_theta=1e4, sliding_window=None, pad_token_id=shape["eos_token_id"]
         )
-    if kind == "phi3-longrope":  # Phi-3.5-mini's scaling: trained on 64, extended 8x
-        pairs = shape["hidden_size"] // shape["num_attention_heads"] // 2
+    if kind in ("phi3-longrope", "phi4-mini"):  # Phi-3.5-mini's scaling: trained on 64,
+        # extended 8x; Phi-4-mini's also turns only 3/4 of each head
+        partial = 0.75 if kind == "phi4-mini" else 1.0
+        pairs = int(shape["hidden_size"] // shape["num_attention_heads"] * partial) // 2
         rope = {
             "rope_type": "longrope",
             "rope_theta": 1e4,
@@ -96,6 +98,7 @@ def hf_config(kind: str, shape: dict[str, Any]) -> Any:
             **{**shape, "max_position_embeddings": 512},
             original_max_position_embeddings=64,
             rope_parameters=rope,
+            partial_rotary_factor=partial,
             sliding_window=None,
             pad_token_id=shape["eos_token_id"],  # Phi-3's own (32000) is past small vocabularies
         )

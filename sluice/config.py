@@ -60,6 +60,9 @@ class ModelConfig:
     # HF-style rope_scaling dict ({"rope_type": "llama3", "factor": ..., ...}) or None.
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
+    # Rope turns only the first `rotary_dim` dims of each head (Phi-4-mini: 96 of 128;
+    # layers/rotary.py's partial_rotary_order); None: all of them.
+    rotary_dim: int | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
@@ -125,6 +128,13 @@ class ModelConfig:
             raise ValueError(
                 f"sliding_window must be a positive integer or None, got {self.sliding_window!r}"
             )
+        if self.rotary_dim is not None and not (
+            0 < self.rotary_dim < self.head_dim and self.rotary_dim % 2 == 0 == self.head_dim % 2
+        ):
+            raise ValueError(
+                f"the rotary dims ({self.rotary_dim}) must be an even number below the "
+                f"head's {self.head_dim} (even)"
+            )
         for i in self.sliding_window_layers or ():
             if not 0 <= i < self.num_layers:
                 raise ValueError(
@@ -140,6 +150,22 @@ class ModelConfig:
         if self.query_pre_attn_scalar is not None:
             return float(float(self.query_pre_attn_scalar) ** -0.5)
         return None
+
+    def qk_row_order(self, heads: int) -> torch.Tensor | None:
+        """Where rope turns only `rotary_dim` of a head's dims (pairs i, i + rotary_dim
+        / 2; Phi-4-mini): the order of a q or k projection's rows (of `heads` heads; new
+        row -> stored row) that makes it the full half-split form (pairs j, j +
+        head_dim / 2) whose last pairs do not turn (layers/rotary.py gives them cos 1,
+        sin 0). Rotary pair i keeps i and moves i + rotary_dim / 2 to i + head_dim / 2;
+        the unrotated dims fill the rest, half and half. The same order on q and k leaves
+        every score unchanged, so each attention path and the fused decode stack run
+        the model as a full-rotary one. None: the whole head turns, rows as stored."""
+        if self.rotary_dim is None:
+            return None
+        d, rot = self.head_dim, self.rotary_dim
+        rest = torch.arange(rot, d).view(2, -1)  # the unrotated dims, in two halves
+        head = torch.cat([torch.arange(rot // 2), rest[0], torch.arange(rot // 2, rot), rest[1]])
+        return (head + d * torch.arange(heads)[:, None]).reshape(-1)
 
     def _check_experts(self) -> None:
         """A Mixture-of-Experts shape that can run: k of E experts, 1 <= k <= E."""

@@ -98,13 +98,16 @@ def test_granite_scales_its_logits(tmp_path: Path, smollm2_path: Path) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
-def test_phi3_longrope_matches_transformers(tmp_path: Path, smollm2_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["phi3-longrope", "phi4-mini"])
+def test_phi3_longrope_matches_transformers(kind: str, tmp_path: Path, smollm2_path: Path) -> None:
     """Phi-3.5's LongRoPE (trained on 64 positions here, extended to 512): serving a
     context inside the trained one takes the short factors, one past it the long
     factors, for every position (llama.cpp's rule); transformers picks per forward by
     the sequence's length, so both agree on sequences that stay inside 64 tokens and on
-    ones that start past it. The attention factor (from 512 / 64) applies to both."""
-    model = build("phi3-longrope", tmp_path, smollm2_path)
+    ones that start past it. The attention factor (from 512 / 64) applies to both.
+    Phi-4-mini's rope turns 3/4 of each head (24 of 32 dims here), the attention factor
+    scaling those dims only."""
+    model = build(kind, tmp_path, smollm2_path)
     gen = torch.Generator().manual_seed(4)
     cases = {64: (10, 30), 512: (80, 150)}  # max_model_len: prompt lengths
     for max_model_len, lengths in cases.items():
@@ -130,7 +133,7 @@ def test_phi3_longrope_matches_transformers(tmp_path: Path, smollm2_path: Path) 
 def test_phi3_config_window_and_partial_rotary() -> None:
     """Phi-3-mini-4k's window (2047 of 4096) applies; Phi-3.5's (262,144 of 131,072)
     never could and is dropped (the fused decode stack then stays on); Phi-4-mini's
-    partial rotary embedding is refused by name."""
+    partial rotary factor gives the rotary dims, and one that cannot be is refused."""
     from sluice.loader.hf_loader import config_from_hf
 
     base = {
@@ -146,5 +149,8 @@ def test_phi3_config_window_and_partial_rotary() -> None:
     assert mini.sliding_window == 2047
     long = config_from_hf({**base, "max_position_embeddings": 131072, "sliding_window": 262144})
     assert long.sliding_window is None
-    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.75"):
-        config_from_hf({**base, "partial_rotary_factor": 0.75})
+    assert config_from_hf({**base, "partial_rotary_factor": 0.75}).rotary_dim == 24
+    assert config_from_hf({**base, "partial_rotary_factor": 1.0}).rotary_dim is None
+    for bad in (1.5, 0.72):  # more dims than the head; 23 of 32, odd
+        with pytest.raises(ValueError, match="rotary dims"):
+            config_from_hf({**base, "partial_rotary_factor": bad})

@@ -108,16 +108,20 @@ def test_dense_family_gguf_equals_transformers(kind: str, tmp_path: Path, tokeni
     assert [o.outputs[0].token_ids for o in outs] == [_reference(model, p) for p in _prompts()]
 
 
-def test_phi3_longrope_gguf_equals_transformers(tmp_path: Path, tokenizer: Path) -> None:
+@pytest.mark.parametrize("kind", ["phi3-longrope", "phi4-mini"])
+def test_phi3_longrope_gguf_equals_transformers(kind: str, tmp_path: Path, tokenizer: Path) -> None:
     """LongRoPE from a GGUF (rope_factors_short/long tensors, the trained context and
     the attention factor as keys): short factors serving the trained context (64),
-    long ones past it, as tests/test_architectures.py checks from config.json."""
-    model = build_model("phi3-longrope", SHAPE, tmp_path / "hf")
+    long ones past it, as tests/test_architectures.py checks from config.json;
+    Phi-4-mini's rotary dims from rope.dimension_count (24 of 32)."""
+    model = build_model(kind, SHAPE, tmp_path / "hf")
     path = tmp_path / "phi3.gguf"
     hf_to_gguf(tmp_path / "hf", path, tokenizer_gguf=tokenizer)
     for max_model_len, prompts in ((64, _prompts()), (512, [list(range(3, 90))])):
         llm = _llm(path, dtype="float32", quantization="none", max_model_len=max_model_len)
-        assert llm.engine.model_config.rope_scaling["rope_type"] == "longrope"
+        config = llm.engine.model_config
+        assert config.rope_scaling["rope_type"] == "longrope"
+        assert config.rotary_dim == (24 if kind == "phi4-mini" else None)
         sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [_reference(model, p) for p in prompts]

@@ -1,8 +1,8 @@
 """Phi-3 and Phi-3.5 (mini, medium): the Llama decoder, with q/k/v and gate/up stored
 fused (config.json's qkv_proj and gate_up_proj, llama.cpp's attn_qkv and ffn_up),
 which are cut into the projections the model loads (and fuses again its own way),
-and LongRoPE scaling for the 128k-context models (layers/rotary.py). Phi-4-mini's
-partial rotary embedding (a fraction of each head rotated) is refused by name."""
+and LongRoPE scaling for the 128k-context models (layers/rotary.py). Phi-4-mini is
+the same architecture with rope on 3/4 of each head (ModelConfig.rotary_dim)."""
 
 from __future__ import annotations
 
@@ -59,12 +59,11 @@ def _gguf_fields(keys: GGUFKeys, shared: Mapping[str, Any]) -> Fields:
 def _hf_fields(cfg: Mapping[str, Any], hf_class: str) -> Fields:
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    if partial != 1.0:
-        raise ValueError(
-            f"partial rotary embeddings (partial_rotary_factor={partial}, Phi-4-mini) are "
-            "not supported yet"
-        )
     fields: Fields = {}
+    if partial != 1.0:  # Phi-4-mini: 0.75 of each head turns
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        fields["rotary_dim"] = int(head_dim * partial)
     max_pos = int(cfg.get("max_position_embeddings", 2048))
     window = cfg.get("sliding_window")
     if window and int(window) < max_pos:  # Phi-3.5's 262,144 never applies

@@ -76,13 +76,21 @@ class RotaryEmbedding:
         scaling: dict[str, Any] | None,
         dtype: torch.dtype,
         device: torch.device,
+        rotary_dim: int | None = None,
     ) -> None:
-        inv_freq = _inv_freq(head_dim, theta, scaling, max_positions)
+        """`rotary_dim`: rope turns only that many of a head's dims (None: all), the
+        model's q/k rows in `partial_rotary_order`; the other pairs get cos 1, sin 0,
+        the attention factor too (it scales the turned dims only)."""
+        rotary_dim = rotary_dim or head_dim
+        inv_freq = _inv_freq(rotary_dim, theta, scaling, max_positions)
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
         mscale = _attention_factor(scaling)
-        self.cos = (freqs.cos() * mscale).to(dtype=dtype, device=device)
-        self.sin = (freqs.sin() * mscale).to(dtype=dtype, device=device)
+        still = (max_positions, (head_dim - rotary_dim) // 2)
+        cos = torch.cat([freqs.cos() * mscale, torch.ones(still, dtype=torch.float64)], 1)
+        sin = torch.cat([freqs.sin() * mscale, torch.zeros(still, dtype=torch.float64)], 1)
+        self.cos = cos.to(dtype=dtype, device=device)
+        self.sin = sin.to(dtype=dtype, device=device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [T, 1, D/2]: broadcasts over heads.

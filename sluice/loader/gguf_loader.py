@@ -54,6 +54,9 @@ def config_from_gguf(meta: GGUFMetadata, name: str = "model") -> ModelConfig:
     tensor_names = {t.name: t for t in meta.reader.tensors}
     head_count_kv = keys.get("attention.head_count_kv")
     key_length = keys.get("attention.key_length")
+    head_dim = int(key_length) if key_length is not None else hidden // heads
+    # Rope may turn only part of each head (Phi-4-mini: 96 of 128 dims).
+    rotary_dim = int(keys.get("rope.dimension_count", head_dim))
     fields: dict[str, Any] = dict(
         vocab_size=_vocab_size(meta, tensor_names),
         hidden_size=hidden,
@@ -61,11 +64,12 @@ def config_from_gguf(meta: GGUFMetadata, name: str = "model") -> ModelConfig:
         num_layers=int(keys.require("block_count")),
         num_heads=heads,
         num_kv_heads=int(head_count_kv) if head_count_kv is not None else heads,
-        head_dim=int(key_length) if key_length is not None else hidden // heads,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         rms_norm_eps=float(keys.get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(keys.get("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_freq_factors(tensor_names, key_length, hidden // heads)
-        or _longrope(keys, tensor_names, hidden // heads)
+        rope_scaling=_rope_freq_factors(tensor_names, rotary_dim)
+        or _longrope(keys, tensor_names, rotary_dim)
         or _rope_scaling(keys),
         max_position_embeddings=int(keys.get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
@@ -89,32 +93,30 @@ def _vocab_size(meta: GGUFMetadata, tensor_names: dict[str, Any]) -> int:
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def _rope_freq_factors(
-    tensor_names: dict[str, Any], key_length: Any, default_head_dim: int
-) -> dict[str, Any] | None:
+def _rope_freq_factors(tensor_names: dict[str, Any], rotary_dim: int) -> dict[str, Any] | None:
     """Llama 3.x rope scaling as llama.cpp's converter writes it: no scaling keys, but a
     `rope_freqs.weight` tensor of one factor per rotary pair that divides that pair's
     frequency (llama.cpp's freq_factors). The factors are read as stored, so any
     scaling the converter baked in is reproduced exactly."""
     if ROPE_FREQS not in tensor_names:
         return None
-    head_dim = int(key_length) if key_length is not None else default_head_dim
-    factors = _pair_factors(tensor_names, ROPE_FREQS, head_dim)
+    factors = _pair_factors(tensor_names, ROPE_FREQS, rotary_dim)
     return {"rope_type": "freq_factors", "factors": factors}
 
 
-def _pair_factors(tensor_names: dict[str, Any], name: str, head_dim: int) -> list[float]:
-    """A tensor of one rope factor per rotary pair: F32, head_dim / 2 finite positive
+def _pair_factors(tensor_names: dict[str, Any], name: str, rotary_dim: int) -> list[float]:
+    """A tensor of one rope factor per rotary pair: F32, rotary_dim / 2 finite positive
     values, else an error naming it."""
     tensor = tensor_names[name]
     shape = tuple(int(d) for d in tensor.shape)
-    if tensor.tensor_type.name != "F32" or shape != (head_dim // 2,):
+    pairs = rotary_dim // 2
+    if tensor.tensor_type.name != "F32" or shape != (pairs,):
         raise ValueError(
-            f"{name} must be F32 of {head_dim // 2} values (one per rotary "
-            f"pair of head_dim {head_dim}); the file has {tensor.tensor_type.name} {list(shape)}"
+            f"{name} must be F32 of {pairs} values (one per rotary pair of {rotary_dim} "
+            f"rotary dims); the file has {tensor.tensor_type.name} {list(shape)}"
         )
     factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
-    if factors.size != head_dim // 2 or not bool(np.all(np.isfinite(factors) & (factors > 0))):
+    if factors.size != pairs or not bool(np.all(np.isfinite(factors) & (factors > 0))):
         raise ValueError(f"{name} holds a factor that is not a finite positive number")
     return [float(f) for f in factors]
 
@@ -124,7 +126,9 @@ def _pair_factors(tensor_names: dict[str, Any], name: str, head_dim: int) -> lis
 ROPE_FACTORS = {"short": "rope_factors_short.weight", "long": "rope_factors_long.weight"}
 
 
-def _longrope(keys: GGUFKeys, tensor_names: dict[str, Any], head_dim: int) -> dict[str, Any] | None:
+def _longrope(
+    keys: GGUFKeys, tensor_names: dict[str, Any], rotary_dim: int
+) -> dict[str, Any] | None:
     """layers/rotary.py's longrope scaling from a GGUF, or None where it has none."""
     if not any(name in tensor_names for name in ROPE_FACTORS.values()):
         return None
@@ -136,7 +140,8 @@ def _longrope(keys: GGUFKeys, tensor_names: dict[str, Any], head_dim: int) -> di
     return {
         "rope_type": "longrope",
         **{
-            f"{k}_factor": _pair_factors(tensor_names, n, head_dim) for k, n in ROPE_FACTORS.items()
+            f"{k}_factor": _pair_factors(tensor_names, n, rotary_dim)
+            for k, n in ROPE_FACTORS.items()
         },
         "original_max_position_embeddings": original,
         "factor": context / original,

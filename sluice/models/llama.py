@@ -213,6 +213,7 @@ class LlamaForCausalLM(nn.Module):
             c.rope_scaling,
             self.embed_tokens.weight.dtype,
             self.embed_tokens.weight.device,
+            rotary_dim=c.rotary_dim,
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -277,6 +278,8 @@ class LlamaForCausalLM(nn.Module):
     def _load_layer(self, ck: Checkpoint, layer: DecoderLayer, p: str) -> None:
         """One decoder layer's weights, names prefixed with `p`."""
         att = layer.self_attn
+        if self.config.rotary_dim is not None:
+            self._reorder_for_partial_rotary(ck, p)
         ck.put_linear(att.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
         if att.qkv_proj.bias is not None:  # config.attention_bias
             biases = [ck.dense(ck.take(p + f"self_attn.{n}_proj.bias")) for n in "qkv"]
@@ -295,6 +298,19 @@ class LlamaForCausalLM(nn.Module):
             ck.put_linear(mlp.down_proj, [p + "mlp.down_proj.weight"])
         self._put_norm(ck, layer.input_layernorm, p + "input_layernorm.weight")
         self._put_norm(ck, layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
+
+    def _reorder_for_partial_rotary(self, ck: Checkpoint, p: str) -> None:
+        """q's and k's rows, biases and norms in ModelConfig.qk_row_order."""
+        c = self.config
+        for n, heads in (("q", c.num_heads), ("k", c.num_kv_heads)):
+            rows, head = c.qk_row_order(heads), c.qk_row_order(1)
+            assert rows is not None and head is not None
+            orders = {"proj.weight": rows, "proj.bias": rows}
+            orders["norm.weight"] = head if c.qk_norm_per_head else rows
+            for suffix, index in orders.items():
+                name = f"{p}self_attn.{n}_{suffix}"
+                if name in ck.tensors:
+                    ck.tensors[name] = weight_rows(ck.tensors[name], index)
 
     def _put_norm(self, ck: Checkpoint, norm: RMSNorm, name: str) -> None:
         """An RMSNorm's weight. An encoder (a decoder's layers run both ways for
