@@ -783,6 +783,32 @@ def _few_rows(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _huge_pages(results: Sequence[Result]) -> str:
+    rows = []
+    for name, d in results:
+        ms, sums, mb = d["median"]["layer_ms"], d["median"]["sum_gb_s"], d["layer_bytes"] / 1e6
+        rows.append(
+            [
+                *_run_cells(name, d),
+                d["model"],
+                f"{mb:.1f}",
+                f"{ms['4k']:.2f} / {ms['huge']:.2f}",
+                f"{mb / ms['4k']:.1f} / {mb / ms['huge']:.1f}",
+                f"{sums['4k']:.1f} / {sums['huge']:.1f}",
+                f"{ms['4k'] / ms['huge']:.2f}×",
+            ]
+        )
+    headers = [
+        "model",
+        "layer 0's linears, MB",
+        "1-row ms, 4 KiB / 2 MiB pages",
+        "kernel GB/s",
+        "torch sum GB/s",
+        "speed-up",
+    ]
+    return _table(RUN_HEADERS + headers, rows)
+
+
 def _tool_calls(results: Sequence[Result]) -> str:
     rows = []
     for name, d in results:
@@ -997,6 +1023,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "swa_pool": _swa_pool,
     "moe": _moe,
     "few_rows": _few_rows,
+    "huge_pages": _huge_pages,
     "tool_calls": _tool_calls,
     "hub_download": _hub_download,
     "embeddings": _embeddings,
