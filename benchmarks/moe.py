@@ -20,8 +20,9 @@ which goes first (benchmarks/common.py's interleave), 2 threads each:
 The bytes a decode step reads: each layer's attention, MLP, norms and router, k/E of
 its expert stacks (the experts a token picks; all different for one token) and the
 output head, from the file's tensor table (the embedding row lookup is left out).
-Read bandwidth is measured in the same run: torch's sum over a 1 GiB fp32 tensor on
-2 threads, the best of 5 (memory, not arithmetic, bounds it). decode tok/s x bytes /
+Read bandwidth is measured in the same run: torch's sum over a 1 GiB fp32 tensor of
+random values in huge pages on 2 threads, the best of 6 (memory, not arithmetic,
+bounds it; results before bf8be50 summed ones in 4 KiB pages). decode tok/s x bytes /
 bandwidth is the fraction of the limit each side reaches.
 
 Run (a quiet machine; `make llama-server` builds llama.cpp's llama-server and
