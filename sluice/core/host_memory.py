@@ -13,7 +13,6 @@ import contextlib
 import math
 import mmap
 
-import numpy as np
 import torch
 
 HUGE_PAGE = 2 << 20
@@ -24,21 +23,23 @@ def zeroed(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """A zero-filled tensor. On the CPU, one of 2 MiB or more is an anonymous mapping
-    whose start is 2 MiB-aligned and whose whole 2 MiB spans are advised for huge pages:
-    the OS supplies zero pages lazily (a large KV pool costs no seconds at start-up and
-    blocks never used take no memory), and the partial span at the end stays in 4 KiB
-    pages, so no tensor takes more resident memory than its bytes."""
+    whose whole 2 MiB spans are advised for huge pages: the OS supplies zero pages
+    lazily (a large KV pool costs no seconds at start-up and blocks never used take no
+    memory), and the partial span at the end stays in 4 KiB pages, so no tensor is
+    resident beyond its bytes."""
     device = torch.device(device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype, device=device)
-    # Room to move the start to a 2 MiB boundary; the slack is never touched, so never
-    # resident.
-    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -int(np.frombuffer(buf, dtype=np.uint8, count=1).ctypes.data) % HUGE_PAGE
+    # A length in whole huge pages: Linux (6.7 on) then starts the mapping on a 2 MiB
+    # boundary, so the advised spans are the huge pages. The rounding's slack is never
+    # touched, so never resident.
+    buf = mmap.mmap(
+        -1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    )
     with contextlib.suppress(OSError):  # THP off or unsupported: 4 KiB pages then
-        buf.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
-    flat = torch.frombuffer(buf, dtype=torch.uint8)[start : start + nbytes]
+        buf.madvise(mmap.MADV_HUGEPAGE, 0, nbytes // HUGE_PAGE * HUGE_PAGE)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)[:nbytes]
     return flat.view(dtype).view(shape)
 
 
