@@ -99,5 +99,8 @@ SPEC = ArchitectureSpec(
         "ffn_up": "mlp.gate_up_proj",
     },
     split_weight=split_weight,
+    fused_projections={
+        f.split(".")[1]: tuple(part.split(".")[1] for part in parts) for f, parts in _FUSED.items()
+    },
     eagle_head=False,
 )

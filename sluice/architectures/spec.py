@@ -149,6 +149,9 @@ class ArchitectureSpec:
     # into the ones the model loads (q/k/v, gate/up); both loaders apply it, after the
     # renames and transforms above.
     split_weight: WeightSplit = unfused
+    # The fused modules split_weight cuts, by their module name (qkv_proj), with the
+    # projections they hold: a LoRA adapter trained on one is cut the same way.
+    fused_projections: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # What the engine asks: can tensor_parallel_size > 1 split it (sluice/models/
     # tp_shard.py), can an EAGLE head draft for it (speculative_method="eagle").
     tensor_parallel: bool = True

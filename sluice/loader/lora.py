@@ -221,7 +221,7 @@ def _check_targets(src: _Source, cfg: dict[str, Any]) -> None:
         return
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise src.error(f"target_modules must be a list of names, got {targets!r}")
-    allowed = adaptable_targets(src.config)
+    allowed = (*adaptable_targets(src.config), *spec_of(src.config.architecture).fused_projections)
     for t in targets:
         if t.rsplit(".", 1)[-1] not in allowed:
             raise src.error(
@@ -237,7 +237,7 @@ def _load_peft(src: _Source) -> LoRAAdapter:
     _check_targets(src, cfg)
     weights = src.path / WEIGHTS_FILE
     _bounded_size(src, weights)
-    tensors = _read_peft_tensors(src, weights)
+    tensors = _unfused(src, _read_peft_tensors(src, weights))
     pairs = _pairs(src, tensors, _name_parser(_PEFT_RE, _PEFT_MODEL_RE, {}))
     digest = hashlib.sha256((src.path / CONFIG_FILE).read_bytes())
     digest.update(weights.read_bytes())
@@ -272,6 +272,35 @@ def _read_peft_tensors(src: _Source, weights: Path) -> dict[str, torch.Tensor]:
         raise
     except (ModelFileError, OSError, ValueError) as exc:
         raise src.error(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from None
+
+
+def _unfused(src: _Source, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An adapter of a fused module (Phi-3's qkv_proj: x A, then B's rows for q, k, v)
+    as one per projection it holds: each the same A and its rows of B, cut as the base
+    weight is (the architecture's split_weight), so the products are the same."""
+    spec = spec_of(src.config.architecture)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        m = _PEFT_RE.fullmatch(name)
+        parts = spec.fused_projections.get(m.group(2), ()) if m else ()
+        if not m or not parts:
+            out[name] = t
+            continue
+        fused = m.group(2)
+        if m.group(3) == "A":
+            out.update({name.replace(f".{fused}.", f".{p}."): t for p in parts})
+            continue
+        if t.dim() != 2:
+            raise src.error(f"tensor {name} has shape {list(t.shape)}; a LoRA B is 2-D")
+        try:
+            cut = spec.split_weight(name.split(".lora_")[0] + ".weight", t, src.config)
+        except ValueError as exc:
+            raise src.error(f"tensor {name}: {exc}") from None
+        for part_name, rows in cut.items():
+            part = part_name.rsplit(".", 2)[-2]
+            assert isinstance(rows, torch.Tensor)
+            out[name.replace(f".{fused}.", f".{part}.")] = rows
+    return out
 
 
 _Pairs = dict[tuple[int, LoRATarget], tuple[torch.Tensor, torch.Tensor, str]]
