@@ -61,7 +61,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     # Rope turns only the first `rotary_dim` dims of each head (Phi-4-mini: 96 of 128;
-    # layers/rotary.py's partial_rotary_order); None: all of them.
+    # the model holds q/k rows in qk_row_order); None: all of them.
     rotary_dim: int | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections

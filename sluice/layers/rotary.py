@@ -79,7 +79,7 @@ class RotaryEmbedding:
         rotary_dim: int | None = None,
     ) -> None:
         """`rotary_dim`: rope turns only that many of a head's dims (None: all), the
-        model's q/k rows in `partial_rotary_order`; the other pairs get cos 1, sin 0,
+        model's q/k rows in ModelConfig.qk_row_order; the other pairs get cos 1, sin 0,
         the attention factor too (it scales the turned dims only)."""
         rotary_dim = rotary_dim or head_dim
         inv_freq = _inv_freq(rotary_dim, theta, scaling, max_positions)

@@ -378,9 +378,9 @@ def _adapter(
                 f"the B of {name} has shape {list(b.shape)}; expected [{fan_out}, {r}] "
                 f"for {target} of {src.config.name}"
             )
-        order = src.config.qk_row_order(fan_out // src.config.head_dim)
-        if order is not None and target in ("q_proj", "k_proj"):
-            b = b[order]  # the rows as the model holds them (partial rotary)
+        if target in ("q_proj", "k_proj"):  # B's rows as the model holds q/k's
+            order = src.config.qk_row_order(fan_out // src.config.head_dim)
+            b = b if order is None else b[order]
         a32, b32 = a.float().contiguous(), (b.float() * scale).contiguous()
         if not (torch.isfinite(a32).all() and torch.isfinite(b32).all()):
             raise src.error(f"tensor {name} or its B holds inf or NaN values")

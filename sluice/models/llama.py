@@ -302,8 +302,9 @@ class LlamaForCausalLM(nn.Module):
     def _reorder_for_partial_rotary(self, ck: Checkpoint, p: str) -> None:
         """q's and k's rows, biases and norms in ModelConfig.qk_row_order."""
         c = self.config
+        head = c.qk_row_order(1)
         for n, heads in (("q", c.num_heads), ("k", c.num_kv_heads)):
-            rows, head = c.qk_row_order(heads), c.qk_row_order(1)
+            rows = c.qk_row_order(heads)
             assert rows is not None and head is not None
             orders = {"proj.weight": rows, "proj.bias": rows}
             orders["norm.weight"] = head if c.qk_norm_per_head else rows
