@@ -233,15 +233,19 @@ def test_quantized_base_agrees_with_reference(
     assert predicted >= 0.95 * forced_total, (predicted, forced_total)
 
 
-def _write_gguf_adapter(folder: Path, out: Path, n_head: int, n_kv: int) -> None:
+def _write_gguf_adapter(
+    folder: Path, out: Path, n_head: int, n_kv: int, arch: str = "llama"
+) -> None:
     """A PEFT adapter in llama.cpp's GGUF adapter layout, as convert_lora_to_gguf.py
-    writes it: blk.N.<name>.weight.lora_a/_b, q/k rows permuted for its rope."""
+    writes it: blk.N.<name>.weight.lora_a/_b, q/k rows permuted for a llama's rope
+    (Phi-3's fused qkv_proj and gate_up_proj as attn_qkv and ffn_up, not permuted)."""
     import gguf
 
     cfg = json.loads((folder / "adapter_config.json").read_text())
     tensors = load_file(str(folder / "adapter_model.safetensors"))
     names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}  # fmt: skip
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+             "qkv_proj": "attn_qkv", "gate_up_proj": "ffn_up"}  # fmt: skip
 
     def permute(w: np.ndarray, heads: int) -> np.ndarray:
         return (
@@ -250,7 +254,7 @@ def _write_gguf_adapter(folder: Path, out: Path, n_head: int, n_kv: int) -> None
             .reshape(w.shape)
         )
 
-    writer = gguf.GGUFWriter(str(out), "llama")
+    writer = gguf.GGUFWriter(str(out), arch)
     writer.add_type("adapter")
     writer.add_string("adapter.type", "lora")
     writer.add_float32("adapter.lora.alpha", float(cfg["lora_alpha"]))
@@ -267,7 +271,7 @@ def _write_gguf_adapter(folder: Path, out: Path, n_head: int, n_kv: int) -> None
             continue
         parts = name.split(".")
         layer, target = int(parts[4]), parts[6]
-        if which == "b" and target in ("q_proj", "k_proj"):
+        if which == "b" and target in ("q_proj", "k_proj") and arch == "llama":
             w = permute(w, n_head if target == "q_proj" else n_kv)
         writer.add_tensor(f"blk.{layer}.{names[target]}.weight.lora_{which}", w)
     writer.write_header_to_file()
@@ -535,7 +539,8 @@ def test_speculation_and_constraints_run_through_the_adapter(
 def test_phi3_fused_module_adapter_equals_peft(tmp_path: Path, smollm2_path: Path) -> None:
     """Phi-3's adapters train on its fused modules (qkv_proj, gate_up_proj): each is cut
     into one per projection (the same A, its rows of B), and greedy output equals peft's
-    on a random-weight Phi-3 in fp32."""
+    on a random-weight Phi-3 in fp32, from the PEFT folder and from llama.cpp's GGUF
+    form (attn_qkv, ffn_up)."""
     import peft
 
     from benchmarks.random_models import SMALL, build_model
@@ -566,3 +571,28 @@ def test_phi3_fused_module_adapter_equals_peft(tmp_path: Path, smollm2_path: Pat
     assert [r[: len(g)] for r, g in zip(ref, got, strict=True)] == got
     assert all(len(g) >= 8 for g in got)
     assert got != _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    mc = llm.engine.model_config
+    path = tmp_path / "phi3.gguf"
+    _write_gguf_adapter(tmp_path / "adapter", path, mc.num_heads, mc.num_kv_heads, "phi3")
+    from_gguf = LoRARequest("phi3-gguf", 2, str(path))
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=from_gguf)) == got
+    # q adapted twice, inside attn_qkv and apart: refused by name, not summed or dropped.
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    twice = gguf.GGUFWriter(str(tmp_path / "twice.gguf"), "phi3")
+    twice.add_type("adapter")
+    twice.add_string("adapter.type", "lora")
+    tensors = {t.name: np.array(t.data) for t in reader.tensors}
+    q_rows = mc.num_heads * mc.head_dim
+    tensors["blk.0.attn_q.weight.lora_a"] = tensors["blk.0.attn_qkv.weight.lora_a"]
+    tensors["blk.0.attn_q.weight.lora_b"] = tensors["blk.0.attn_qkv.weight.lora_b"][:q_rows]
+    for name, t in tensors.items():
+        twice.add_tensor(name, t)
+    twice.write_header_to_file()
+    twice.write_kv_data_to_file()
+    twice.write_tensors_to_file()
+    twice.close()
+    bad = LoRARequest("twice", 3, str(tmp_path / "twice.gguf"))
+    with pytest.raises(ValueError, match=r"'twice'.*blk\.0\.attn_q\.weight twice"):
+        llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=bad)

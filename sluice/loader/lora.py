@@ -303,6 +303,43 @@ def _unfused(src: _Source, tensors: dict[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
+def _gguf_unfused(src: _Source, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """_unfused for llama.cpp's names: an adapter of a fused tensor (Phi-3's attn_qkv,
+    and its ffn_up, which holds gate and up) as one per projection under that
+    projection's GGUF name. A file naming a projection twice (fused and apart) is refused."""
+    spec = spec_of(src.config.architecture)
+    gguf_name: dict[str, str] = {target: key for key, target in _GGUF_TARGETS.items()}
+    out: dict[str, torch.Tensor] = {}
+
+    def put(name: str, t: torch.Tensor) -> None:
+        if name in out:
+            raise src.error(f"adapts {name.split('.lora_')[0]} twice (fused and apart)")
+        out[name] = t
+
+    for name, t in tensors.items():
+        m = _GGUF_RE.fullmatch(name)
+        module = spec.gguf_layer_names.get(m.group(2), "") if m else ""
+        parts = spec.fused_projections.get(module.rsplit(".", 1)[-1], ())
+        if not m or not parts:
+            put(name, t)
+            continue
+        layer = m.group(1)
+        if m.group(3) == "a":
+            for part in parts:
+                put(f"blk.{layer}.{gguf_name[part]}.weight.lora_a", t)
+            continue
+        if t.dim() != 2:
+            raise src.error(f"tensor {name} has shape {list(t.shape)}; a LoRA B is 2-D")
+        try:
+            cut = spec.split_weight(f"model.layers.{layer}.{module}.weight", t, src.config)
+        except ValueError as exc:
+            raise src.error(f"tensor {name}: {exc}") from None
+        for part_name, rows in cut.items():
+            assert isinstance(rows, torch.Tensor)
+            put(f"blk.{layer}.{gguf_name[part_name.rsplit('.', 2)[-2]]}.weight.lora_b", rows)
+    return out
+
+
 _Pairs = dict[tuple[int, LoRATarget], tuple[torch.Tensor, torch.Tensor, str]]
 # A tensor's name -> (its layer, MODEL_LAYER for the model's own modules; the target;
 # "A" or "B"), or None where it is not a LoRA weight of anything this model adapts.
@@ -419,6 +456,7 @@ def _load_gguf(src: _Source) -> LoRAAdapter:
         # ValueError/TypeError/RuntimeError for data that does not fit the shape.
         except (ValueError, TypeError, NotImplementedError, RuntimeError) as exc:
             raise src.error(f"tensor {t.name} cannot be read: {exc}") from None
+    tensors = _gguf_unfused(src, tensors)
     pairs = _pairs(src, tensors, _name_parser(_GGUF_RE, _GGUF_MODEL_RE, _GGUF_TARGETS))
     for (layer, target), (a, b, name) in pairs.items():
         if target == "embed_tokens":  # stored as A^T [vocab, r]: a token's row (llama.cpp)
