@@ -10,8 +10,10 @@ against llama.cpp, which runs the same file.
 llama.cpp's convert_hf_to_gguf.py (conversion/llama.py, granite.py, phi.py, qwen.py,
 olmo.py, base.py in the vendored llama.cpp) does for LlamaForCausalLM, MistralForCausalLM,
 MixtralForCausalLM ("llama"), GraniteForCausalLM ("granite"), Qwen2ForCausalLM,
-Phi3ForCausalLM ("phi3"), Qwen3ForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
-and OlmoeForCausalLM.
+Phi3ForCausalLM ("phi3"), Qwen3ForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM,
+OlmoeForCausalLM and GraniteMoeForCausalLM ("granitemoe": Granite's keys and permutation;
+its experts' block_sparse_moe.input_linear [E, 2I, H] becomes one
+blk.N.ffn_gate_up_exps, output_linear ffn_down_exps, router.layer ffn_gate_inp).
 What it follows, and where the converter surprises:
 
 - Names come from gguf's own tensor-name map, as the converter's do. Experts, saved one
@@ -91,6 +93,7 @@ HF_ARCHS: dict[str, gguf.MODEL_ARCH] = {
     "MistralForCausalLM": A.LLAMA,
     "MixtralForCausalLM": A.LLAMA,
     "GraniteForCausalLM": A.GRANITE,
+    "GraniteMoeForCausalLM": A.GRANITE_MOE,
     "Phi3ForCausalLM": A.PHI3,
     "Qwen2ForCausalLM": A.QWEN2,
     "Qwen3ForCausalLM": A.QWEN3,
@@ -291,17 +294,18 @@ def _add_hf_metadata(
         w.add_expert_count(experts)
     if (used := _find(config, "num_experts_per_tok")) is not None:
         w.add_expert_used_count(used)
-    head_dim = None if arch == A.GRANITE else config.get("head_dim")  # GraniteModel drops it
+    granite = arch in (A.GRANITE, A.GRANITE_MOE)
+    head_dim = None if granite else config.get("head_dim")  # GraniteModel drops it
     if head_dim is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_file_type(ftype)
-    if arch in (A.LLAMA, A.GRANITE):
+    if arch == A.LLAMA or granite:
         w.add_vocab_size(config["vocab_size"])
         w.add_rope_dimension_count(
             head_dim or config["hidden_size"] // config["num_attention_heads"]
         )
-    if arch == A.GRANITE:  # GraniteModel: the multipliers, as *_scale keys
+    if granite:  # GraniteModel (and GraniteMoeModel): the multipliers, as *_scale keys
         for key, add in (
             ("attention_multiplier", w.add_attention_scale),
             ("embedding_multiplier", w.add_embedding_scale),
@@ -434,10 +438,14 @@ def _hf_tensors(
                 del pending[m["layer"]]
             continue
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if name.endswith(".block_sparse_moe.input_linear.weight"):
+            # GraniteMoeModel keeps each expert's gate and up rows together, as its
+            # checkpoint does: one ffn_gate_up_exps (gguf-py's map predates the name).
+            gguf_name = f"blk.{name.split('.')[2]}.ffn_gate_up_exps.weight"
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {name!r} in arch {arch.name}")
         n = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else 0
-        permute = arch in (A.LLAMA, A.GRANITE) and n > 0
+        permute = arch in (A.LLAMA, A.GRANITE, A.GRANITE_MOE) and n > 0
 
         shape = st.shapes[name]
         if shexp_gate_1d and gguf_name.endswith(".ffn_gate_inp_shexp.weight"):

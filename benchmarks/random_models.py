@@ -54,7 +54,7 @@ ARCHITECTURE = {"mistral-nemo": "llama"}
 # Mixture-of-Experts: 8 experts of 64 units, a few chosen per token, as each family
 # routes (Qwen3-MoE renormalizes its top k, as the released models do; Qwen2-MoE and
 # OLMoE do not; Mixtral always does).
-MOE_KINDS = ("mixtral", "qwen2moe", "qwen3moe", "olmoe")
+MOE_KINDS = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe")
 _MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
 
 
@@ -121,6 +121,17 @@ def hf_config(kind: str, shape: dict[str, Any]) -> Any:
         )
     if kind == "olmoe":
         return transformers.OlmoeConfig(**{**shape, **_MOE, "intermediate_size": 64})
+    if kind == "granitemoe":  # Granite's scalings; the experts are intermediate_size
+        return transformers.GraniteMoeConfig(
+            **{**shape, "intermediate_size": 64},
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rope_theta=1e4,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.03,
+            logits_scaling=4.0,
+        )
     raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS + ROPE_KINDS + MOE_KINDS)}")
 
 

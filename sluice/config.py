@@ -98,6 +98,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # Granite-MoE's order instead: the top k of the raw logits, then a softmax over
+    # those k (the same weights as a renormalized top k, rounded its own way).
+    softmax_after_top_k: bool = False
     # Qwen2-MoE: a shared expert of this many units beside the routed ones, gated by
     # sigmoid(a learned projection) per token; 0: none.
     shared_expert_intermediate_size: int = 0

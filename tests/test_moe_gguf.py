@@ -19,6 +19,7 @@ import torch
 from benchmarks.random_gguf import hf_to_gguf
 from benchmarks.random_models import MOE_KINDS, SMALL, build_model
 from sluice import LLM, SamplingParams
+from sluice.core.quantized_tensor import QuantizedTensor, dequantize
 from sluice.loader import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
@@ -165,20 +166,24 @@ def test_malformed_rope_freqs_are_refused(
         LLM(model=str(bad), dtype="float32", quantization="none")
 
 
+@pytest.mark.parametrize("kind", ["qwen3moe", "granitemoe"])
 def test_q8_0_experts_stay_quantized_and_agree_with_their_dense_selves(
-    tmp_path: Path, tokenizer: Path
+    kind: str, tmp_path: Path, tokenizer: Path
 ) -> None:
     """A Q8_0 file on the block kernels: the expert stacks are held as the file's bytes
     (weight_bytes within a few percent of the file: no dense copy), and each prompt's
     next-token distribution is the one the same weights give dequantized, to the int8
     activations' rounding (same top token, logprobs within 0.25 nats after 3 layers of
-    random weights; a wrong expert's rows would change them outright)."""
-    build_model("qwen3moe", SHAPE, tmp_path / "hf")
+    random weights; a wrong expert's rows would change them outright). Granite-MoE's
+    file has gate and up in one stack, cut per expert in its blocks."""
+    model = build_model(kind, SHAPE, tmp_path / "hf")
     q8 = tmp_path / "q8.gguf"
     hf_to_gguf(tmp_path / "hf", q8, tensor_type="Q8_0", tokenizer_gguf=tokenizer)
     sp = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     llm = _llm(q8, dtype="float32", quantization="gguf")
     assert llm.engine.quantization == "gguf"
+    gate_up = llm.engine.runner.model.layers[0].mlp.experts.gate_up_weight
+    assert isinstance(gate_up, QuantizedTensor)
     tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(q8).tensors)
     # A Q8_0 block keeps its fp16 scale beside its 32 bytes, as the file does.
     assert abs(llm.stats()["weight_bytes"] - tensor_bytes) <= 0.03 * tensor_bytes
@@ -191,6 +196,13 @@ def test_q8_0_experts_stay_quantized_and_agree_with_their_dense_selves(
         for token, lp in w.items():
             if token in g:
                 assert abs(g[token].logprob - lp.logprob) < 0.25, token
+    if kind == "granitemoe":
+        # Rows cut wrongly from the blocks would agree with themselves above: the held
+        # stack (each expert's gate rows, then its up rows) is the checkpoint's
+        # [E, 2I, H] to Q8_0's rounding.
+        ref = model.model.layers[0].block_sparse_moe.experts.gate_up_proj.detach()
+        held = dequantize(gate_up).reshape(ref.shape)
+        assert torch.allclose(held, ref, rtol=0, atol=0.01 * ref.abs().max().item())
 
 
 def _rewrite(src: Path, dst: Path, change: Any) -> None:

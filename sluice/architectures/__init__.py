@@ -17,6 +17,7 @@ from sluice.architectures import (
     bert,
     gemma3,
     granite,
+    granitemoe,
     llama,
     olmoe,
     phi3,
@@ -42,6 +43,7 @@ REGISTRY: dict[Architecture, ArchitectureSpec] = {
         qwen2moe.SPEC,
         qwen3moe.SPEC,
         olmoe.SPEC,
+        granitemoe.SPEC,
         bert.BERT,  # and the encoders of embedding models
         bert.MPNET,
     )

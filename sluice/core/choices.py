@@ -41,6 +41,7 @@ Architecture = Literal[
     "qwen2moe",
     "qwen3moe",
     "olmoe",
+    "granitemoe",
     "bert",
     "mpnet",
 ]

@@ -311,8 +311,14 @@ def check_expert_tensors(config: ModelConfig, entries: list[TensorEntry]) -> Non
     if not config.is_moe:
         return
     by_name = {t.name: t for t in entries}
+    shapes = expert_shapes(config)
+    e, i, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
     for layer in range(config.num_layers):
-        for suffix, shape in expert_shapes(config).items():
+        layer_shapes = dict(shapes)
+        if f"blk.{layer}.ffn_gate_up_exps.weight" in by_name:  # gate and up in one stack
+            del layer_shapes["ffn_gate_exps.weight"], layer_shapes["ffn_up_exps.weight"]
+            layer_shapes["ffn_gate_up_exps.weight"] = (e, 2 * i, h)
+        for suffix, shape in layer_shapes.items():
             name = f"blk.{layer}.{suffix}"
             entry = by_name.get(name)
             if entry is None:

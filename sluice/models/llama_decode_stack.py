@@ -286,7 +286,7 @@ class LlamaDecodeStack:
         # Granite's scalings of the embeddings, each sublayer's output and the scores
         # are not in the stack either (its logits' scaling is outside it).
         granite = (c.embedding_multiplier, c.residual_multiplier, c.attention_multiplier)
-        if granite != (1.0, 1.0, None):
+        if granite != (1.0, 1.0, None) or c.softmax_after_top_k:  # nor Granite-MoE's routing
             return None
         dtype = model.embed_tokens.weight.dtype
         if (

@@ -2,7 +2,8 @@
 
 Routing is the reference's (transformers' Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE
 blocks): router logits, a softmax over all experts in fp32, the top k (torch.topk's
-order for ties), renormalized to sum to 1 where the model says. With the experts on
+order for ties), renormalized to sum to 1 where the model says; Granite-MoE's takes
+the top k of the logits first and a softmax over those. With the experts on
 our CPU kernels (a GGUF's blocks) the same steps run in one compiled function
 (`SparseMoE.route`), which the fused decode stack shares, so a step routes alike
 whichever path runs it. A step's (token,
@@ -34,8 +35,13 @@ from sluice.models.tp_shard import Collectives
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, softmax_after_top_k: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] fp32, expert ids [T, k]) from router logits [T, E]."""
+    if softmax_after_top_k:  # Granite-MoE: the k largest logits, a softmax over them
+        top, ids = torch.topk(logits.float(), top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -50,6 +56,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
+        self.softmax_after_top_k = config.softmax_after_top_k
         # The router in fp32 whatever the model's dtype: its logits pick the experts, and
         # a bf16 matmul would move near-ties (it is E x hidden, a small read).
         self.router = nn.Parameter(
@@ -109,9 +116,11 @@ class SparseMoE(nn.Module):
         (sluice/models/llama_decode_stack.py) shares: its steps then pick and weigh the
         experts exactly as this layer does."""
         lib, k = self.experts.lib, self.top_k
-        if lib is not None and x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES:
+        kernel = x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES
+        if lib is not None and kernel and not self.softmax_after_top_k:  # softmax first
             return fused_kernels.moe_route(lib, x.contiguous(), self.router, k, self.renormalize)
-        return route(F.linear(x.float(), self.router), self.top_k, self.renormalize)
+        logits = F.linear(x.float(), self.router)
+        return route(logits, self.top_k, self.renormalize, self.softmax_after_top_k)
 
     def held(self) -> list[torch.Tensor]:
         """The router (for weight_bytes; the experts and shared expert count themselves)."""
