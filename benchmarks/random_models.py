@@ -56,6 +56,14 @@ ARCHITECTURE = {"mistral-nemo": "llama"}
 # OLMoE do not; Mixtral always does).
 MOE_KINDS = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe")
 _MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+# Granite 3.x's four scalings, of the size the released models use (8B: 12, 0.22,
+# 1/128, 16), for Granite and Granite-MoE.
+_GRANITE_SCALINGS = dict(
+    embedding_multiplier=12.0,
+    residual_multiplier=0.22,
+    attention_multiplier=0.03,
+    logits_scaling=4.0,
+)
 
 
 def hf_config(kind: str, shape: dict[str, Any]) -> Any:
@@ -71,15 +79,8 @@ def hf_config(kind: str, shape: dict[str, Any]) -> Any:
         return transformers.MistralConfig(
             **shape, head_dim=hidden // heads + 16, sliding_window=None, rope_theta=1e6
         )
-    if kind == "granite":  # Granite 3.x's four scalings (8B: 12, 0.22, 1/128, 16)
-        return transformers.GraniteConfig(
-            **shape,
-            rope_theta=1e4,
-            embedding_multiplier=12.0,
-            residual_multiplier=0.22,
-            attention_multiplier=0.03,
-            logits_scaling=4.0,
-        )
+    if kind == "granite":
+        return transformers.GraniteConfig(**shape, rope_theta=1e4, **_GRANITE_SCALINGS)
     if kind == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint
         return transformers.Phi3Config(
             **shape, rope_theta=1e4, sliding_window=None, pad_token_id=shape["eos_token_id"]
@@ -121,16 +122,13 @@ def hf_config(kind: str, shape: dict[str, Any]) -> Any:
         )
     if kind == "olmoe":
         return transformers.OlmoeConfig(**{**shape, **_MOE, "intermediate_size": 64})
-    if kind == "granitemoe":  # Granite's scalings; the experts are intermediate_size
+    if kind == "granitemoe":  # its experts are intermediate_size units
         return transformers.GraniteMoeConfig(
             **{**shape, "intermediate_size": 64},
             num_local_experts=8,
             num_experts_per_tok=2,
             rope_theta=1e4,
-            embedding_multiplier=12.0,
-            residual_multiplier=0.22,
-            attention_multiplier=0.03,
-            logits_scaling=4.0,
+            **_GRANITE_SCALINGS,
         )
     raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS + ROPE_KINDS + MOE_KINDS)}")
 
