@@ -80,12 +80,13 @@ def test_names_are_claimed_once_and_every_model_class_is_used() -> None:
 
 
 def test_an_unregistered_name_is_refused_naming_what_is_supported() -> None:
-    gguf_names = "llama, qwen2, qwen3, gemma3, granite, phi3, qwen2moe, qwen3moe, olmoe"
+    gguf_names = "llama, qwen2, qwen3, gemma3, granite, phi3, qwen2moe, qwen3moe, olmoe, granitemoe"
     hf_classes = (
         "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
         "Qwen3ForCausalLM, Gemma3ForCausalLM, Gemma3TextModel, GraniteForCausalLM, "
         "Phi3ForCausalLM, Qwen2MoeForCausalLM, "
-        "Qwen3MoeForCausalLM, OlmoeForCausalLM, BertModel, BertForMaskedLM, MPNetModel, "
+        "Qwen3MoeForCausalLM, OlmoeForCausalLM, GraniteMoeForCausalLM, BertModel, "
+        "BertForMaskedLM, MPNetModel, "
         "MPNetForMaskedLM"
     )
     for lookup, name, known in [

@@ -207,7 +207,7 @@ def test_q8_0_experts_stay_quantized_and_agree_with_their_dense_selves(
 
 def _rewrite(src: Path, dst: Path, change: Any) -> None:
     """A copy of the GGUF at src with `change(name, array, metadata)` applied to its
-    tensors (returning None drops one) and its metadata dict."""
+    tensors (returning None drops one) and its metadata dict (new keys: uint32)."""
     reader = gguf.GGUFReader(src)
     arch = str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(dst, arch)
@@ -219,6 +219,9 @@ def _rewrite(src: Path, dst: Path, change: Any) -> None:
     tensors = {t.name: np.array(t.data) for t in reader.tensors}
     change(tensors, meta)
     for key, value in meta.items():
+        if key not in reader.fields:  # a key the change adds (an integer, so far)
+            writer.add_uint32(key, value)
+            continue
         field = reader.fields[key]
         vtype = field.types[0]
         if vtype == gguf.GGUFValueType.ARRAY:
@@ -268,3 +271,27 @@ def test_a_file_that_lies_about_its_experts_is_refused(
     _rewrite(olmoe_gguf, bad, change)
     with pytest.raises(ValueError, match=message):
         load_model(str(bad))
+
+
+def test_granite_moe_files_that_do_not_fit_are_refused(tmp_path: Path, tokenizer: Path) -> None:
+    """A Granite-MoE file with a shared expert (GraniteMoeShared: no gate on it, unlike
+    Qwen2-MoE's) is refused by its key, and a fused gate/up stack of the wrong size by
+    name, before any weight is read."""
+    build_model("granitemoe", SHAPE, tmp_path / "hf")
+    good = tmp_path / "good.gguf"
+    hf_to_gguf(tmp_path / "hf", good, tokenizer_gguf=tokenizer)
+
+    def shared(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        meta["granitemoe.expert_shared_feed_forward_length"] = 32
+
+    _rewrite(good, tmp_path / "shared.gguf", shared)
+    with pytest.raises(ValueError, match=r"granitemoe\.expert_shared_feed_forward_length"):
+        load_model(str(tmp_path / "shared.gguf"))
+
+    def short(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        stack = tensors["blk.1.ffn_gate_up_exps.weight"]
+        tensors["blk.1.ffn_gate_up_exps.weight"] = np.ascontiguousarray(stack[:, :-2])
+
+    _rewrite(good, tmp_path / "short.gguf", short)
+    with pytest.raises(ValueError, match=r"'blk\.1\.ffn_gate_up_exps\.weight' has shape"):
+        load_model(str(tmp_path / "short.gguf"))

@@ -56,6 +56,11 @@ def split_weight(name: str, weight: Weight, config: ModelConfig) -> dict[str, We
 
 def _gguf_fields(keys: GGUFKeys, shared: Mapping[str, Any]) -> Fields:
     moe = moe_from_gguf(keys, norm_topk_prob=True)
+    if moe.get("shared_expert_intermediate_size"):  # its shared expert has no gate
+        raise ValueError(
+            f"Granite-MoE with a shared expert ({keys.prefix}.expert_shared_feed_forward_length"
+            ") is not supported"
+        )
     return {**granite.SPEC.gguf_fields(keys, shared), **moe, "softmax_after_top_k": True}
 
 
