@@ -274,32 +274,42 @@ def _read_peft_tensors(src: _Source, weights: Path) -> dict[str, torch.Tensor]:
         raise src.error(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from None
 
 
-def _unfused(src: _Source, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """An adapter of a fused module (Phi-3's qkv_proj: x A, then B's rows for q, k, v)
-    as one per projection it holds: each the same A and its rows of B, cut as the base
-    weight is (the architecture's split_weight), so the products are the same."""
+def _fused_parts(
+    src: _Source, name: str, module: str, which: str, t: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """LoRA tensor `name` (its A or B: `which`) of fused module `module` (the base
+    weight's name without ".weight": ...layers.N.self_attn.qkv_proj) as one per
+    projection the module holds, by projection (q_proj): the same A, B's rows cut as the
+    base weight is (the architecture's split_weight), so the products are the same."""
     spec = spec_of(src.config.architecture)
+    if which == "A":
+        return dict.fromkeys(spec.fused_projections[module.rsplit(".", 1)[-1]], t)
+    if t.dim() != 2:
+        raise src.error(f"tensor {name} has shape {list(t.shape)}; a LoRA B is 2-D")
+    try:
+        cut = spec.split_weight(f"{module}.weight", t, src.config)
+    except ValueError as exc:
+        raise src.error(f"tensor {name}: {exc}") from None
+    parts = {}
+    for part_name, rows in cut.items():
+        assert isinstance(rows, torch.Tensor)
+        parts[part_name.rsplit(".", 2)[-2]] = rows
+    return parts
+
+
+def _unfused(src: _Source, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A PEFT adapter's fused modules (Phi-3's qkv_proj) as one per projection
+    (_fused_parts), under that projection's name."""
+    fused_modules = spec_of(src.config.architecture).fused_projections
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         m = _PEFT_RE.fullmatch(name)
-        parts = spec.fused_projections.get(m.group(2), ()) if m else ()
-        if not m or not parts:
+        if not m or m.group(2) not in fused_modules:
             out[name] = t
             continue
         fused = m.group(2)
-        if m.group(3) == "A":
-            out.update({name.replace(f".{fused}.", f".{p}."): t for p in parts})
-            continue
-        if t.dim() != 2:
-            raise src.error(f"tensor {name} has shape {list(t.shape)}; a LoRA B is 2-D")
-        try:
-            cut = spec.split_weight(name.split(".lora_")[0] + ".weight", t, src.config)
-        except ValueError as exc:
-            raise src.error(f"tensor {name}: {exc}") from None
-        for part_name, rows in cut.items():
-            part = part_name.rsplit(".", 2)[-2]
-            assert isinstance(rows, torch.Tensor)
-            out[name.replace(f".{fused}.", f".{part}.")] = rows
+        for part, cut in _fused_parts(src, name, name.split(".lora_")[0], m.group(3), t).items():
+            out[name.replace(f".{fused}.", f".{part}.")] = cut
     return out
 
 
@@ -319,24 +329,13 @@ def _gguf_unfused(src: _Source, tensors: dict[str, torch.Tensor]) -> dict[str, t
     for name, t in tensors.items():
         m = _GGUF_RE.fullmatch(name)
         module = spec.gguf_layer_names.get(m.group(2), "") if m else ""
-        parts = spec.fused_projections.get(module.rsplit(".", 1)[-1], ())
-        if not m or not parts:
+        if not m or module.rsplit(".", 1)[-1] not in spec.fused_projections:
             put(name, t)
             continue
-        layer = m.group(1)
-        if m.group(3) == "a":
-            for part in parts:
-                put(f"blk.{layer}.{gguf_name[part]}.weight.lora_a", t)
-            continue
-        if t.dim() != 2:
-            raise src.error(f"tensor {name} has shape {list(t.shape)}; a LoRA B is 2-D")
-        try:
-            cut = spec.split_weight(f"model.layers.{layer}.{module}.weight", t, src.config)
-        except ValueError as exc:
-            raise src.error(f"tensor {name}: {exc}") from None
-        for part_name, rows in cut.items():
-            assert isinstance(rows, torch.Tensor)
-            put(f"blk.{layer}.{gguf_name[part_name.rsplit('.', 2)[-2]]}.weight.lora_b", rows)
+        layer, which = m.group(1), m.group(3)
+        path = f"model.layers.{layer}.{module}"
+        for part, cut in _fused_parts(src, name, path, which.upper(), t).items():
+            put(f"blk.{layer}.{gguf_name[part]}.weight.lora_{which}", cut)
     return out
 
 
