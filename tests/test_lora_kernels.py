@@ -165,3 +165,15 @@ def test_tile_width_matches_the_library() -> None:
     if lib is None:
         pytest.skip("no kernels")
     assert lora_kernels.tile_columns(lib) == lora_kernels.TILE_COLUMNS
+
+
+@pytest.mark.parametrize("rows", [1, 5, 256, 257, 4096])
+def test_mapping_used_slots(rows: int) -> None:
+    """The slots a step's rows use, whichever way (Python or torch.unique) the
+    mapping finds them for its number of rows; -1 (no adapter) is not a slot."""
+    slots = torch.full((rows,), -1, dtype=torch.int32)
+    slots[-1] = 0
+    slots[rows // 2] = 3
+    want = {3} if rows == 1 else {0, 3}
+    assert LoRAMapping(slots, torch.device("cpu")).used == want
+    assert LoRAMapping(torch.full((rows,), -1), torch.device("cpu")).used == frozenset()

@@ -377,9 +377,12 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
     const bool qkv_lora = lora_on(L, b, lora_qkv);
     if (qkv_lora) {
       // The bias first, as the eager Linear adds it (a pass of its own: folded into the
-      // expand's loop, -ffast-math may add bias and product first in fp32).
+      // expand's loop, -ffast-math may add bias and product first in fp32). Without a
+      // bias, no pass: the matmul's barrier is the expand's start.
+      if (L[kQkvBias] != 0) {
 #pragma omp single
-      add_bias(L, qkv.data(), M, qkv_n);
+        add_bias(L, qkv.data(), M, qkv_n);
+      }
       lora_end(s, L, b, lora_qkv, M, lora_u, qkv.data());
     }
 #pragma omp single
