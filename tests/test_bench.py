@@ -494,29 +494,14 @@ def test_docs_match_committed_results() -> None:
     assert doc == expected, "docs/benchmarks.md is stale: run `python benchmarks/report.py`"
 
 
-# Results made from a dirty tree before benchmarks refused to write one under
-# docs/results/, each waiting for its re-run, with what that re-run needs. The list only
-# shrinks: a new result must come from a clean commit (common.output_path), and a
-# listed one that is re-run leaves the list (the test fails on a stale entry).
-AWAITING_RERUN = {
-    "cuda_check-h100.json": "a lent GPU",
-}
-
-
 def test_committed_results_name_the_code_they_ran() -> None:
     """Each result under docs/results/ was measured from a clean tree, at a commit that
     holds the script it ran, or from files equal to such a commit's (its `tree`: a GPU
     run from the device tool's copy, whose .git is older than its files). In a shallow
     clone, where old commits are absent, only the clean flag is checked."""
     shallow = common._git("rev-parse", "--is-shallow-repository") == "true"
-    results = dict(report.load_results(common.DOC_RESULTS_DIR))
-    assert set(AWAITING_RERUN) <= set(results), "a listed result is gone: drop it from the list"
-    for name, data in results.items():
+    for name, data in report.load_results(common.DOC_RESULTS_DIR):
         prov = data["provenance"]
-        if name in AWAITING_RERUN:
-            rerun = prov["dirty"] is False or prov.get("tree")
-            assert not rerun, f"{name} was re-run: drop it from AWAITING_RERUN"
-            continue
         commit = common.result_commit(prov)
         if shallow:
             assert prov["dirty"] is False or commit, f"{name} was measured from a dirty tree"
