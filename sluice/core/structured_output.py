@@ -56,6 +56,23 @@ def lark_text(text: str, added: Mapping[str, int]) -> str:
     return " ".join(terms)
 
 
+# Real schemas nest a few tens of levels; the compiler and the cache key's JSON text
+# recurse per level and meet Python's recursion limit near 1,000.
+MAX_SCHEMA_DEPTH = 100
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and dicts nest in a JSON value (a scalar: 0), without recursing."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            stack.extend((c, level + 1) for c in children if isinstance(c, dict | list))
+    return deepest
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """Exactly one of the fields is set.
@@ -117,6 +134,10 @@ class StructuredOutput:
             if not isinstance(schema, dict | bool):
                 raise SamplingParamsError(
                     where, f"{where} must be a JSON Schema object, got {type(schema).__name__}"
+                )
+            if _depth(schema) > MAX_SCHEMA_DEPTH:
+                raise SamplingParamsError(
+                    where, f"{where} is nested more than {MAX_SCHEMA_DEPTH} levels deep"
                 )
         elif kind in ("regex", "grammar"):
             value = getattr(self, kind)

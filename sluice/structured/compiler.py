@@ -99,6 +99,8 @@ class GrammarCompiler:
             grammar = grammar_text(constraint, self._added)
         except ValueError as exc:
             return f"invalid {constraint.kind} for {FIELD}: {exc}"
+        except RecursionError:
+            return f"invalid {constraint.kind} for {FIELD}: nested too deeply"
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             return f"invalid {constraint.kind} for {FIELD}: {matcher.get_error()}"
@@ -220,13 +222,16 @@ def close_objects(schema: Any) -> Any:
             out[key] = {k: close_objects(v) for k, v in out[key].items()}
     if isinstance(out.get("additionalProperties"), dict):
         out["additionalProperties"] = close_objects(out["additionalProperties"])
-    props = out.get("properties")
+    props, required = out.get("properties"), out.get("required", [])
     open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf")
     if (
         isinstance(props, dict)
         and props
         and not any(k in out for k in open_keys)
-        and set(out.get("required", [])) <= set(props)
+        # (a `required` that is no list of names is left for the compiler to refuse)
+        and isinstance(required, list)
+        and all(isinstance(r, str) for r in required)
+        and set(required) <= set(props)
     ):
         out["additionalProperties"] = False
     return out
