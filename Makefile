@@ -67,11 +67,12 @@ test-dist: install
 	$(BIN)/python -m pytest -q -m dist
 
 # The property-based fuzz tests (hostile GGUF and safetensors files, chat templates,
-# structured-output constraints, mutated request bodies) with 50,000 examples each, not
-# 300.
+# structured-output constraints, tokenizer input, mutated request bodies) with 50,000
+# examples each, not 300.
 fuzz: install
 	$(BIN)/python -m pytest -q tests/test_model_files.py tests/test_request_fuzz.py \
-		tests/test_chat_sandbox.py tests/test_constraint_fuzz.py --hypothesis-profile=fuzz
+		tests/test_chat_sandbox.py tests/test_constraint_fuzz.py tests/test_tokenizer.py \
+		--hypothesis-profile=fuzz
 
 # ruff, and mypy --strict on the package ([tool.mypy] in pyproject.toml).
 lint: install

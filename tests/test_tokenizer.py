@@ -1,4 +1,6 @@
-"""Tokenizer: equal to transformers on SmolLM2, and to llama.cpp's reference tokenizations."""
+"""Tokenizer: equal to transformers on SmolLM2, and to llama.cpp's reference tokenizations;
+untrusted text and ids (hypothesis) round-trip or end in a ValueError naming the defect,
+and message text reaches the prompt verbatim through the chat template."""
 
 from __future__ import annotations
 
@@ -7,6 +9,9 @@ from typing import Any
 
 import pytest
 import tokenizers
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from sluice import settings
 from sluice.loader import Tokenizer, load_model, tokenizer_from_gguf
@@ -167,3 +172,72 @@ def test_llama_cpp_vocab(name: str) -> None:
     outputs = Path(f"{path}.out").read_text().split("\n")
     for text, expected in zip(inputs, outputs, strict=False):
         assert tok.encode(text, add_special_tokens=False) == [int(x) for x in expected.split()]
+
+
+# ---- untrusted text and ids (hypothesis; `make fuzz` runs many more) ----------------------
+
+# Any text, the model's special tokens' spellings and template syntax mixed in.
+texts = st.lists(
+    st.text() | st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "{{ 7 * 7 }}",
+                                 "{% for m in messages %}", "\ud800", "\x00", "\r\n"]),
+    max_size=8,
+).map("".join)  # fmt: skip
+FUZZ = hypothesis_settings(
+    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+# Letters, digits, punctuation, symbols and spacing of the Basic Multilingual Plane.
+printable = st.text(
+    st.characters(categories=("L", "M", "N", "P", "S", "Zs"), max_codepoint=0xFFFF)
+    | st.sampled_from("\n\t\r ")
+)
+
+
+@FUZZ
+@given(text=texts)
+def test_any_text_encodes_or_is_named(tok: Tokenizer, text: str) -> None:
+    # A lone surrogate (JSON and Python can spell one) is a ValueError that says so;
+    # any other text gives ids of the vocabulary that decode to text.
+    if not _is_text(text):
+        with pytest.raises(ValueError, match="not valid Unicode"):
+            tok.encode(text)
+        return
+    ids = tok.encode(text, add_special_tokens=False)
+    assert all(0 <= i < tok.vocab_size for i in ids)
+    assert isinstance(tok.decode(ids, skip_special_tokens=False), str)
+
+
+@FUZZ
+@given(text=printable)
+def test_printable_text_round_trips(tok: Tokenizer, text: str) -> None:
+    # Byte-level BPE gives such text back exactly (SmolLM2's vocabulary lacks a few
+    # control bytes and lead bytes of unassigned planes, which come back changed).
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+@FUZZ
+@given(ids=st.lists(st.integers(-(2**40), 2**40) | st.integers(0, 49_151), max_size=20))
+def test_any_ids_decode_or_are_named(tok: Tokenizer, ids: list[int]) -> None:
+    if all(0 <= i < 2**32 for i in ids):
+        assert isinstance(tok.decode(ids), str)  # partial UTF-8 becomes U+FFFD
+    else:
+        with pytest.raises(ValueError, match="out of range"):
+            tok.decode(ids)
+
+
+@FUZZ
+@given(content=texts.filter(_is_text), name=st.sampled_from(["user", "assistant", "system"]))
+def test_message_text_reaches_the_prompt_verbatim(tok: Tokenizer, content: str, name: str) -> None:
+    # Message text is data to the template, never template code: "{{ 7 * 7 }}" stays.
+    rendered = tok.apply_chat_template([{"role": name, "content": content}])
+    assert content in rendered

@@ -40,6 +40,18 @@ EOG_TEXTS = {
 }
 
 
+def _check_text(text: str) -> None:
+    """ValueError naming where `text` is not Unicode text (a lone surrogate, which JSON's
+    "\\ud800" and Python's "\\ud800" can spell but no encoding can write)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"the text is not valid Unicode: {exc.reason} (U+{ord(text[exc.start]):04X}) "
+            f"at character {exc.start}"
+        ) from None
+
+
 class Tokenizer:
     """Text <-> token ids, plus the model's special ids and chat template."""
 
@@ -84,6 +96,13 @@ class Tokenizer:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            return self._encode(text, add_special_tokens)
+        except TypeError:
+            _check_text(text)  # names a lone surrogate, which the backend only calls a type error
+            raise
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self.post_process:
             return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
         # The backend's post-processor is bypassed: BOS is added here, only if the model wants it,
@@ -108,7 +127,13 @@ class Tokenizer:
         return None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        try:
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        except OverflowError:  # the backend's ids are unsigned 32-bit
+            bad = next(i for i in ids if not 0 <= i < 2**32)
+            raise ValueError(
+                f"token id {bad} is out of range (vocab size {self.vocab_size})"
+            ) from None
 
     def id_to_token(self, i: int) -> str:
         token = self._backend.id_to_token(i)
