@@ -1,7 +1,8 @@
-"""GGUF files are untrusted input: each hostile variant ends in one ModelFileError that
-names the file and its defect, before the `gguf` reader believes any count or offset;
-random byte flips and truncations (hypothesis) end the same way, never in numpy's or
-gguf's internals, a crash or a hang. `make fuzz` runs the random part far longer."""
+"""GGUF and safetensors files are untrusted input: each hostile variant ends in one
+ModelFileError that names the file and its defect, before the `gguf` reader believes
+any count or offset; random byte flips, header lengths and truncations (hypothesis) end
+the same way, never in numpy's, gguf's or safetensors' internals, a crash or a hang.
+`make fuzz` runs the random part far longer."""
 
 from __future__ import annotations
 
@@ -189,3 +190,48 @@ def test_hostile_safetensors_name_the_file(tmp_path: Path) -> None:
             _load_shard(path)
         assert str(path) in str(info.value), case
     assert _load_shard(good)["w"].shape == (4, 4)
+
+
+def _safetensors_bytes() -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    return save({"w": torch.arange(12, dtype=torch.float32).view(3, 4),
+                 "b": torch.ones(5, dtype=torch.bfloat16)})  # fmt: skip
+
+
+SAFETENSORS = _safetensors_bytes()
+
+
+# The header (its length, then JSON naming each tensor's dtype, shape and offsets) is
+# what a hostile file lies in: flips land there, cuts anywhere.
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    flips=st.lists(st.tuples(st.integers(0, 8 + 120), st.integers(1, 255)), min_size=1, max_size=6),
+    cut=st.one_of(st.none(), st.integers(0, len(SAFETENSORS))),
+    length=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+)
+def test_random_safetensors_headers_end_in_model_file_error(
+    flips: list[tuple[int, int]], cut: int | None, length: int | None
+) -> None:
+    from sluice.loader.hf_loader import _load_shard, check_safetensors
+
+    raw = bytearray(SAFETENSORS)
+    if length is not None:
+        raw[:8] = struct.pack("<Q", length)
+    for pos, xor in flips:
+        if pos < len(raw):
+            raw[pos] ^= xor
+    data = bytes(raw if cut is None else raw[:cut])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fuzz.safetensors"
+        path.write_bytes(data)
+        try:
+            check_safetensors(path)
+            tensors = _load_shard(path)
+        except ModelFileError as exc:
+            assert str(path) in str(exc)
+            return
+    # What loads is what the header declares: whole tensors of its shapes.
+    for t in tensors.values():
+        assert t.numel() * t.element_size() <= len(data)
