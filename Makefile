@@ -66,9 +66,9 @@ test-dist: install
 	$(BIN)/pip install -q -e '.[dist]'
 	$(BIN)/python -m pytest -q -m dist
 
-# The property-based fuzz tests (hostile GGUF and safetensors files, chat templates,
-# structured-output constraints, tokenizer input, mutated request bodies) with 50,000
-# examples each, not 300.
+# The property-based fuzz tests (hostile GGUF, safetensors and tokenizer files, chat
+# templates, structured-output constraints, tokenizer input, mutated request bodies) with
+# 50,000 examples each, not 300.
 fuzz: install
 	$(BIN)/python -m pytest -q tests/test_model_files.py tests/test_request_fuzz.py \
 		tests/test_chat_sandbox.py tests/test_constraint_fuzz.py tests/test_tokenizer.py \

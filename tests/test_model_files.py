@@ -6,6 +6,7 @@ the same way, never in numpy's, gguf's or safetensors' internals, a crash or a h
 
 from __future__ import annotations
 
+import json
 import struct
 import tempfile
 from pathlib import Path
@@ -235,3 +236,91 @@ def test_random_safetensors_headers_end_in_model_file_error(
     # What loads is what the header declares: whole tensors of its shapes.
     for t in tensors.values():
         assert t.numel() * t.element_size() <= len(data)
+
+
+# ---- a model directory's tokenizer files --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json() -> str:
+    from sluice.loader import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")[1].backend.to_str()
+
+
+def _hf_dir(root: Path, tokenizer_json: str, files: dict[str, bytes]) -> Path:
+    (root / "tokenizer.json").write_text(tokenizer_json)
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return root
+
+
+HOSTILE_TOKENIZER_FILES = [
+    ("tokenizer.json", b'{"version": "1.0", "model": ', "not a valid tokenizer file"),
+    ("tokenizer_config.json", b"[1, 2]", "not a JSON object"),
+    ("tokenizer_config.json", b"\xff\xfe{}", "not valid JSON"),
+    ("tokenizer_config.json", b"[" * 100_000, "not valid JSON"),
+    ("tokenizer_config.json", b'{"chat_template": 3}', "chat_template must be"),
+    ("tokenizer_config.json", b'{"chat_template": [{"name": "x"}]}', "chat_template must be"),
+    ("config.json", b'{"eos_token_id": "2"}', "eos_token_id must be token ids"),
+    ("config.json", b'{"eos_token_id": [2, 10000000]}', "eos_token_id must be token ids"),
+    ("generation_config.json", b'{"eos_token_id": -1}', "eos_token_id must be token ids"),
+]
+
+
+@pytest.mark.parametrize(("name", "data", "says"), HOSTILE_TOKENIZER_FILES)
+def test_hostile_tokenizer_files_name_the_file(
+    tmp_path: Path, tokenizer_json: str, name: str, data: bytes, says: str
+) -> None:
+    from sluice.loader.tokenizer import Tokenizer
+
+    directory = _hf_dir(tmp_path, tokenizer_json, {})
+    (directory / name).write_bytes(data)
+    with pytest.raises(ModelFileError, match=says) as info:
+        Tokenizer.from_hf_dir(directory)
+    assert str(directory / name) in str(info.value)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=10),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+TOKENIZER_KEYS = ["bos_token", "eos_token", "chat_template", "add_bos_token", "eos_token_id",
+                  "bos_token_id"]  # fmt: skip
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    configs=st.fixed_dictionaries(
+        {},
+        optional={
+            name: st.dictionaries(st.sampled_from(TOKENIZER_KEYS), json_values, max_size=4)
+            for name in ("tokenizer_config.json", "config.json", "generation_config.json")
+        },
+    ),
+    flips=st.lists(st.tuples(st.integers(0, 2000), st.integers(1, 255)), max_size=3),
+)
+def test_random_tokenizer_files_load_or_name_the_file(
+    tokenizer_json: str, configs: dict[str, Any], flips: list[tuple[int, int]]
+) -> None:
+    from sluice.loader.tokenizer import Tokenizer
+
+    raw = bytearray(tokenizer_json.encode())
+    for pos, xor in flips:
+        raw[pos] ^= xor
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {name: json.dumps(value).encode() for name, value in configs.items()}
+        directory = _hf_dir(Path(tmp), "", files)
+        (directory / "tokenizer.json").write_bytes(bytes(raw))
+        try:
+            tok = Tokenizer.from_hf_dir(directory)
+        except ModelFileError as exc:
+            assert exc.path.startswith(str(directory)), exc
+            return
+    vocab = tok.backend.get_vocab_size()
+    assert all(isinstance(i, int) and 0 <= i < vocab for i in tok.eos_token_ids)
+    assert tok.chat_template is None or isinstance(tok.chat_template, str)
+    tok.encode("Hello, world")

@@ -16,6 +16,7 @@ import jinja2
 import jinja2.meta
 import tokenizers
 
+from sluice.core.errors import ModelFileError
 from sluice.loader.chat_sandbox import compile_chat_template, environment, render_bounded
 
 # Tokens that end a turn, by text: llama.cpp's end-of-generation list (llama-vocab.cpp).
@@ -236,7 +237,10 @@ class Tokenizer:
         tok_file = directory / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"{directory} has no tokenizer.json")
-        backend = tokenizers.Tokenizer.from_file(str(tok_file))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tok_file))
+        except Exception as exc:  # tokenizers raises a bare Exception for a bad file
+            raise ModelFileError(str(tok_file), f"not a valid tokenizer file: {exc}") from None
         backend.no_padding()
         backend.no_truncation()
         config = _read_json(directory / "tokenizer_config.json")
@@ -255,9 +259,8 @@ class Tokenizer:
         eos = token_id(config.get("eos_token"))
         if eos is not None:
             eos_ids.append(eos)
-        for source in (gen_config, model_config):
-            value = source.get("eos_token_id")
-            eos_ids.extend([value] if isinstance(value, int) else list(value or []))
+        for name, source in (("generation_config.json", gen_config), ("config.json", model_config)):
+            eos_ids.extend(_token_ids(directory / name, source, "eos_token_id", backend))
         special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         eos_ids.extend(sorted(i for i in special if backend.id_to_token(i) in EOG_TEXTS))
 
@@ -268,10 +271,7 @@ class Tokenizer:
             probe = backend.encode("a", add_special_tokens=True).ids
             add_bos = bos is not None and bool(probe) and probe[0] == bos
 
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: use the default one
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
+        template = _chat_template(directory / "tokenizer_config.json", config.get("chat_template"))
         jinja_file = directory / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
@@ -287,4 +287,41 @@ class Tokenizer:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A model directory's JSON object file ({} where there is none)."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, nested too deep
+        raise ModelFileError(str(path), f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ModelFileError(str(path), f"not a JSON object but {type(value).__name__}")
+    return value
+
+
+def _token_ids(path: Path, data: dict[str, Any], key: str, backend: Any) -> list[int]:
+    """A config's token id or list of them under `key` (none: []), each in the vocabulary."""
+    value = data.get(key)
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    vocab = backend.get_vocab_size()
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
+            raise ModelFileError(
+                str(path), f"{key} must be token ids of the vocabulary (0 to {vocab - 1}): {i!r}"
+            )
+    return ids
+
+
+def _chat_template(path: Path, value: Any) -> str | None:
+    """tokenizer_config.json's chat template: a string, or named templates (a list of
+    {name, template}) of which the default one (else the first)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(
+        isinstance(t, dict) and isinstance(t.get("template"), str) for t in value
+    ):
+        named = {t.get("name"): t["template"] for t in value}
+        return named.get("default") or next(iter(named.values()), None)
+    raise ModelFileError(
+        str(path), "chat_template must be a string or a list of {name, template} objects"
+    )
