@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -511,6 +512,69 @@ def test_committed_results_name_the_code_they_ran() -> None:
         path = script if script.endswith(".py") else script.replace(".", "/") + ".py"
         found = common._git("cat-file", "-e", f"{commit}:{path}")
         assert found is not None, f"{name}: {path} is not in {commit}"
+
+
+def _numbers(value: Any) -> list[float]:
+    """Every number in a JSON value."""
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _numbers(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in _numbers(v)]
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    return [float(value)] if is_number else []
+
+
+_DECIMAL = re.compile(r"(?<![\w.\-/])(\d[\d,]*\.\d+)")
+_ANY_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+# A figure right after one of these is a target or a bound, not a result.
+_NOT_A_RESULT = re.compile(r"(?:[≥≤<>~]|target\w*\W*|bound\W*)\s*$")
+# Figures in the prose computed from the sentence they stand in, not measured.
+COMPUTED = {
+    "15.5": "the offline run's matmul TFLOP, from its token and parameter counts",
+    "1.88": "the int8 KV pool's capacity, 128 bytes a row against 68",
+}
+
+
+def _untraced(section: str) -> list[str]:
+    """The decimal figures of a section's prose that are not in its rendered tables or
+    its result files (to the figure's precision), nor the ratio of two such figures
+    of their own paragraph, nor targets."""
+    blocks = re.findall(r"<!-- results: .*? -->(.*?)<!-- /results -->", section, re.S)
+    tables = " ".join(blocks)
+    known = {float(v.replace(",", "")) for v in _ANY_NUMBER.findall(tables)}
+    for name in set(re.findall(r"\(results/([\w.\-]+\.json)\)", tables)):
+        known |= set(_numbers(json.loads((common.DOC_RESULTS_DIR / name).read_text())))
+    prose = re.sub(r"<!-- results: .*? -->.*?<!-- /results -->", "", section, flags=re.S)
+    bad = []
+    for paragraph in re.sub(r"`[^`]*`", "", prose).split("\n\n"):
+        for m in _DECIMAL.finditer(paragraph):
+            figure = m.group(1)
+            x, tol = float(figure.replace(",", "")), 0.5 * 10 ** -len(figure.split(".")[1])
+            if figure in COMPUTED or _NOT_A_RESULT.search(paragraph[: m.start()]):
+                continue
+            if any(abs(v - x) <= tol + 1e-9 for v in known):
+                continue
+            others = [float(v.replace(",", "")) for v in _ANY_NUMBER.findall(paragraph)]
+            others = [v for v in others if v in known and v not in (0, 1)]
+            if any(abs(a / b - x) <= tol + 1e-9 for a in others for b in others if a != b):
+                continue
+            bad.append(figure)
+    return bad
+
+
+def test_prose_figures_come_from_the_results_they_stand_beside() -> None:
+    """docs/benchmarks.md's prose quotes its sections' results: each decimal figure of a
+    section with results is in its tables or its JSON files, or a ratio of two of its
+    paragraph's figures that are; a figure that drifted from its file, or quotes a
+    withdrawn one, fails (issue 36)."""
+    doc = report.DOC.read_text(encoding="utf-8")
+    untraced = {}
+    for section in re.split(r"\n(?=## )", doc):
+        if "<!-- results: " in section:
+            bad = _untraced(section)
+            if bad:
+                untraced[section.splitlines()[0]] = bad
+    assert not untraced, untraced
 
 
 def _llama_file_is(model: str, llama_file: str) -> bool:
