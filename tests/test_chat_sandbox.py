@@ -80,7 +80,8 @@ def test_bounded_operations_give_jinjas_results() -> None:
         "{{ 'ab'|center(6) }}|{{ '%05d' % 42 }}|{{ '{:>4}'.format('a') }}|"
         "{{ ['a', 'b']|join(', ') }}|{{ 'a b'.replace(' ', '_') }}|{{ ', '.join(['x', 'y']) }}|"
         "{{ 'a' ~ 'b' }}|{{ 'x' + 'y' }}|{{ [1] + [2] }}|{{ {'k': 1}|tojson(indent=2) }}|"
-        "{{ 'l1\nl2'|indent(2) }}|{{ 'a'.ljust(3) }}.|{{ messages|map(attribute='c')|join('+') }}"
+        "{{ 'l1\nl2'|indent(2) }}|{{ 'a'.ljust(3) }}.|{{ messages|map(attribute='c')|join('+') }}|"
+        "{{ {'k1': 1, 'k2': 2}|join(',') }}|{{ '-'.join({'d1': 1, 'd2': 2}) }}"
     )
     variables = {"messages": [{"c": "u"}, {"c": "v"}]}
     plain = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(source)

@@ -166,7 +166,7 @@ FILTER_BOUNDS: dict[str, Bound] = {
 def _joined(value: Any, sep: Any) -> list[Any]:
     """A join's items as a list, refused when their text and separators would pass the
     bound (items may be a generator: it is run once, here)."""
-    items = list(value.values() if isinstance(value, dict) else value)
+    items = list(value)  # a dict's keys, as iterating it (and so joining it) gives
     total = len(str(sep)) * max(len(items) - 1, 0)
     for item in items:
         total += len(item) if isinstance(item, str) else len(str(item))

@@ -100,7 +100,8 @@ class Tokenizer:
         try:
             return self._encode(text, add_special_tokens)
         except TypeError:
-            _check_text(text)  # names a lone surrogate, which the backend only calls a type error
+            if isinstance(text, str):  # a lone surrogate, which the backend calls a type error
+                _check_text(text)
             raise
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -131,7 +132,9 @@ class Tokenizer:
         try:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         except OverflowError:  # the backend's ids are unsigned 32-bit
-            bad = next(i for i in ids if not 0 <= i < 2**32)
+            bad = next((i for i in ids if not 0 <= i < 2**32), None)
+            if bad is None:
+                raise
             raise ValueError(
                 f"token id {bad} is out of range (vocab size {self.vocab_size})"
             ) from None
