@@ -940,6 +940,22 @@ def _lora(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _spec_cost(results: Sequence[Result]) -> str:
+    """A verifying step's time by decode rows and drafts k (benchmarks/spec_cost.py)."""
+    rows = []
+    for name, d in results:
+        argv = d["provenance"].get("argv", [])
+        model = argv[argv.index("--model") + 1] if "--model" in argv else "smollm2-135m"
+        steps = sorted({int(key.split("x")[0]) for key in d["step_ms"]})
+        for b in steps:
+            times = [f"{d['step_ms'][f'{b}x{k}']:.1f}" for k in d["drafts"]]
+            cost = f"{d['draft_cost'][str(b)]:.2f}"
+            rows.append([*_run_cells(name, d), model, str(b), *times, cost, str(d["rounds"])])
+    drafts = results[0][1]["drafts"] if results else []
+    headers = ["model", "decode rows", *[f"k = {k} ms" for k in drafts]]
+    return _table(RUN_HEADERS + headers + ["one draft, in decode steps", "rounds"], rows)
+
+
 def _swa_pool(results: Sequence[Result]) -> str:
     rows = []
     for name, d in results:
@@ -1021,6 +1037,7 @@ RENDERERS: dict[str, Callable[[Sequence[Result]], str]] = {
     "scale_out": _scale_out,
     "tensor_parallel": _tensor_parallel,
     "swa_pool": _swa_pool,
+    "spec_cost": _spec_cost,
     "moe": _moe,
     "few_rows": _few_rows,
     "huge_pages": _huge_pages,

@@ -577,6 +577,55 @@ def test_prose_figures_come_from_the_results_they_stand_beside() -> None:
     assert not untraced, untraced
 
 
+# A measured-looking figure in architecture.md: a time, a rate or a ratio (1.5x, 2 ×);
+# a range's two ends both count.
+_MEASURED = re.compile(
+    r"(?<![\w.\-/])(\d[\d,]*(?:\.\d+)?)(?:\s?[-–]\s?(\d[\d,]*(?:\.\d+)?))?"
+    r"(?:\s?(?:ms|s|tok/s|GB/s)(?![\w/])|x(?!\w)|\s?×)"
+)
+# architecture.md's figures of that shape that are not measurements.
+NOT_MEASURED = {
+    "1.88x": "the int8 KV pool's capacity against bf16's, 128 bytes a row against 68",
+    "3.76x": "the same against an fp32 pool",
+    "4-11x": "an fp32 copy's size against a GGUF's, 32 bits a weight against 3-8.5",
+    "10 s": "the constraint fuzz test's bound on one compile",
+    "300 s": "a timeout",
+    "10 ms": "the engine thread's longest sleep",
+    "400s": "HTTP status codes",
+}
+
+
+def test_architecture_figures_come_from_results() -> None:
+    """docs/architecture.md's measured figures (times, rates, ratios, and every number of
+    a table) are in the JSON of a docs/results file its paragraph, or the one before,
+    names (a time in ms or s either way): a development measurement with no committed
+    result is said without its numbers (issue 36)."""
+    names = {p.name for p in common.DOC_RESULTS_DIR.glob("*.json")}
+    doc = re.sub(r"```.*?```", "", (REPO / "docs/architecture.md").read_text(), flags=re.S)
+    paragraphs = doc.split("\n\n")
+    untraced = []
+    for i, paragraph in enumerate(paragraphs):
+        near = (paragraphs[i - 1] if i else "") + paragraph
+        cited = set(re.findall(r"[\w.\-]+\.json", near)) & names
+        known = [
+            n for f in cited for n in _numbers(json.loads((common.DOC_RESULTS_DIR / f).read_text()))
+        ]
+        text = re.sub(r"`[^`]*`", "", paragraph)
+        if text.lstrip().startswith("|"):  # a table: every number in its cells
+            figures = [(f, f) for f in _DECIMAL.findall(text)]
+        else:
+            figures = [(m.group(0), g) for m in _MEASURED.finditer(text)
+                       for g in m.groups() if g is not None]  # fmt: skip
+        for shown, figure in figures:
+            if shown in NOT_MEASURED:
+                continue
+            x = float(figure.replace(",", ""))
+            tol = 0.5 * 10 ** -(len(figure.split(".")[1]) if "." in figure else 0) + 1e-9
+            if not any(abs(v - x) <= tol or abs(v / 1000 - x) <= tol for v in known):
+                untraced.append(f"{shown!r} in {paragraph.strip()[:60]!r}")
+    assert not untraced, untraced
+
+
 def _llama_file_is(model: str, llama_file: str) -> bool:
     """Whether llama-server's GGUF is the file sluice served as `model` (alias or path)."""
     from sluice.loader.resolve import KNOWN_MODELS
