@@ -535,6 +535,12 @@ COMPUTED = {
 }
 
 
+def _rounds_to(figure: str, value: float) -> bool:
+    """Whether `value` shows as `figure` (e.g. "1,950" or "0.27") at its precision."""
+    digits = len(figure.split(".")[1]) if "." in figure else 0
+    return abs(value - float(figure.replace(",", ""))) <= 0.5 * 10**-digits + 1e-9
+
+
 def _untraced(section: str) -> list[str]:
     """The decimal figures of a section's prose that are not in its rendered tables or
     its result files (to the figure's precision), nor the ratio of two such figures
@@ -549,14 +555,13 @@ def _untraced(section: str) -> list[str]:
     for paragraph in re.sub(r"`[^`]*`", "", prose).split("\n\n"):
         for m in _DECIMAL.finditer(paragraph):
             figure = m.group(1)
-            x, tol = float(figure.replace(",", "")), 0.5 * 10 ** -len(figure.split(".")[1])
             if figure in COMPUTED or _NOT_A_RESULT.search(paragraph[: m.start()]):
                 continue
-            if any(abs(v - x) <= tol + 1e-9 for v in known):
+            if any(_rounds_to(figure, v) for v in known):
                 continue
             others = [float(v.replace(",", "")) for v in _ANY_NUMBER.findall(paragraph)]
             others = [v for v in others if v in known and v not in (0, 1)]
-            if any(abs(a / b - x) <= tol + 1e-9 for a in others for b in others if a != b):
+            if any(_rounds_to(figure, a / b) for a in others for b in others if a != b):
                 continue
             bad.append(figure)
     return bad
@@ -619,9 +624,7 @@ def test_architecture_figures_come_from_results() -> None:
         for shown, figure in figures:
             if shown in NOT_MEASURED:
                 continue
-            x = float(figure.replace(",", ""))
-            tol = 0.5 * 10 ** -(len(figure.split(".")[1]) if "." in figure else 0) + 1e-9
-            if not any(abs(v - x) <= tol or abs(v / 1000 - x) <= tol for v in known):
+            if not any(_rounds_to(figure, v) or _rounds_to(figure, v / 1000) for v in known):
                 untraced.append(f"{shown!r} in {paragraph.strip()[:60]!r}")
     assert not untraced, untraced
 

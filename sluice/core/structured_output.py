@@ -66,10 +66,10 @@ def _depth(value: Any) -> int:
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, level = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
         if isinstance(item, dict | list):
             deepest = max(deepest, level)
-            stack.extend((c, level + 1) for c in children if isinstance(c, dict | list))
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((c, level + 1) for c in children)
     return deepest
 
 

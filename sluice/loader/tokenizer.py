@@ -262,8 +262,9 @@ class Tokenizer:
         eos = token_id(config.get("eos_token"))
         if eos is not None:
             eos_ids.append(eos)
+        vocab = backend.get_vocab_size()
         for name, source in (("generation_config.json", gen_config), ("config.json", model_config)):
-            eos_ids.extend(_token_ids(directory / name, source, "eos_token_id", backend))
+            eos_ids.extend(_token_ids(directory / name, source, "eos_token_id", vocab))
         special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         eos_ids.extend(sorted(i for i in special if backend.id_to_token(i) in EOG_TEXTS))
 
@@ -302,11 +303,10 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
-def _token_ids(path: Path, data: dict[str, Any], key: str, backend: Any) -> list[int]:
-    """A config's token id or list of them under `key` (none: []), each in the vocabulary."""
+def _token_ids(path: Path, data: dict[str, Any], key: str, vocab: int) -> list[int]:
+    """A config's token id or list of them under `key` (none: []), each below `vocab`."""
     value = data.get(key)
     ids = [] if value is None else value if isinstance(value, list) else [value]
-    vocab = backend.get_vocab_size()
     for i in ids:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
             raise ModelFileError(
