@@ -11,9 +11,11 @@ llama.cpp's convert_hf_to_gguf.py (conversion/llama.py, granite.py, phi.py, qwen
 olmo.py, base.py in the vendored llama.cpp) does for LlamaForCausalLM, MistralForCausalLM,
 MixtralForCausalLM ("llama"), GraniteForCausalLM ("granite"), Qwen2ForCausalLM,
 Phi3ForCausalLM ("phi3"), Qwen3ForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM,
-OlmoeForCausalLM and GraniteMoeForCausalLM ("granitemoe": Granite's keys and permutation;
-its experts' block_sparse_moe.input_linear [E, 2I, H] becomes one
-blk.N.ffn_gate_up_exps, output_linear ffn_down_exps, router.layer ffn_gate_inp).
+OlmoeForCausalLM, GraniteMoeForCausalLM and GraniteMoeSharedForCausalLM ("granitemoe":
+Granite's keys and permutation; its experts' block_sparse_moe.input_linear [E, 2I, H]
+becomes one blk.N.ffn_gate_up_exps, output_linear ffn_down_exps, router.layer
+ffn_gate_inp; the shared expert's shared_mlp.input_linear [2S, H] is cut into
+ffn_gate_shexp and ffn_up_shexp, its output_linear is ffn_down_shexp).
 What it follows, and where the converter surprises:
 
 - Names come from gguf's own tensor-name map, as the converter's do. Experts, saved one
@@ -94,6 +96,7 @@ HF_ARCHS: dict[str, gguf.MODEL_ARCH] = {
     "MixtralForCausalLM": A.LLAMA,
     "GraniteForCausalLM": A.GRANITE,
     "GraniteMoeForCausalLM": A.GRANITE_MOE,
+    "GraniteMoeSharedForCausalLM": A.GRANITE_MOE,
     "Phi3ForCausalLM": A.PHI3,
     "Qwen2ForCausalLM": A.QWEN2,
     "Qwen3ForCausalLM": A.QWEN3,
@@ -319,6 +322,8 @@ def _add_hf_metadata(
             w.add_expert_feed_forward_length(moe_ffn)
         if (shared_ffn := config.get("shared_expert_intermediate_size")) is not None:
             w.add_expert_shared_feed_forward_length(shared_ffn)
+    if arch == A.GRANITE_MOE and (shared_ffn := config.get("shared_intermediate_size")):
+        w.add_expert_shared_feed_forward_length(shared_ffn)  # GraniteMoeShared
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
@@ -436,6 +441,17 @@ def _hf_tensors(
             if len(group) == 3 * n_experts:
                 plans.extend(_stacked_experts(st, names, int(m["bid"]), group, wanted))
                 del pending[m["layer"]]
+            continue
+        if name.endswith(".shared_mlp.input_linear.weight"):
+            # GraniteMoeShared's shared expert: gate rows, then up, cut in two.
+            bid, size = name.split(".")[2], config["shared_intermediate_size"]
+            for i, part in enumerate(("gate", "up")):
+                rows = slice(i * size, (i + 1) * size)
+                add(
+                    f"blk.{bid}.ffn_{part}_shexp.weight",
+                    (size, st.shapes[name][1]),
+                    lambda name=name, rows=rows: st.load(name)[rows],
+                )
             continue
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if name.endswith(".block_sparse_moe.input_linear.weight"):

@@ -54,7 +54,7 @@ ARCHITECTURE = {"mistral-nemo": "llama"}
 # Mixture-of-Experts: 8 experts of 64 units, a few chosen per token, as each family
 # routes (Qwen3-MoE renormalizes its top k, as the released models do; Qwen2-MoE and
 # OLMoE do not; Mixtral always does).
-MOE_KINDS = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe")
+MOE_KINDS = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "granitemoeshared")
 _MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
 # Granite 3.x's four scalings, of the size the released models use (8B: 12, 0.22,
 # 1/128, 16), for Granite and Granite-MoE.
@@ -127,6 +127,15 @@ def hf_config(kind: str, shape: dict[str, Any]) -> Any:
             **{**shape, "intermediate_size": 64},
             num_local_experts=8,
             num_experts_per_tok=2,
+            rope_theta=1e4,
+            **_GRANITE_SCALINGS,
+        )
+    if kind == "granitemoeshared":  # and a shared expert, added ungated
+        return transformers.GraniteMoeSharedConfig(
+            **{**shape, "intermediate_size": 64},
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            shared_intermediate_size=96,
             rope_theta=1e4,
             **_GRANITE_SCALINGS,
         )

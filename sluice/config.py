@@ -101,9 +101,12 @@ class ModelConfig:
     # Granite-MoE's order instead: the top k of the raw logits, then a softmax over
     # those k (the same weights as a renormalized top k, rounded its own way).
     softmax_after_top_k: bool = False
-    # Qwen2-MoE: a shared expert of this many units beside the routed ones, gated by
-    # sigmoid(a learned projection) per token; 0: none.
+    # A shared expert of this many units beside the routed ones, every token through
+    # it; 0: none.
     shared_expert_intermediate_size: int = 0
+    # Whether the shared expert's output is scaled by sigmoid(a learned projection) per
+    # token (Qwen2-MoE) or added as it is (GraniteMoeShared).
+    shared_expert_gated: bool = True
     # Encoders (embedding models): every token attends to every other token of its
     # input, before and after it; such a model keeps no KV cache and computes an input
     # in one step (sluice/models/encoder.py, EmbeddingGemma's Gemma 3 layers).

@@ -85,8 +85,8 @@ def test_an_unregistered_name_is_refused_naming_what_is_supported() -> None:
         "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
         "Qwen3ForCausalLM, Gemma3ForCausalLM, Gemma3TextModel, GraniteForCausalLM, "
         "Phi3ForCausalLM, Qwen2MoeForCausalLM, "
-        "Qwen3MoeForCausalLM, OlmoeForCausalLM, GraniteMoeForCausalLM, BertModel, "
-        "BertForMaskedLM, MPNetModel, "
+        "Qwen3MoeForCausalLM, OlmoeForCausalLM, GraniteMoeForCausalLM, "
+        "GraniteMoeSharedForCausalLM, BertModel, BertForMaskedLM, MPNetModel, "
         "MPNetForMaskedLM"
     )
     for lookup, name, known in [

@@ -1,4 +1,5 @@
-"""Mixture-of-Experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE) on random weights:
+"""Mixture-of-Experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE and
+GraniteMoeShared) on random weights:
 sluice's greedy output equals transformers' token for token in fp32, from the
 safetensors directory, alone and batched, in chunks and after a prefix-cache hit;
 routing ties break as the reference breaks them; a bad checkpoint is refused by name.
@@ -23,6 +24,7 @@ ARCHITECTURE = {
     "qwen3moe": "qwen3moe",
     "olmoe": "olmoe",
     "granitemoe": "granitemoe",
+    "granitemoeshared": "granitemoe",
 }
 
 

@@ -274,19 +274,32 @@ def test_a_file_that_lies_about_its_experts_is_refused(
 
 
 def test_granite_moe_files_that_do_not_fit_are_refused(tmp_path: Path, tokenizer: Path) -> None:
-    """A Granite-MoE file with a shared expert (GraniteMoeShared: no gate on it, unlike
-    Qwen2-MoE's) is refused by its key, and a fused gate/up stack of the wrong size by
-    name, before any weight is read."""
+    """A Granite-MoE file whose metadata promises a shared expert it does not hold, or
+    whose shared expert is not the promised size, is refused by the tensor's name, and
+    a fused gate/up stack of the wrong size by name, before any weight is read."""
     build_model("granitemoe", SHAPE, tmp_path / "hf")
     good = tmp_path / "good.gguf"
     hf_to_gguf(tmp_path / "hf", good, tokenizer_gguf=tokenizer)
 
-    def shared(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+    def promised(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         meta["granitemoe.expert_shared_feed_forward_length"] = 32
 
-    _rewrite(good, tmp_path / "shared.gguf", shared)
-    with pytest.raises(ValueError, match=r"granitemoe\.expert_shared_feed_forward_length"):
-        load_model(str(tmp_path / "shared.gguf"))
+    _rewrite(good, tmp_path / "promised.gguf", promised)
+    with pytest.raises(ValueError, match=r"missing tensor 'blk\.0\.ffn_gate_shexp\.weight'"):
+        load_model(str(tmp_path / "promised.gguf"))
+
+    build_model("granitemoeshared", SHAPE, tmp_path / "hf-shared")
+    shared = tmp_path / "shared.gguf"
+    hf_to_gguf(tmp_path / "hf-shared", shared, tokenizer_gguf=tokenizer)
+
+    def narrow(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        tensors["blk.1.ffn_up_shexp.weight"] = np.ascontiguousarray(
+            tensors["blk.1.ffn_up_shexp.weight"][:-8]
+        )
+
+    _rewrite(shared, tmp_path / "narrow.gguf", narrow)
+    with pytest.raises(ValueError, match=r"'blk\.1\.ffn_up_shexp\.weight' has shape"):
+        load_model(str(tmp_path / "narrow.gguf"))
 
     def short(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         stack = tensors["blk.1.ffn_gate_up_exps.weight"]

@@ -298,9 +298,10 @@ def expert_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 "ffn_gate_shexp.weight": (s, h),
                 "ffn_up_shexp.weight": (s, h),
                 "ffn_down_shexp.weight": (h, s),
-                "ffn_gate_inp_shexp.weight": (h,),
             }
         )
+        if config.shared_expert_gated:
+            shapes["ffn_gate_inp_shexp.weight"] = (h,)
     return shapes
 
 

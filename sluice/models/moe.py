@@ -50,7 +50,8 @@ def route(
 
 
 class SparseMoE(nn.Module):
-    """The MLP of a Mixture-of-Experts layer (and Qwen2-MoE's gated shared expert)."""
+    """The MLP of a Mixture-of-Experts layer, with a shared expert where the model has
+    one (Qwen2-MoE's gated, GraniteMoeShared's added as it is)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -66,7 +67,8 @@ class SparseMoE(nn.Module):
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         shared = config.shared_expert_intermediate_size
         self.shared_expert = MLP(config.hidden_size, shared) if shared else None
-        self.shared_expert_gate = Linear(config.hidden_size, 1) if shared else None
+        gated = shared and config.shared_expert_gated
+        self.shared_expert_gate = Linear(config.hidden_size, 1) if gated else None
         # Expert parallelism (split_experts): this rank holds experts first_expert ..
         # first_expert + experts.num_experts of the router's, and `reduce` sums the
         # ranks' partial outputs.
@@ -96,9 +98,10 @@ class SparseMoE(nn.Module):
         y = self.experts.down(h, groups)
         y = y * weights.flatten()[pair].to(y.dtype)[:, None]
         out = torch.zeros_like(x).index_add_(0, tokens, y)
-        gate = self.shared_expert_gate
-        if self.shared_expert is not None and gate is not None and self.shared_here:
-            out = out + torch.sigmoid(gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None and self.shared_here:
+            shared = self.shared_expert(x)
+            gate = self.shared_expert_gate
+            out = out + (shared if gate is None else torch.sigmoid(gate(x)) * shared)
         return out if self.reduce is None else self.reduce(out)
 
     def _local_pairs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -147,11 +150,12 @@ class SparseMoE(nn.Module):
             keep_quantized=keep_quantized,
             int8_prompts=int8_prompts,
         )
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
+        if self.shared_expert is not None:
             p = prefix + "shared_expert."
             shared = self.shared_expert
             ck.put_linear(shared.gate_up_proj, [p + "gate_proj.weight", p + "up_proj.weight"])
             ck.put_linear(shared.down_proj, [p + "down_proj.weight"])
+        if self.shared_expert_gate is not None:
             # llama.cpp stores the shared expert's gate as a vector [hidden].
             gate = ck.dense(ck.take(prefix + "shared_expert_gate.weight"))
             ck.put(self.shared_expert_gate.weight, gate.reshape(1, -1))
