@@ -323,6 +323,8 @@ def random_prompts(seed: int, count: int = 3) -> list[list[int]]:
         ("olmoe", "Q8_0", "float32"),  # QK-norm over the whole projections, top 2 as is
         ("olmoe", "Q4_0", "bfloat16"),
         ("mixtral", "Q8_0", "bfloat16"),  # no QK-norm, top 2 renormalized
+        ("granite", "Q8_0", "float32"),  # its scalings of embeddings, sublayers, scores
+        ("granite", "Q4_0", "bfloat16"),
     ],
 )
 def test_stack_equals_model_on_random_gguf_models(
@@ -338,7 +340,9 @@ def test_stack_equals_model_on_random_gguf_models(
     stack = built_stack(llm)
     config = llm.engine.model_config
     assert stack.shape.experts == config.num_experts
-    assert stack.shape.qk_norm == (0 if kind == "mixtral" else 1 if "qwen" in kind else 2)
+    no_norm = kind in ("mixtral", "granite")
+    assert stack.shape.qk_norm == (0 if no_norm else 1 if "qwen" in kind else 2)
+    assert stack.shape.residual_scale == config.residual_multiplier
     assert stack.max_rows == stack_rows("gguf")
     experts = [layer.mlp.experts for layer in llm.engine.runner.model.layers if config.is_moe]
     # Decode steps of as many rows as the stack takes (an expert may get every row), and

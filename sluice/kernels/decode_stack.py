@@ -45,8 +45,8 @@ _DECODE_STACK = c_function(
     *(POINTER, POINTER, INT64, POINTER, POINTER, INT, INT),
     # qk_norm, experts, top_k, moe_inter, renormalize
     *(INT, INT, INT, INT, INT),
-    # lora_slots, lora_rank
-    *(POINTER, INT),
+    # lora_slots, lora_rank, residual_scale
+    *(POINTER, INT, FLOAT),
 )
 
 
@@ -123,6 +123,9 @@ class StackShape:
     renormalize: bool = False
     # The LoRA slots' rank per slice (sluice/layers/lora.py); 0 without LoRA.
     lora_rank: int = 0
+    # Each sublayer's output times this before it joins the residual stream (Granite's
+    # residual_multiplier; 1.0: none).
+    residual_scale: float = 1.0
 
 
 def decode_stack(
@@ -172,5 +175,6 @@ def decode_stack(
         int(shape.renormalize),
         ptr_or_null(lora_slots),
         shape.lora_rank,
+        shape.residual_scale,
     )
     return h

@@ -255,7 +255,7 @@ class LlamaDecodeStack:
             inter=c.intermediate_size,
             block_size=block_size,
             eps=c.rms_norm_eps,
-            scale=c.head_dim**-0.5,
+            scale=c.head_dim**-0.5 if c.attention_scale is None else c.attention_scale,
             kv_int8=kv_int8,
             qk_norm=_qk_norm_mode(c),
             experts=c.num_experts,
@@ -263,6 +263,7 @@ class LlamaDecodeStack:
             moe_inter=c.moe_intermediate_size,
             renormalize=c.norm_topk_prob,
             lora_rank=_lora_rank(model),
+            residual_scale=c.residual_multiplier,
         )
 
     @classmethod
@@ -283,10 +284,9 @@ class LlamaDecodeStack:
         c = model.config
         if any(c.layer_window(i) is not None for i in range(c.num_layers)):
             return None
-        # Granite's scalings of the embeddings, each sublayer's output and the scores
-        # are not in the stack either (its logits' scaling is outside it).
-        granite = (c.embedding_multiplier, c.residual_multiplier, c.attention_multiplier)
-        if granite != (1.0, 1.0, None) or c.softmax_after_top_k:  # nor Granite-MoE's routing
+        # Granite-MoE's routing (a softmax over the top k logits) is not in the stack;
+        # Granite's scalings are (the embeddings' and the logits' outside it).
+        if c.softmax_after_top_k:
             return None
         dtype = model.embed_tokens.weight.dtype
         if (
@@ -347,6 +347,8 @@ class LlamaDecodeStack:
         assert meta.small_ctx_end is not None
         cos, sin = (t.contiguous() for t in model.rotary.lookup(positions))
         h = model.embed_tokens(input_ids)  # written in place with the stack's output
+        if model.config.embedding_multiplier != 1.0:  # Granite, as the eager model scales
+            h = h * model.config.embedding_multiplier
         return decode_stack.decode_stack(
             self.lib,
             self.table,

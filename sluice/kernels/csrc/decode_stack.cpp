@@ -87,6 +87,9 @@ struct Shape {
   int experts, top_k, moe_inter;
   bool renormalize;
   int lora_rank;  // the LoRA slots' rank per slice (0: no LoRA)
+  // Each sublayer's output times this before it joins the residual stream, rounded to
+  // the activations' type as the eager layer rounds it (Granite's residual_multiplier).
+  float residual_scale;
 };
 
 struct Batch {
@@ -342,6 +345,14 @@ void add_bias(const int64_t* L, T* qkv, int M, int qkv_n) {
     }
 }
 
+// A sublayer's output h [n values] times the Shape's residual_scale (nothing at 1).
+template <typename T>
+void scale_residual(const Shape& s, T* h, int64_t n) {
+  if (s.residual_scale == 1.f) return;
+  for (int64_t i = 0; i < n; ++i)
+    h[i] = sluice::round_to(h, sluice::to_float(h[i]) * s.residual_scale);
+}
+
 template <typename T>
 void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* cos,
          const T* sin) {
@@ -368,6 +379,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
         sluice::add_rms_norm<T>(nullptr, residual.data(), at<T>(L, kInputNorm), x.data(), M, H,
                                 s.eps);
       } else {
+        scale_residual(s, h, static_cast<int64_t>(M) * H);  // the last layer's MLP output
         sluice::add_rms_norm<T>(h, residual.data(), at<T>(L, kInputNorm), x.data(), M, H, s.eps);
       }
       quantize_for(xa, L, kQkvPacked, x.data(), M, H);
@@ -411,6 +423,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
     const bool sparse = L[kRouter] != 0;  // a Mixture-of-Experts layer
 #pragma omp single
     {
+      scale_residual(s, h, static_cast<int64_t>(M) * H);  // the attention's output
       sluice::add_rms_norm<T>(h, residual.data(), at<T>(L, kPostNorm), x.data(), M, H, s.eps);
       if (!sparse) quantize_for(xa, L, kGateUpPacked, x.data(), M, H);
     }
@@ -431,6 +444,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
     lora_end(s, L, b, lora_down, M, lora_u, h);
   }
   // The model's output is the last layer's MLP output plus the residual stream.
+  scale_residual(s, h, static_cast<int64_t>(M) * H);
   for (int64_t i = 0; i < static_cast<int64_t>(M) * H; ++i)
     h[i] = sluice::round_to(h, sluice::to_float(h[i]) + sluice::to_float(residual[i]));
 }
@@ -452,16 +466,18 @@ const char* sluice_decode_stack_field(int i) {
 // top_k, moe_inter, renormalize: the Mixture-of-Experts layers' routing and sizes (0
 // experts in a dense model). lora_slots [rows] int32: each row's LoRA slot (-1: none),
 // null where no row has an adapter; lora_rank: the slots' rank per slice.
+// residual_scale: each sublayer's output factor (Shape's; 1 for all but Granite).
 void sluice_decode_stack(int bf16, const int64_t* fields, int layers, int hidden, int heads,
                          int kv_heads, int head_dim, int inter, int block_size, float eps,
                          float scale, void* h, const void* cos, const void* sin, int rows,
                          const int64_t* slots, const int64_t* tables, int64_t max_blocks,
                          const int64_t* q_start, const int64_t* ctx_end, int seqs,
                          int kv_int8, int qk_norm, int experts, int top_k, int moe_inter,
-                         int renormalize, const int32_t* lora_slots, int lora_rank) {
+                         int renormalize, const int32_t* lora_slots, int lora_rank,
+                         float residual_scale) {
   const Shape s{layers, hidden,     heads, kv_heads, head_dim,         inter,
                 block_size, eps,    scale, kv_int8 != 0, qk_norm,   experts,
-                top_k,  moe_inter, renormalize != 0, lora_rank};
+                top_k,  moe_inter, renormalize != 0, lora_rank, residual_scale};
   const Batch b{rows, slots, tables, max_blocks, q_start, ctx_end, seqs, lora_slots};
   if (bf16)
     run(s, fields, b, static_cast<uint16_t*>(h), static_cast<const uint16_t*>(cos),
