@@ -220,14 +220,20 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] before the final norm (inside a step_context)."""
         assert self.rotary is not None, "call init_rotary() first"
         cos, sin = self.rotary.lookup(positions)
-        h = self.embed_tokens(input_ids) if self.tp is None else self._embed_slice(input_ids)
-        if self.config.embedding_multiplier != 1.0:  # Granite
-            h = h * self.config.embedding_multiplier
+        h = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin)
         out: torch.Tensor = h if residual is None else h + residual
         return out
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The layers' input for input_ids: their embeddings (Granite's scaled), a new
+        tensor (the fused decode stack writes its output into it)."""
+        h = self.embed_tokens(input_ids) if self.tp is None else self._embed_slice(input_ids)
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            h = h * self.config.embedding_multiplier
+        return h
 
     def _embed_slice(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: each rank embeds the ids in its slice, zeros for the

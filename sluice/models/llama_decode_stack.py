@@ -346,9 +346,7 @@ class LlamaDecodeStack:
         assert meta.small_block_tables is not None and meta.small_query_start is not None
         assert meta.small_ctx_end is not None
         cos, sin = (t.contiguous() for t in model.rotary.lookup(positions))
-        h = model.embed_tokens(input_ids)  # written in place with the stack's output
-        if model.config.embedding_multiplier != 1.0:  # Granite, as the eager model scales
-            h = h * model.config.embedding_multiplier
+        h = model.embed(input_ids)  # written in place with the stack's output
         return decode_stack.decode_stack(
             self.lib,
             self.table,
