@@ -410,12 +410,15 @@ def test_output_head_kernel_keeps_activations_unquantized(
     layer, _ = our_kernel_on_model_shape(method, 576, dtype, seed=4)
     assert method.lib is not None and built_level(method.lib) == kernel_level
     w = dequantized(layer, method)
-    for rows in (1, 3):
+    for rows in (1, 3, 15):  # 15: blocks of 8, 4, 2 and 1 rows (AVX-512), 4, 2, 1 (AVX2)
         x = torch.randn(rows, 576, dtype=dtype)
         ref = x.float() @ w.t()
-        got = method._matmul(layer, x).float()
+        got = method._matmul(layer, x)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
-        assert torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=0), rows
+        assert torch.allclose(got.float(), ref, atol=tol * ref.abs().max().item(), rtol=0), rows
+        # A row's logits do not depend on its batch: bit for bit the row alone.
+        for r in range(rows):
+            assert torch.equal(method._matmul(layer, x[r : r + 1]), got[r : r + 1]), (rows, r)
 
 
 @pytest.mark.skipif("avx512" not in cpu.available_levels(), reason="the int8 GEMM is AVX-512's")

@@ -119,35 +119,66 @@ std::vector<float> pair_ordered(const T* x, int M, int K) {
   return out;
 }
 
+// out[r] = w . x_r for R activation rows, the weight row converted once for all of
+// them. Each row's sum is the same chain of FMAs whatever R (two accumulators, then
+// one reduction), so a row's logits do not depend on its batch; R rows interleave R
+// such chains, which one row alone leaves waiting on the FMA latency.
 #if defined(SLUICE_ISA_AVX512)
-inline float q8f_row_dot(const uint8_t* wr, const float* xr, int K) {
+template <int R>
+inline void q8f_rows_dot(const uint8_t* wr, const float* const* xr, int K, float* out) {
   const __m512i offset = _mm512_set1_epi32(128);
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int i = 0; i < K; i += 16) {
     const __m128i w8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + i));
     const __m512 w = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(w8), offset));
-    acc[(i / 16) & 1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xr + i), acc[(i / 16) & 1]);
+    for (int r = 0; r < R; ++r)
+      acc[r][(i / 16) & 1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xr[r] + i), acc[r][(i / 16) & 1]);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
+constexpr int kQ8fRows = 8;
 #elif defined(SLUICE_ISA_AVX2)
-inline float q8f_row_dot(const uint8_t* wr, const float* xr, int K) {
+template <int R>
+inline void q8f_rows_dot(const uint8_t* wr, const float* const* xr, int K, float* out) {
   const __m256i offset = _mm256_set1_epi32(128);
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int i = 0; i < K; i += 8) {
     const __m128i w8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + i));
     const __m256 w = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(w8), offset));
-    acc[(i / 8) & 1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xr + i), acc[(i / 8) & 1]);
+    for (int r = 0; r < R; ++r)
+      acc[r][(i / 8) & 1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xr[r] + i), acc[r][(i / 8) & 1]);
   }
-  return hsum8(_mm256_add_ps(acc[0], acc[1]));
+  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
+constexpr int kQ8fRows = 4;
 #else
-inline float q8f_row_dot(const uint8_t* wr, const float* xr, int K) {
+// One row a call: the compiler vectorizes a plain loop its own way, which a loop over
+// several rows might not repeat.
+template <int R>
+inline void q8f_rows_dot(const uint8_t* wr, const float* const* xr, int K, float* out) {
+  static_assert(R == 1);
   float sum = 0.f;
-  for (int i = 0; i < K; ++i) sum += static_cast<float>(static_cast<int>(wr[i]) - 128) * xr[i];
-  return sum;
+  for (int i = 0; i < K; ++i) sum += static_cast<float>(static_cast<int>(wr[i]) - 128) * xr[0][i];
+  out[0] = sum;
 }
+constexpr int kQ8fRows = 1;
 #endif
+
+// The activation rows r0 .. r0 + R - 1 against weight row n.
+template <int R, typename T>
+void q8f_row_block(const float* x, int r0, int K, const uint8_t* wr, float scale, int N, int n,
+                   T* y) {
+  const float* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x + static_cast<int64_t>(r0 + r) * K;
+  float sums[R];
+  q8f_rows_dot<R>(wr, xr, K, sums);
+  for (int r = 0; r < R; ++r) {
+    T* dst = y + static_cast<int64_t>(r0 + r) * N + n;
+    *dst = sluice::round_to(dst, scale * sums[r]);
+  }
+}
 
 // y [M, N] = x @ w.T with x already pair-ordered fp32; orphaned `omp for` over rows.
 template <typename T>
@@ -155,10 +186,13 @@ void q8f_rows(const float* x, int M, int K, const uint8_t* qw, const float* scal
 #pragma omp for schedule(static)
   for (int n = 0; n < N; ++n) {
     const uint8_t* wr = qw + static_cast<int64_t>(n) * K;
-    for (int r = 0; r < M; ++r) {
-      T* dst = y + static_cast<int64_t>(r) * N + n;
-      *dst = sluice::round_to(dst, scale[n] * q8f_row_dot(wr, x + static_cast<int64_t>(r) * K, K));
+    int r = 0;
+    for (; r + kQ8fRows <= M; r += kQ8fRows) q8f_row_block<kQ8fRows>(x, r, K, wr, scale[n], N, n, y);
+    if constexpr (kQ8fRows > 1) {
+      for (; r + 4 <= M; r += 4) q8f_row_block<4>(x, r, K, wr, scale[n], N, n, y);
+      for (; r + 2 <= M; r += 2) q8f_row_block<2>(x, r, K, wr, scale[n], N, n, y);
     }
+    for (; r < M; ++r) q8f_row_block<1>(x, r, K, wr, scale[n], N, n, y);
   }
 }
 
