@@ -203,6 +203,12 @@ def assert_rows_match_int8_activations(
         got = method._matmul(layer, x).float()
         tol = 1e-4 if dtype == torch.float32 else 1e-2
         assert torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=0), rows
+    # A row's result does not depend on its batch: 7 rows (the kernels take rows in
+    # blocks of 4, 2 and 1) give each row bit for bit what it gets alone.
+    x = torch.randn(7, layer.in_features, dtype=dtype)
+    got = method._matmul(layer, x)
+    for r in range(7):
+        assert torch.equal(method._matmul(layer, x[r : r + 1]), got[r : r + 1]), r
 
 
 @pytest.mark.parametrize("k", [64, 576])  # 576: 18 blocks, a partial tail of block terms

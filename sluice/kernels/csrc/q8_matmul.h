@@ -22,47 +22,72 @@
 
 namespace sluice {
 
-// sum_b dx_b * sum_{i in b} q_i qx_i for one weight row (K offset bytes) and one
-// activation row; `offset` is 128 * sum_b dx_b sum(qx_b) of that row (AVX-512 only).
+// out[r] = sum_b dx_b * sum_{i in b} q_i qx_i for one weight row (K offset bytes) and R
+// activation rows (xr, dxr: each row's int8 values and block scales); `offset[r]` is
+// 128 * sum_b dx_b sum(qx_b) of row r (AVX-512 only). Each row's sum is the same chain
+// whatever R (two accumulators, one reduction), so a row's result does not depend on
+// its batch; R rows share the weight loads and interleave R chains, which one row
+// alone leaves waiting on latency.
 #if defined(SLUICE_ISA_AVX512)
-inline float q8_row_dot(const uint8_t* wr, const int8_t* xr, const float* dxr, int nb,
-                        float offset) {
+template <int R>
+inline void q8_rows_dot(const uint8_t* wr, const int8_t* const* xr, const float* const* dxr,
+                        int nb, const float* offset, float* out) {
   const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-  // Two accumulators: consecutive pairs do not wait on each other's FMA.
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int p = 0; p < nb / 2; ++p) {
     const __m512i w = _mm512_loadu_si512(wr + 64 * p);
-    const __m512i x = _mm512_loadu_si512(xr + 64 * p);
-    const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x));
-    const __m128 dx2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dxr + 2 * p)));
-    const __m512 sc = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(dx2));
-    acc[p & 1] = _mm512_fmadd_ps(dot, sc, acc[p & 1]);
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_loadu_si512(xr[r] + 64 * p);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x));
+      const __m128 dx2 =
+          _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dxr[r] + 2 * p)));
+      const __m512 sc = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(dx2));
+      acc[r][p & 1] = _mm512_fmadd_ps(dot, sc, acc[r][p & 1]);
+    }
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) - offset;
+  for (int r = 0; r < R; ++r)
+    out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) - offset[r];
 }
+constexpr int kQ8Rows = 4;
 #elif defined(SLUICE_ISA_AVX2)
-inline float q8_row_dot(const uint8_t* wr, const int8_t* xr, const float* dxr, int nb,
-                        float /*offset*/) {
+template <int R>
+inline void q8_rows_dot(const uint8_t* wr, const int8_t* const* xr, const float* const* dxr,
+                        int nb, const float* /*offset*/, float* out) {
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int p = 0; p < nb / 2; ++p) {
-    __m256i s32 = _mm256_setzero_si256();
+    __m256i w[2], wabs[2];
     for (int h = 0; h < 2; ++h) {  // low halves, then high halves, of both blocks
-      const __m256i w = _mm256_xor_si256(
+      w[h] = _mm256_xor_si256(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 64 * p + 32 * h)), flip);
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 64 * p + 32 * h));
-      const __m256i prod = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-      s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(prod, ones));
+      wabs[h] = _mm256_abs_epi8(w[h]);
     }
-    const __m128 dx2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dxr + 2 * p)));
-    acc[p & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), pair_lanes(dx2), acc[p & 1]);
+    for (int r = 0; r < R; ++r) {
+      __m256i s32 = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h) {
+        const __m256i x =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + 64 * p + 32 * h));
+        const __m256i prod = _mm256_maddubs_epi16(wabs[h], _mm256_sign_epi8(x, w[h]));
+        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(prod, ones));
+      }
+      const __m128 dx2 =
+          _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dxr[r] + 2 * p)));
+      acc[r][p & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), pair_lanes(dx2), acc[r][p & 1]);
+    }
   }
-  return hsum8(_mm256_add_ps(acc[0], acc[1]));
+  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
+constexpr int kQ8Rows = 4;
 #else
-inline float q8_row_dot(const uint8_t* wr, const int8_t* xr, const float* dxr, int nb,
-                        float /*offset*/) {
+// One row a call: the compiler vectorizes a plain loop its own way, which a loop over
+// several rows might not repeat.
+template <int R>
+inline void q8_rows_dot(const uint8_t* wr, const int8_t* const* xr, const float* const* dxr,
+                        int nb, const float* /*offset*/, float* out) {
+  static_assert(R == 1);
   float sum = 0.f;
   for (int b = 0; b < nb; ++b) {
     const int base = 64 * (b / 2) + 16 * (b % 2);
@@ -70,13 +95,32 @@ inline float q8_row_dot(const uint8_t* wr, const int8_t* xr, const float* dxr, i
     for (int h = 0; h < 2; ++h)
       for (int j = 0; j < 16; ++j) {
         const int i = base + 32 * h + j;
-        dot += (static_cast<int>(wr[i]) - 128) * xr[i];
+        dot += (static_cast<int>(wr[i]) - 128) * xr[0][i];
       }
-    sum += dxr[b] * static_cast<float>(dot);
+    sum += dxr[0][b] * static_cast<float>(dot);
   }
-  return sum;
+  out[0] = sum;
 }
+constexpr int kQ8Rows = 1;
 #endif
+
+// Activation rows r0 .. r0 + R - 1 against weight row n.
+template <int R, typename T>
+void q8_row_block(const Q4Activations& xa, int r0, int nb, const uint8_t* wr,
+                  const float* offset, float scale, int N, int n, T* y) {
+  const int8_t* xr[R];
+  const float* dxr[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = xa.row(r0 + r);
+    dxr[r] = xa.dx.data() + static_cast<int64_t>(r0 + r) * nb;
+  }
+  float sums[R];
+  q8_rows_dot<R>(wr, xr, dxr, nb, offset + r0, sums);
+  for (int r = 0; r < R; ++r) {
+    T* dst = y + static_cast<int64_t>(r0 + r) * N + n;
+    *dst = sluice::round_to(dst, scale * sums[r]);
+  }
+}
 
 // y [M, N] = x @ w.T for quantized x; weight rows shared out by an orphaned `omp for`
 // (called by every thread of an enclosing parallel region; barrier at the end).
@@ -94,12 +138,13 @@ void q8_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const flo
 #pragma omp for schedule(static)
   for (int n = 0; n < N; ++n) {
     const uint8_t* wr = qw + static_cast<int64_t>(n) * K;
-    for (int r = 0; r < M; ++r) {
-      const float sum = q8_row_dot(wr, xa.row(r),
-                                   xa.dx.data() + static_cast<int64_t>(r) * nb, nb, offset[r]);
-      T* dst = y + static_cast<int64_t>(r) * N + n;
-      *dst = sluice::round_to(dst, scale[n] * sum);
+    int r = 0;
+    for (; r + kQ8Rows <= M; r += kQ8Rows)
+      q8_row_block<kQ8Rows>(xa, r, nb, wr, offset.data(), scale[n], N, n, y);
+    if constexpr (kQ8Rows > 1) {
+      for (; r + 2 <= M; r += 2) q8_row_block<2>(xa, r, nb, wr, offset.data(), scale[n], N, n, y);
     }
+    for (; r < M; ++r) q8_row_block<1>(xa, r, nb, wr, offset.data(), scale[n], N, n, y);
   }
 }
 
