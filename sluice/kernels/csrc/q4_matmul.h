@@ -83,19 +83,18 @@ struct Q4Activations {
   }
 };
 
-// One weight row . one activation row: sum_b d_b dx_b sum(q qx) + sum_b m_b sx_b.
-// wr: K/2 packed bytes; dr, mr: nb fp16; xr: K pair-ordered int8; dxr, sxr: nb floats.
+// One weight row . R activation rows: out[r] = sum_b d_b dx_b sum(q qx) + sum_b m_b sx_b.
+// wr: K/2 packed bytes; dr, mr: nb fp16; each row's K pair-ordered int8, nb dx and sx.
+// Each row's sum is the same chain whatever R, so a row's result does not depend on
+// its batch; R rows share the weight's unpacking and interleave R chains, which one
+// row alone leaves waiting on latency.
+template <int R>
+struct Q4RowPtrs {
+  const int8_t* x[R];
+  const float* dx[R];
+  const float* sx[R];
+};
 #if defined(SLUICE_ISA_AVX512)
-// The 16 int32 partial dot products of block pair p (lanes: b0, b1, b0, b1 by fours).
-inline __m512 q4_pair_dot(const uint8_t* wr, const int8_t* xr, int p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 32 * p));
-  const __m512i both =
-      _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
-  const __m512i q = _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
-  const __m512i xv = _mm512_loadu_si512(xr + 64 * p);
-  return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv));
-}
-
 // Per-lane scale d * dx of the block each lane of pair p belongs to.
 inline __m512 q4_pair_scale(const uint16_t* dr, const float* dxr, int p, __m512i lanes) {
   int32_t d2;
@@ -106,28 +105,43 @@ inline __m512 q4_pair_scale(const uint16_t* dr, const float* dxr, int p, __m512i
   return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s2));
 }
 
-inline float q4_row_dot(const uint8_t* wr, const uint16_t* dr, const uint16_t* mr,
-                        const int8_t* xr, const float* dxr, const float* sxr, int nb) {
+template <int R>
+inline void q4_rows_dot(const uint8_t* wr, const uint16_t* dr, const uint16_t* mr,
+                        const Q4RowPtrs<R>& x, int nb, float* out) {
   const int np = nb / 2;
   const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-  // Two accumulators: consecutive pairs do not wait on each other's FMA.
-  __m512 acc = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();
+  // Two accumulators a row: consecutive pairs do not wait on each other's FMA.
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  // Pair p into accumulator a (p's parity, unrolled by two so both stay in registers).
+  auto pair = [&](int p, int a) __attribute__((always_inline)) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 32 * p));
+    const __m512i q = _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1),
+        _mm512_set1_epi8(0x0F));
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_loadu_si512(x.x[r] + 64 * p);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv));
+      acc[r][a] = _mm512_fmadd_ps(dot, q4_pair_scale(dr, x.dx[r], p, lanes), acc[r][a]);
+    }
+  };
   int p = 0;
   for (; p + 1 < np; p += 2) {
-    acc = _mm512_fmadd_ps(q4_pair_dot(wr, xr, p), q4_pair_scale(dr, dxr, p, lanes), acc);
-    acc2 = _mm512_fmadd_ps(q4_pair_dot(wr, xr, p + 1), q4_pair_scale(dr, dxr, p + 1, lanes),
-                           acc2);
+    pair(p, 0);
+    pair(p + 1, 1);
   }
-  if (p < np) acc = _mm512_fmadd_ps(q4_pair_dot(wr, xr, p), q4_pair_scale(dr, dxr, p, lanes), acc);
-  acc = _mm512_add_ps(acc, acc2);
+  if (p < np) pair(p, 0);
+  for (int r = 0; r < R; ++r) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][1]);
   // The blocks' minimum terms: sum_b m_b * dx_b * sum(qx_b), 16 blocks at a time.
   for (int b = 0; b < nb; b += 16) {
     const __mmask16 k = nb - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b)) - 1);
     const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mr + b));
-    acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, sxr + b), acc);
+    for (int r = 0; r < R; ++r)
+      acc[r][0] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, x.sx[r] + b), acc[r][0]);
   }
-  return _mm512_reduce_add_ps(acc);
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r][0]);
 }
+constexpr int kQ4Rows = 4;
 #elif defined(SLUICE_ISA_AVX2)
 // Lanes 0-3 get a, lanes 4-7 get b: the two blocks of a pair after maddubs + madd.
 inline __m256 pair_lanes(__m128 ab) {
@@ -135,55 +149,88 @@ inline __m256 pair_lanes(__m128 ab) {
                                   _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
 }
 
-inline float q4_row_dot(const uint8_t* wr, const uint16_t* dr, const uint16_t* mr,
-                        const int8_t* xr, const float* dxr, const float* sxr, int nb) {
+template <int R>
+inline void q4_rows_dot(const uint8_t* wr, const uint16_t* dr, const uint16_t* mr,
+                        const Q4RowPtrs<R>& x, int nb, float* out) {
   const int np = nb / 2;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int p = 0; p < np; ++p) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 32 * p));
     const __m256i lo = _mm256_and_si256(raw, nibble);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 64 * p));
-    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 64 * p + 32));
-    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
     int32_t d2;
     std::memcpy(&d2, dr + 2 * p, sizeof(d2));
-    const __m128 s2 =
-        _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d2)),
-                   _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dxr + 2 * p))));
-    acc[p & 1] = _mm256_fmadd_ps(dot, pair_lanes(s2), acc[p & 1]);
+    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(d2));
+    for (int r = 0; r < R; ++r) {
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.x[r] + 64 * p));
+      const __m256i x1 =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.x[r] + 64 * p + 32));
+      const __m256i s16 =
+          _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      const __m128 s2 = _mm_mul_ps(
+          d, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.dx[r] + 2 * p))));
+      acc[r][p & 1] = _mm256_fmadd_ps(dot, pair_lanes(s2), acc[r][p & 1]);
+    }
   }
-  __m256 total = _mm256_add_ps(acc[0], acc[1]);
+  __m256 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm256_add_ps(acc[r][0], acc[r][1]);
   int b = 0;
   for (; b + 8 <= nb; b += 8) {
     const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mr + b)));
-    total = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sxr + b), total);
+    for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(x.sx[r] + b), total[r]);
   }
-  float sum = hsum8(total);
-  for (; b < nb; ++b) sum += _cvtsh_ss(mr[b]) * sxr[b];
-  return sum;
+  for (int r = 0; r < R; ++r) {
+    float sum = hsum8(total[r]);
+    for (int t = b; t < nb; ++t) sum += _cvtsh_ss(mr[t]) * x.sx[r][t];
+    out[r] = sum;
+  }
 }
+constexpr int kQ4Rows = 4;
 #else
-inline float q4_row_dot(const uint8_t* wr, const uint16_t* dr, const uint16_t* mr,
-                        const int8_t* xr, const float* dxr, const float* sxr, int nb) {
+// One row a call: the compiler vectorizes a plain loop its own way, which a loop over
+// several rows might not repeat.
+template <int R>
+inline void q4_rows_dot(const uint8_t* wr, const uint16_t* dr, const uint16_t* mr,
+                        const Q4RowPtrs<R>& x, int nb, float* out) {
+  static_assert(R == 1);
   float sum = 0.f;
   for (int b = 0; b < nb; ++b) {
     const uint8_t* w = wr + 32 * (b / 2) + 16 * (b % 2);
-    const int8_t* x = xr + 64 * (b / 2) + 16 * (b % 2);
+    const int8_t* xb = x.x[0] + 64 * (b / 2) + 16 * (b % 2);
     int32_t dot = 0;
-    for (int j = 0; j < 16; ++j) dot += (w[j] & 0x0F) * x[j] + (w[j] >> 4) * x[32 + j];
-    sum += half_to_float(dr[b]) * dxr[b] * static_cast<float>(dot) +
-           half_to_float(mr[b]) * sxr[b];
+    for (int j = 0; j < 16; ++j) dot += (w[j] & 0x0F) * xb[j] + (w[j] >> 4) * xb[32 + j];
+    sum += half_to_float(dr[b]) * x.dx[0][b] * static_cast<float>(dot) +
+           half_to_float(mr[b]) * x.sx[0][b];
   }
-  return sum;
+  out[0] = sum;
 }
+constexpr int kQ4Rows = 1;
 #endif
 
 // y [M, N] = x @ w.T for quantized x; the weight rows are shared out by an orphaned
 // `omp for` (every thread of an enclosing parallel region calls this; barrier at end).
+// Activation rows r0 .. r0 + R - 1 against weight row n.
+template <int R, typename T>
+void q4_row_block(const Q4Activations& xa, int r0, int nb, const uint8_t* wr, const uint16_t* dr,
+                  const uint16_t* mr, int N, int n, T* y) {
+  Q4RowPtrs<R> x;
+  for (int r = 0; r < R; ++r) {
+    x.x[r] = xa.row(r0 + r);
+    x.dx[r] = xa.dx.data() + static_cast<int64_t>(r0 + r) * nb;
+    x.sx[r] = xa.sx.data() + static_cast<int64_t>(r0 + r) * nb;
+  }
+  float sums[R];
+  q4_rows_dot<R>(wr, dr, mr, x, nb, sums);
+  for (int r = 0; r < R; ++r) {
+    T* dst = y + static_cast<int64_t>(r0 + r) * N + n;
+    *dst = sluice::round_to(dst, sums[r]);
+  }
+}
+
 template <typename T>
 void q4_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const uint16_t* d,
              const uint16_t* m, int N, T* y) {
@@ -193,13 +240,12 @@ void q4_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const uin
     const uint8_t* wr = qw + static_cast<int64_t>(n) * (K / 2);
     const uint16_t* dr = d + static_cast<int64_t>(n) * nb;
     const uint16_t* mr = m + static_cast<int64_t>(n) * nb;
-    for (int r = 0; r < M; ++r) {
-      const float v = q4_row_dot(wr, dr, mr, xa.row(r),
-                                 xa.dx.data() + static_cast<int64_t>(r) * nb,
-                                 xa.sx.data() + static_cast<int64_t>(r) * nb, nb);
-      T* dst = y + static_cast<int64_t>(r) * N + n;
-      *dst = sluice::round_to(dst, v);
+    int r = 0;
+    for (; r + kQ4Rows <= M; r += kQ4Rows) q4_row_block<kQ4Rows>(xa, r, nb, wr, dr, mr, N, n, y);
+    if constexpr (kQ4Rows > 1) {
+      for (; r + 2 <= M; r += 2) q4_row_block<2>(xa, r, nb, wr, dr, mr, N, n, y);
     }
+    for (; r < M; ++r) q4_row_block<1>(xa, r, nb, wr, dr, mr, N, n, y);
   }
 }
 
