@@ -192,19 +192,28 @@ inline void q4_rows_dot(const uint8_t* wr, const uint16_t* dr, const uint16_t* m
 constexpr int kQ4Rows = 4;
 #else
 // One row a call: the compiler vectorizes a plain loop its own way, which a loop over
-// several rows might not repeat.
+// several rows might not repeat. (nb is even: K is a multiple of 64.)
 template <int R>
 inline void q4_rows_dot(const uint8_t* wr, const uint16_t* dr, const uint16_t* mr,
                         const Q4RowPtrs<R>& x, int nb, float* out) {
   static_assert(R == 1);
   float sum = 0.f;
-  for (int b = 0; b < nb; ++b) {
-    const uint8_t* w = wr + 32 * (b / 2) + 16 * (b % 2);
-    const int8_t* xb = x.x[0] + 64 * (b / 2) + 16 * (b % 2);
-    int32_t dot = 0;
-    for (int j = 0; j < 16; ++j) dot += (w[j] & 0x0F) * xb[j] + (w[j] >> 4) * xb[32 + j];
-    sum += half_to_float(dr[b]) * x.dx[0][b] * static_cast<float>(dot) +
-           half_to_float(mr[b]) * x.sx[0][b];
+  for (int p = 0; p < nb / 2; ++p) {
+    // A pair's two blocks (b0: bytes 0-15, b1: 16-31; low nibbles meet x 0-31, high
+    // 32-63) in one loop of int16 products: compilers make it widening multiply-adds
+    // (SSE2 pmaddwd, NEON smlal), where a loop a block stayed about 5x slower.
+    const uint8_t* w = wr + 32 * p;
+    const int8_t* xp = x.x[0] + 64 * p;
+    int32_t dot[2] = {0, 0};
+    for (int j = 0; j < 16; ++j)
+      for (int h = 0; h < 2; ++h)
+        dot[h] += static_cast<int16_t>(w[16 * h + j] & 0x0F) * int16_t{xp[16 * h + j]} +
+                  static_cast<int16_t>(w[16 * h + j] >> 4) * int16_t{xp[32 + 16 * h + j]};
+    for (int h = 0; h < 2; ++h) {
+      const int b = 2 * p + h;
+      sum += half_to_float(dr[b]) * x.dx[0][b] * static_cast<float>(dot[h]) +
+             half_to_float(mr[b]) * x.sx[0][b];
+    }
   }
   out[0] = sum;
 }

@@ -82,6 +82,9 @@ inline void q8_rows_dot(const uint8_t* wr, const int8_t* const* xr, const float*
 }
 constexpr int kQ8Rows = 4;
 #else
+// An offset weight byte as the signed value it stands for.
+inline int16_t q8_i16(uint8_t u) { return static_cast<int16_t>(static_cast<int16_t>(u) - 128); }
+
 // One row a call: the compiler vectorizes a plain loop its own way, which a loop over
 // several rows might not repeat.
 template <int R>
@@ -89,15 +92,19 @@ inline void q8_rows_dot(const uint8_t* wr, const int8_t* const* xr, const float*
                         int nb, const float* /*offset*/, float* out) {
   static_assert(R == 1);
   float sum = 0.f;
-  for (int b = 0; b < nb; ++b) {
-    const int base = 64 * (b / 2) + 16 * (b % 2);
-    int32_t dot = 0;
-    for (int h = 0; h < 2; ++h)
-      for (int j = 0; j < 16; ++j) {
-        const int i = base + 32 * h + j;
-        dot += (static_cast<int>(wr[i]) - 128) * xr[0][i];
-      }
-    sum += dxr[0][b] * static_cast<float>(dot);
+  for (int p = 0; p < nb / 2; ++p) {
+    // A pair's two blocks (b0: bytes 0-15 and 32-47, b1: 16-31 and 48-63) in one
+    // loop of int16 products: compilers make it widening multiply-adds (SSE2 pmaddwd,
+    // NEON smlal), where byte-to-int32 products stayed about 4x slower.
+    const uint8_t* w = wr + 64 * p;
+    const int8_t* x = xr[0] + 64 * p;
+    int32_t d0 = 0, d1 = 0;
+    for (int j = 0; j < 16; ++j) {
+      d0 += q8_i16(w[j]) * int16_t{x[j]} + q8_i16(w[32 + j]) * int16_t{x[32 + j]};
+      d1 += q8_i16(w[16 + j]) * int16_t{x[16 + j]} + q8_i16(w[48 + j]) * int16_t{x[48 + j]};
+    }
+    sum += dxr[0][2 * p] * static_cast<float>(d0);
+    sum += dxr[0][2 * p + 1] * static_cast<float>(d1);
   }
   out[0] = sum;
 }
