@@ -22,6 +22,9 @@ from sluice.layers import quantization
 from sluice.layers.block_quant import BlockQuantized
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import (
+    DENSE_MIN_ROWS,
+    FP32_DENSE_MIN_ROWS,
+    FP32_HEAD_DENSE_MIN_ROWS,
     Int4WeightOnly,
     Int8WeightOnly,
     make_linear_method,
@@ -233,6 +236,25 @@ def test_our_int8_kernel_on_model_shapes(k: int, dtype: torch.dtype, kernel_leve
     w = dequantized(layer, method)
     assert (w - w_orig).abs().max() <= layer.q8_scale.max() / 2 + 1e-6
     assert_rows_match_int8_activations(method, layer, w, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_crossover_follows_dtype_and_kernel(dtype: torch.dtype, kernel_level: str) -> None:
+    # bf16 rows go dense from 4 (oneDNN's packed matmul); fp32 rows stay on our SIMD
+    # kernels far longer (torch's sgemm was slow at few rows), the head's float kernel
+    # less far; the generic kernels hand over at 4 whatever the dtype.
+    fp32_simd = dtype == torch.float32 and kernel_level != "generic"
+    cases = [
+        (Int8WeightOnly(), FP32_DENSE_MIN_ROWS),
+        (Int4WeightOnly(), FP32_DENSE_MIN_ROWS),
+        (Int8WeightOnly(quantize_activations=False), FP32_HEAD_DENSE_MIN_ROWS),
+    ]
+    for method, fp32_rows in cases:
+        our_kernel_on_model_shape(method, 576, dtype, seed=5)
+        assert method.dense_min_rows == (fp32_rows if fp32_simd else DENSE_MIN_ROWS)
+    given = Int4WeightOnly(dense_min_rows=7)
+    our_kernel_on_model_shape(given, 576, dtype, seed=5)
+    assert given.dense_min_rows == 7
 
 
 def test_default_weights_answer_a_plain_chat_question() -> None:

@@ -23,18 +23,41 @@ from sluice.layers.linear import Linear, LinearMethod
 
 # Rows at or above which the dense matmul beats the weight-only kernels on this CPU
 # class. The weight-only kernels' cost grows about linearly with the rows, and the
-# oneDNN-packed dense matmul caught up at ~4 rows for every model shape, torch's int8
+# oneDNN-packed bf16 matmul caught up at ~4 rows for every model shape, torch's int8
 # and int4 kernels and ours alike (the output head at 16 rows: int8 5.7 ms, dense 2.6).
 DENSE_MIN_ROWS = 4
+# fp32 activations (AVX2's auto dtype) on our SIMD kernels: the dense path is torch's
+# sgemm, which at a few rows read a 8960 x 1536 weight at ~7 GB/s (7-9 ms from 2 to 16
+# rows, 2 cores of Zen 4), and our int8-activation kernels stayed ahead to 128-256 rows
+# (int4 at 64 rows 7.8 against 18.3 ms; at 256, 30.7 against 49.3), at AVX2 as at
+# AVX-512. The head's float kernel (fp32 products, 49152 x 576) was ahead at 16 rows
+# (14.4 against 18.8 ms) and behind at 64 (63 against 35). Generic kernels keep 4.
+FP32_DENSE_MIN_ROWS = 64
+FP32_HEAD_DENSE_MIN_ROWS = 16
 
 
 class _WeightOnly(LinearMethod, abc.ABC):
-    def __init__(self, dense_min_rows: int = DENSE_MIN_ROWS) -> None:
-        self.dense_min_rows = dense_min_rows
+    def __init__(self, dense_min_rows: int | None = None) -> None:
+        """dense_min_rows: None picks it by the weight's dtype and kernel
+        (`_default_dense_min_rows`)."""
+        self.dense_min_rows = DENSE_MIN_ROWS if dense_min_rows is None else dense_min_rows
+        self._dense_rows_given = dense_min_rows is not None
 
     def process_weight(self, layer: Linear) -> None:
+        dtype = layer.weight.dtype
         self._quantize(layer)
+        # _quantize sets 0 for a layer that must stay dense.
+        if not self._dense_rows_given and self.dense_min_rows:
+            self.dense_min_rows = self._default_dense_min_rows(dtype)
         super().process_weight(layer)  # the dense copy for large batches, packed on CPU
+
+    def _default_dense_min_rows(self, dtype: torch.dtype) -> int:
+        lib: Library | None = getattr(self, "lib", None)
+        if dtype != torch.float32 or lib is None or kernels.built_level(lib) == "generic":
+            return DENSE_MIN_ROWS
+        if getattr(self, "quantize_activations", True):
+            return FP32_DENSE_MIN_ROWS
+        return FP32_HEAD_DENSE_MIN_ROWS
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.dense_min_rows:
@@ -63,7 +86,7 @@ class Int8WeightOnly(_WeightOnly):
     name = "int8"
 
     def __init__(
-        self, dense_min_rows: int = DENSE_MIN_ROWS, quantize_activations: bool = True
+        self, dense_min_rows: int | None = None, quantize_activations: bool = True
     ) -> None:
         """quantize_activations=False multiplies unquantized activations (our
         q8_matmul_float): for the output head, whose logits pick among near-ties (the
@@ -124,7 +147,7 @@ class Int4WeightOnly(_WeightOnly):
 
     name = "int4"
 
-    def __init__(self, group_size: int = 32, dense_min_rows: int = DENSE_MIN_ROWS) -> None:
+    def __init__(self, group_size: int = 32, dense_min_rows: int | None = None) -> None:
         super().__init__(dense_min_rows)
         self.group_size = group_size
         self.lib: Library | None = None
