@@ -302,11 +302,16 @@ def test_unknown_quantization_is_rejected() -> None:
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_model_answers(quantization: str) -> None:
-    llm = LLM(quantization=quantization, kv_cache_memory=0.05)
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_quantized_model_answers(quantization: str, dtype: str) -> None:
+    llm = LLM(quantization=quantization, dtype=dtype, kv_cache_memory=0.05)
     (out,) = llm.generate(
         "The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
     )
+    assert "Paris" in out.outputs[0].text
+    # A chat prompt (~30 tokens): under fp32 on the int8-activation kernels, as decoding.
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    (out,) = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8))
     assert "Paris" in out.outputs[0].text
 
 

@@ -27,11 +27,13 @@ from sluice.layers.linear import Linear, LinearMethod
 # and int4 kernels and ours alike (the output head at 16 rows: int8 5.7 ms, dense 2.6).
 DENSE_MIN_ROWS = 4
 # fp32 activations (AVX2's auto dtype) on our SIMD kernels: the dense path is torch's
-# sgemm, which at a few rows read a 8960 x 1536 weight at ~7 GB/s (7-9 ms from 2 to 16
-# rows, 2 cores of Zen 4), and our int8-activation kernels stayed ahead to 128-256 rows
-# (int4 at 64 rows 7.8 against 18.3 ms; at 256, 30.7 against 49.3), at AVX2 as at
-# AVX-512. The head's float kernel (fp32 products, 49152 x 576) was ahead at 16 rows
-# (14.4 against 18.8 ms) and behind at 64 (63 against 35). Generic kernels keep 4.
+# sgemm, which at a few rows read a weight at ~7 GB/s here (8960 x 1536: 7-9 ms from 2
+# to 16 rows, 2 cores of Zen 4), and the layers' int8-activation kernels stayed ahead
+# to 128-256 rows (int4 at 64 rows 7.8 against 18.3 ms; at 256, 30.7 against 49.3), at
+# AVX2 as at AVX-512. Prompts under 64 tokens then take int8 activations, as decoding
+# does (and llama.cpp's prompts do); the bundled model's answers to plain questions
+# held. The head's float kernel (49152 x 576) was ahead at 16 rows (14.4 against 18.8
+# ms) and behind at 64 (63 against 35). The generic kernels keep 4.
 FP32_DENSE_MIN_ROWS = 64
 FP32_HEAD_DENSE_MIN_ROWS = 16
 
