@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "dtype.h"
@@ -222,6 +223,16 @@ constexpr int kQ4Rows = 1;
 
 // y [M, N] = x @ w.T for quantized x; the weight rows are shared out by an orphaned
 // `omp for` (every thread of an enclosing parallel region calls this; barrier at end).
+// f(std::integral_constant<int, R>{}, r) over rows r0 .. M - 1 in blocks of R rows:
+// MAX at a time, then at most one block each of MAX / 2, MAX / 4 .. 1 (MAX a power of
+// two): the row-block loop of the weight-only kernels.
+template <int MAX, typename F>
+SLUICE_INLINE void for_row_blocks(int r0, int M, F&& f) {
+  int r = r0;
+  for (; r + MAX <= M; r += MAX) f(std::integral_constant<int, MAX>{}, r);
+  if constexpr (MAX > 1) for_row_blocks<MAX / 2>(r, M, f);
+}
+
 // Activation rows r0 .. r0 + R - 1 against weight row n.
 template <int R, typename T>
 void q4_row_block(const Q4Activations& xa, int r0, int nb, const uint8_t* wr, const uint16_t* dr,
@@ -249,12 +260,9 @@ void q4_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const uin
     const uint8_t* wr = qw + static_cast<int64_t>(n) * (K / 2);
     const uint16_t* dr = d + static_cast<int64_t>(n) * nb;
     const uint16_t* mr = m + static_cast<int64_t>(n) * nb;
-    int r = 0;
-    for (; r + kQ4Rows <= M; r += kQ4Rows) q4_row_block<kQ4Rows>(xa, r, nb, wr, dr, mr, N, n, y);
-    if constexpr (kQ4Rows > 1) {
-      for (; r + 2 <= M; r += 2) q4_row_block<2>(xa, r, nb, wr, dr, mr, N, n, y);
-    }
-    for (; r < M; ++r) q4_row_block<1>(xa, r, nb, wr, dr, mr, N, n, y);
+    for_row_blocks<kQ4Rows>(0, M, [&](auto rows, int r0) {
+      q4_row_block<decltype(rows)::value>(xa, r0, nb, wr, dr, mr, N, n, y);
+    });
   }
 }
 

@@ -145,13 +145,9 @@ void q8_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const flo
 #pragma omp for schedule(static)
   for (int n = 0; n < N; ++n) {
     const uint8_t* wr = qw + static_cast<int64_t>(n) * K;
-    int r = 0;
-    for (; r + kQ8Rows <= M; r += kQ8Rows)
-      q8_row_block<kQ8Rows>(xa, r, nb, wr, offset.data(), scale[n], N, n, y);
-    if constexpr (kQ8Rows > 1) {
-      for (; r + 2 <= M; r += 2) q8_row_block<2>(xa, r, nb, wr, offset.data(), scale[n], N, n, y);
-    }
-    for (; r < M; ++r) q8_row_block<1>(xa, r, nb, wr, offset.data(), scale[n], N, n, y);
+    for_row_blocks<kQ8Rows>(0, M, [&](auto rows, int r0) {  // q4_matmul.h
+      q8_row_block<decltype(rows)::value>(xa, r0, nb, wr, offset.data(), scale[n], N, n, y);
+    });
   }
 }
 
@@ -238,13 +234,9 @@ void q8f_rows(const float* x, int M, int K, const uint8_t* qw, const float* scal
 #pragma omp for schedule(static)
   for (int n = 0; n < N; ++n) {
     const uint8_t* wr = qw + static_cast<int64_t>(n) * K;
-    int r = 0;
-    for (; r + kQ8fRows <= M; r += kQ8fRows) q8f_row_block<kQ8fRows>(x, r, K, wr, scale[n], N, n, y);
-    if constexpr (kQ8fRows > 1) {
-      for (; r + 4 <= M; r += 4) q8f_row_block<4>(x, r, K, wr, scale[n], N, n, y);
-      for (; r + 2 <= M; r += 2) q8f_row_block<2>(x, r, K, wr, scale[n], N, n, y);
-    }
-    for (; r < M; ++r) q8f_row_block<1>(x, r, K, wr, scale[n], N, n, y);
+    for_row_blocks<kQ8fRows>(0, M, [&](auto rows, int r0) {
+      q8f_row_block<decltype(rows)::value>(x, r0, K, wr, scale[n], N, n, y);
+    });
   }
 }
 
