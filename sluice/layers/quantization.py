@@ -39,6 +39,8 @@ FP32_HEAD_DENSE_MIN_ROWS = 16
 
 
 class _WeightOnly(LinearMethod, abc.ABC):
+    lib: Library | None  # our kernels, set by _quantize where they run this layer
+
     def __init__(self, dense_min_rows: int | None = None) -> None:
         """dense_min_rows: None picks it by the weight's dtype and kernel
         (`_default_dense_min_rows`)."""
@@ -54,12 +56,14 @@ class _WeightOnly(LinearMethod, abc.ABC):
         super().process_weight(layer)  # the dense copy for large batches, packed on CPU
 
     def _default_dense_min_rows(self, dtype: torch.dtype) -> int:
-        lib: Library | None = getattr(self, "lib", None)
+        lib = self.lib
         if dtype != torch.float32 or lib is None or kernels.built_level(lib) == "generic":
             return DENSE_MIN_ROWS
-        if getattr(self, "quantize_activations", True):
-            return FP32_DENSE_MIN_ROWS
-        return FP32_HEAD_DENSE_MIN_ROWS
+        return self._fp32_dense_min_rows()
+
+    def _fp32_dense_min_rows(self) -> int:
+        """The crossover under fp32 activations on our SIMD kernels."""
+        return FP32_DENSE_MIN_ROWS
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.dense_min_rows:
@@ -98,6 +102,10 @@ class Int8WeightOnly(_WeightOnly):
         super().__init__(dense_min_rows)
         self.quantize_activations = quantize_activations
         self.lib: Library | None = None
+
+    def _fp32_dense_min_rows(self) -> int:
+        # The head's float kernel does a float multiply-add per value: it hands over sooner.
+        return FP32_DENSE_MIN_ROWS if self.quantize_activations else FP32_HEAD_DENSE_MIN_ROWS
 
     def _quantize(self, layer: Linear) -> None:
         w = layer.weight.detach().float()

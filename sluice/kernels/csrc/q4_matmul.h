@@ -221,8 +221,6 @@ inline void q4_rows_dot(const uint8_t* wr, const uint16_t* dr, const uint16_t* m
 constexpr int kQ4Rows = 1;
 #endif
 
-// y [M, N] = x @ w.T for quantized x; the weight rows are shared out by an orphaned
-// `omp for` (every thread of an enclosing parallel region calls this; barrier at end).
 // f(std::integral_constant<int, R>{}, r) over rows r0 .. M - 1 in blocks of R rows:
 // MAX at a time, then at most one block each of MAX / 2, MAX / 4 .. 1 (MAX a power of
 // two): the row-block loop of the weight-only kernels.
@@ -251,6 +249,8 @@ void q4_row_block(const Q4Activations& xa, int r0, int nb, const uint8_t* wr, co
   }
 }
 
+// y [M, N] = x @ w.T for quantized x; the weight rows are shared out by an orphaned
+// `omp for` (every thread of an enclosing parallel region calls this; barrier at end).
 template <typename T>
 void q4_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const uint16_t* d,
              const uint16_t* m, int N, T* y) {
