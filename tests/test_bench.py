@@ -291,8 +291,8 @@ def test_provenance_tree_names_the_files_as_they_are(
 def test_write_result_adds_provenance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import sluice.kernels
 
-    # The real variant() may build the kernels first; this test is about the file.
-    monkeypatch.setattr(sluice.kernels, "variant", lambda: "generic", raising=False)
+    # The real level_in_use() may build the kernels first; this test is about the file.
+    monkeypatch.setattr(sluice.kernels, "level_in_use", lambda: "generic")
     path = common.write_result("serve", {"levels": []}, tmp_path / "sub" / "x.json", threads=3)
     data = json.loads(path.read_text())
     assert data["benchmark"] == "serve" and data["levels"] == []

@@ -18,6 +18,7 @@ import torch
 from sluice import kernels
 from sluice.core.quantized_tensor import INTEGER_SCALE_LAYOUTS
 from sluice.kernels import qblock
+from tests.conftest import kernels_at
 
 FORMATS = sorted(qblock.FORMATS)  # (bits, group): 4, 5, 6 and 8 bits in groups of 16 and 32
 ROWS = (1, 3, 4, 7, 64, 130)
@@ -211,6 +212,31 @@ def test_matmuls_match_the_reference(
             )
 
 
+@pytest.mark.parametrize(("bits", "group", "symmetric", "integer"), CASES)
+def test_amx_matmul_is_the_dense_bf16_product(
+    bits: int, group: int, symmetric: bool, integer: bool
+) -> None:
+    # The AMX kernel computes what the dense path does: bf16 activations times the weight
+    # dequantized to bf16, summed in fp32 (exact products; only the order of the sums
+    # and the bf16 result's rounding differ). Row counts that fill one or two 16-row
+    # tiles or leave part of one, and a panel's columns past N (40 = 32 + 8).
+    with kernels_at("amx"):
+        lib = kernels.load()
+        assert lib is not None and kernels.tiles(lib)
+        n, k = 40, columns(integer)
+        w = random_weight(n, k, bits, group, 3 * bits + group, symmetric, integer)
+        w16 = qblock.qblock_dequantize(lib, *w.rows(0, n), bits, group, torch.bfloat16).double()
+        x = torch.randn(70, k, generator=torch.Generator().manual_seed(bits)).bfloat16()
+        for rows in (1, 15, 16, 17, 33, 70):
+            before = qblock.amx_calls(lib)
+            got = qblock.qblock_amx(lib, x[:rows], *w.rows(0, n), bits, group)
+            assert qblock.amx_calls(lib) > before  # the tiles ran
+            xr = x[:rows].double()
+            assert_close(got, xr @ w16.t(), xr.abs() @ w16.abs().t(), 1e-5)
+        with pytest.raises(ValueError, match="bf16"):
+            qblock.qblock_amx(lib, x.float(), *w.rows(0, n), bits, group)
+
+
 def block_steps(x: torch.Tensor, block: int) -> torch.Tensor:
     """Each value's int8 block step (its block's largest magnitude / 127)."""
     rows, k = x.shape
@@ -376,6 +402,44 @@ def test_few_rows_take_the_block_kernel_up_to_the_crossover(
         )
         head_on_blocks = rows < block_rows or kernel_level == "avx2"
         assert torch.equal(head(x), on_head_kernel) == head_on_blocks
+
+
+@pytest.mark.parametrize("int8_prompts", [False, True])
+def test_many_bf16_rows_take_the_amx_kernel_at_the_amx_level(int8_prompts: bool) -> None:
+    """At the amx level a GGUF linear's bf16 rows past its crossover run on the AMX
+    kernel in the dense path's place, and in the int8 GEMM's from
+    AMX_AFTER_GEMM_MIN_ROWS; few rows and fp32 rows keep their paths, and so does
+    everything at a forced avx512 level."""
+    from sluice.layers.block_quant import AMX_AFTER_GEMM_MIN_ROWS, BlockQuantized
+    from sluice.layers.linear import Linear
+    from sluice.loader.gguf_blocks import repack
+    from tests.test_gguf_blocks import random_blocks
+
+    weight = repack(torch.from_numpy(random_blocks("Q4_K", 80, 512, seed=2)), "Q4_K", 80, 512)
+    gen = torch.Generator().manual_seed(0)
+    for level in ("amx", "avx512"):
+        with kernels_at(level):
+            layer = Linear(512, 80, bias=False, method=BlockQuantized(int8_prompts=int8_prompts))
+            layer.method.load_quantized(layer, weight)
+            lib = kernels.load()
+            assert lib is not None
+            start = layer.method.dense_min_rows
+            for rows, dtype in [
+                (start - 1, torch.bfloat16),
+                (start, torch.bfloat16),
+                (AMX_AFTER_GEMM_MIN_ROWS, torch.bfloat16),
+                (AMX_AFTER_GEMM_MIN_ROWS, torch.float32),
+            ]:
+                x = torch.randn(rows, 512, generator=gen).to(dtype)
+                before = qblock.amx_calls(lib)
+                y = layer(x)
+                on_tiles = qblock.amx_calls(lib) > before
+                amx_rows = AMX_AFTER_GEMM_MIN_ROWS if int8_prompts else start
+                expected = level == "amx" and dtype == torch.bfloat16 and rows >= amx_rows
+                assert on_tiles == expected, (level, rows, dtype)
+                if expected:
+                    amx = qblock.qblock_amx(lib, x, *weight.parts(), weight.bits, weight.group)
+                    assert torch.equal(y, amx)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])

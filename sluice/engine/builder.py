@@ -112,7 +112,7 @@ class EngineParts:
     @property
     def cpu_kernels(self) -> str:
         """The instruction-set level of our CPU kernels ("off" on CUDA or without them)."""
-        return kernels.variant() if self.options.device.type == "cpu" else "off"
+        return kernels.level_in_use() if self.options.device.type == "cpu" else "off"
 
 
 @dataclass(frozen=True)

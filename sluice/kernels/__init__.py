@@ -3,7 +3,10 @@ system compiler, loaded with ctypes. No torch headers, so a build takes seconds.
 
 Variants: the same sources are built with explicit flags for each level in
 `sluice.kernels.cpu.LEVELS` (generic, avx2, avx512), never `-march=native`, and the
-best level the CPU has is loaded (`SLUICE_CPU_ISA` forces a lower one). The cached .so
+best level the CPU has is loaded (`SLUICE_CPU_ISA` forces a lower one). The `amx` level
+runs the avx512 library and lets many-row bf16 matmuls take its AMX kernel (`tiles()`,
+csrc/qblock_amx.h), compiled in with function target attributes: a library of its own
+would cost a whole build (over a minute on 2 cores) for one kernel. The cached .so
 is named by its level and a hash of compiler, flags and sources, so a home directory
 shared between machines never loads a kernel built for another CPU.
 
@@ -13,7 +16,8 @@ kernels and torch ops share one thread pool instead of fighting over the cores.
 Sources (csrc/): the kernels live in headers, each with a .cpp of C entry points:
 paged_attention (decode attention over the block pool), q4_matmul and q8_matmul
 (4-bit and 8-bit weight x int8 activation matmuls for small batches), qblock (GGUF
-block-quantized weights kept quantized: matmuls, dequantization, embedding rows) and
+block-quantized weights kept quantized: matmuls, dequantization, embedding rows; its
+many-row GEMMs in qblock_gemm, int8 VNNI, and qblock_amx, bf16 AMX tiles) and
 fused_ops (RMSNorm with the residual add, rotary, SiLU-and-multiply), lora (each row's
 LoRA adapter product, gathered by its slot); kv_int8.h is the int8 KV cache's row
 format (quantized writes; the attention kernel widens its rows).
@@ -61,17 +65,21 @@ from sluice.settings import cache_dir
 
 __all__ = [
     "Library",
+    "active_level",
     "attention",
     "built_level",
     "cpu",
     "decode_stack",
     "fused",
     "large_allocations_mapped",
+    "level_in_use",
+    "library_level",
     "load",
     "lora",
     "matmul",
     "qblock",
     "release_freed_heap",
+    "tiles",
     "use_variant",
     "variant",
 ]
@@ -88,6 +96,8 @@ _X86_FLAGS = {
     "avx2": ["-march=x86-64-v3", "-mtune=generic"],
     "avx512": ["-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"],
 }
+# Levels that run another level's library.
+_LIBRARY_OF = {"amx": "avx512"}
 _lock = threading.Lock()
 _libs: dict[str, Library | None] = {}
 _override: str | None = None  # use_variant()
@@ -168,30 +178,55 @@ def load(level: str | None = None) -> Library | None:
     building it on first use; None if kernels are off or cannot be built."""
     if not settings.cpu_kernels_enabled():
         return None
-    level = level or _override or cpu.level()
+    level = level or active_level()
+    if level not in cpu.supported_levels():
+        raise ValueError(f"this CPU cannot run the {level} kernels")
+    level = library_level(level)
     if level not in _libs:
         with _lock:
             if level not in _libs:
-                if level not in cpu.supported_levels():
-                    raise ValueError(f"this CPU cannot run the {level} kernels")
                 try:
                     _libs[level] = _build(level)
                 except OSError as e:
                     logger.warning("loading CPU kernels failed, using torch ops: %s", e)
                     _libs[level] = None
-                if _libs[level] is not None and level == (_override or cpu.level()):
+                if _libs[level] is not None and level == library_level(active_level()):
                     logger.info(
                         "CPU kernels: %s (this CPU supports: %s)",
-                        level,
+                        active_level(),
                         ", ".join(cpu.supported_levels()),
                     )
     return _libs[level]
 
 
+def library_level(level: str) -> str:
+    """The level whose library `level` runs (itself, but avx512 for amx)."""
+    return _LIBRARY_OF.get(level, level)
+
+
+def active_level() -> str:
+    """The level in use: use_variant()'s, else the CPU's (or SLUICE_CPU_ISA's)."""
+    return _override or cpu.level()
+
+
 def variant() -> str:
-    """The instruction-set level of the kernels in use, or "off" when none load."""
+    """The instruction-set level the library in use was built for (avx512 at the amx
+    level), or "off" when none load. What the kernels' row-count crossovers key on."""
     lib = load()
     return "off" if lib is None else built_level(lib)
+
+
+def level_in_use() -> str:
+    """The level our kernels run at (amx included), or "off" when none load: what the
+    engine reports (/stats, /metrics) and benchmarks record."""
+    return "off" if load() is None else active_level()
+
+
+def tiles(lib: Library | None = None) -> bool:
+    """Whether many-row bf16 matmuls on GGUF weights run on AMX tiles (qblock.qblock_amx):
+    at the amx level, on `lib` (default: the one in use) if it has that path."""
+    lib = lib if lib is not None else load()
+    return lib is not None and active_level() == "amx" and qblock.has_amx(lib)
 
 
 def build_id() -> str:
@@ -200,7 +235,7 @@ def build_id() -> str:
     kernels and cached (the speculator's step costs) keys on it: a kernel change must
     not be judged by the table of the code before it."""
     lib = load()
-    return "off" if lib is None else Path(lib._name).name
+    return "off" if lib is None else Path(lib._name).name + ("+amx" if tiles() else "")
 
 
 @contextlib.contextmanager

@@ -3,11 +3,14 @@ and the best one the CPU has is loaded, as ggml and ATen do.
 
 The levels, lowest first: `generic` (the architecture's baseline; on x86-64 plain
 x86-64, elsewhere whatever the compiler targets by default), `avx2` (x86-64-v3: AVX2,
-FMA, F16C) and `avx512` (x86-64-v4 with VNNI). `SLUICE_CPU_ISA` forces a lower level,
-as `ATEN_CPU_CAPABILITY` does for torch, so one machine can test every path; it never
-raises the level above what the CPU reports. `amx` is accepted there too and means the
-avx512 kernels: ours have no AMX path (torch's oneDNN uses AMX on its own for dense
-bf16 matmuls).
+FMA, F16C), `avx512` (x86-64-v4 with VNNI) and `amx` (avx512 and Intel's AMX-BF16
+tiles, which many-row bf16 matmuls on GGUF weights use; the avx512 library has that
+kernel, see sluice.kernels). AMX needs the kernel's leave as well as the CPU's flags:
+Linux grants a process the tiles' 8 KB of register state on request (arch_prctl), and
+without it a tile instruction kills the process, so the level counts only once the
+request succeeded. `SLUICE_CPU_ISA` forces
+a lower level, as `ATEN_CPU_CAPABILITY` does for torch, so one machine can test every
+path; it never raises the level above what the CPU reports.
 
 Forcing a level also makes the rest of sluice behave as on such a CPU: a level below
 avx512 has no native bf16 (dtype auto picks fp32, and bf16 matmuls skip oneDNN's
@@ -21,10 +24,11 @@ import logging
 import platform
 
 from sluice import settings
+from sluice.core.choices import CPU_ISAS
 
 logger = logging.getLogger("sluice")
 
-LEVELS = ("generic", "avx2", "avx512")  # lowest first
+LEVELS = CPU_ISAS  # lowest first
 # The CPU flags (as /proc/cpuinfo names them) each level's compiler flags assume.
 _REQUIRED = {
     "generic": frozenset(),
@@ -43,7 +47,12 @@ _REQUIRED = {
         }
     ),
 }
-_ALIASES = {"amx": "avx512"}
+_REQUIRED["amx"] = _REQUIRED["avx512"] | {"amx_tile", "amx_bf16", "avx512_bf16"}
+# arch_prctl's request for an extended state component (asm/prctl.h), and AMX's tile
+# data component (XFEATURE_XTILEDATA).
+_SYS_ARCH_PRCTL = 158  # x86-64
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
 
 
 def is_x86() -> bool:
@@ -69,14 +78,30 @@ def supported_levels() -> tuple[str, ...]:
     if not is_x86():
         return ("generic",)
     flags = cpu_flags()
-    return tuple(level for level in LEVELS if _REQUIRED[level] <= flags)
+    levels = tuple(level for level in LEVELS if _REQUIRED[level] <= flags)
+    if "amx" in levels and not _tile_state_granted():
+        logger.info("the CPU has AMX but the kernel did not grant its tile state: avx512")
+        return levels[:-1]
+    return levels
+
+
+def _tile_state_granted() -> bool:
+    """Ask Linux for AMX's tile state for this process (every thread, as torch's oneDNN
+    asks for its own AMX kernels); False where it refuses or the call is unknown."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        args = (_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
+        return bool(libc.syscall(*map(ctypes.c_long, args)) == 0)
+    except (OSError, AttributeError):
+        return False
 
 
 def forced_level() -> str | None:
-    """SLUICE_CPU_ISA as one of LEVELS (amx means avx512); None when unset. A bad value
-    is an error naming the variable (sluice.settings)."""
-    value = settings.cpu_isa_override()
-    return None if value is None else _ALIASES.get(value, value)
+    """SLUICE_CPU_ISA as one of LEVELS; None when unset. A bad value is an error naming
+    the variable (sluice.settings)."""
+    return settings.cpu_isa_override()
 
 
 @functools.cache

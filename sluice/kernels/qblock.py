@@ -17,6 +17,7 @@ import torch
 from sluice.core.quantized_tensor import INTEGER_SCALE_LAYOUTS, SUPER
 from sluice.kernels._ffi import (
     INT,
+    INT64,
     POINTER,
     CFunction,
     Library,
@@ -38,6 +39,9 @@ _MATMUL = c_function("sluice_qblock_matmul", None, *_MATMUL_ARGS)
 _MATMUL_FLOAT = c_function("sluice_qblock_matmul_float", None, *_MATMUL_ARGS)
 _MATMUL_RESIDUAL = c_function("sluice_qblock_matmul_residual", None, *_MATMUL_ARGS)
 _GEMM = c_function("sluice_qblock_gemm", None, *_MATMUL_ARGS)
+_AMX = c_function("sluice_qblock_amx", INT, *_MATMUL_ARGS)
+_HAS_AMX = c_function("sluice_amx", INT)
+_AMX_CALLS = c_function("sluice_amx_calls", INT64)
 # (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, row_max, y)
 _MATMUL_HEAD = c_function("sluice_qblock_matmul_head", None, *_MATMUL_ARGS[:-1], POINTER, POINTER)
 # (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, num_groups, group_start,
@@ -189,6 +193,41 @@ def qblock_gemm(
     integer dot-product instructions take, each panel reused by every row
     (csrc/qblock_gemm.h). Not bit-equal to qblock_matmul: it sums in another order."""
     return _matmul(_GEMM, lib, x, packed, hbits, scale, minimum, super_scale, bits, group)
+
+
+def qblock_amx(
+    lib: Library,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    hbits: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    super_scale: torch.Tensor,
+    bits: int,
+    group: int,
+) -> torch.Tensor:
+    """y [M, N] = x @ W.T for bf16 x on AMX tiles: what the dense path computes (the
+    weight dequantized to bf16, fp32 sums), the weight dequantized a panel of 32 rows
+    at a time in the tiles' order and never written out (csrc/qblock_amx.h). Only
+    where has_amx(lib) and the process holds the tile state (sluice.kernels.tiles())."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"qblock_amx takes bf16 activations, got {x.dtype}")
+    n, k, weight = _weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
+    x = _activations(x, k)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    if x.shape[0] and _AMX(lib, ptr(x), 1, x.shape[0], k, bits, group, *weight, n, ptr(y)):
+        raise RuntimeError("this kernel library has no AMX path (sluice_amx() is 0)")
+    return y
+
+
+def has_amx(lib: Library) -> bool:
+    """Whether `lib` has qblock_amx's tile path (the avx512 build)."""
+    return bool(_HAS_AMX(lib))
+
+
+def amx_calls(lib: Library) -> int:
+    """Threads' shares of qblock_amx calls that ran on the tiles so far."""
+    return int(_AMX_CALLS(lib))
 
 
 def qblock_matmul_float(

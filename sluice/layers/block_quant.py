@@ -9,7 +9,9 @@ float copy of it exists. Two kernels serve every batch size:
 * many rows (prefill, many streams): the matmul is compute-bound, and a dense GEMM on
   the compute dtype beats integer dot products with per-block scales. The weight is
   dequantized a tile of rows at a time into a scratch tile that stays in cache and
-  multiplied there, so the float weight never exists whole.
+  multiplied there, so the float weight never exists whole. Where the CPU has AMX
+  (the `amx` level) bf16 rows take our AMX kernel instead (qblock.qblock_amx: the same
+  bf16 product, a panel of 32 weight rows dequantized at a time, never written out).
 
 The crossover (`dense_min_rows`) was measured per instruction-set level (prefill
 times of the packaged models; the figures sit beside DENSE_MIN_ROWS). The output head
@@ -74,6 +76,15 @@ GEMM_MIN_ROWS = {"avx512": 12}
 # gate and Q6_K down projections (2 cores of Zen 4, ad hoc): the levels GEMM_MIN_ROWS
 # names. Below them the GEMM is portable C++, for the tests (INT8_PROMPTS_ON_BLOCKS).
 INT8_GEMM_LEVELS = frozenset(GEMM_MIN_ROWS)
+# Rows from which a layer on the int8 GEMM takes the AMX bf16 kernel instead, at the amx
+# level with bf16 activations (qblock_amx; every other many-row bf16 call takes it in
+# place of dequantized tiles + torch's GEMM, which it beat at every row count from 16:
+# 1.5-2x at 16-32 rows, 1.1-1.7x at 512). Against the int8 GEMM its time was 0.92-1.22x
+# at 64 rows, 0.69-0.97x at 128 and 0.61-0.81x at 256 on Qwen2.5-7B's and -1.5B's Q4_K
+# gate and Q6_K down projections and Qwen2.5-0.5B's Q5_0 / Q8_0 ones (2 cores of an
+# AMX Xeon, ad hoc, alternating). Its bf16 activations are the dense path's, finer
+# than the GEMM's int8 ones.
+AMX_AFTER_GEMM_MIN_ROWS = 128
 # Levels without the int8 GEMM where a model that takes int8 prompts keeps every row
 # count on the block kernel: at avx2 it beats dequantized tiles + fp32 GEMM at 16-512
 # rows (Qwen2.5-1.5B's shapes at 512: Q4_K gate/up 59 against 113 ms, Q6_K down 74
@@ -264,14 +275,19 @@ def _linear(
     int8_gemm: bool = False,
 ) -> torch.Tensor:
     """x @ W.T: the block kernel for few rows; for many, the int8 GEMM where `int8_gemm`
-    (int8_gemm_for), else dequantized tiles + the dense GEMM. row_max (the output
-    head's, _row_max_abs) picks the head's kernel."""
+    (int8_gemm_for), else dequantized tiles + the dense GEMM; at the amx level bf16
+    rows take the AMX kernel in the dense path's place, and in the GEMM's from
+    AMX_AFTER_GEMM_MIN_ROWS. row_max (the output head's, _row_max_abs) picks the head's
+    kernel."""
     if lib is not None:
         args = (x.contiguous(), *_kernel_args(w))
         if x.shape[0] < dense_min_rows:
             if row_max is not None:
                 return qblock.qblock_matmul_head(lib, *args, row_max)
             return qblock.qblock_matmul(lib, *args)
+        if x.dtype == torch.bfloat16 and kernels.tiles(lib):
+            if not int8_gemm or x.shape[0] >= AMX_AFTER_GEMM_MIN_ROWS:
+                return qblock.qblock_amx(lib, *args)
         if int8_gemm:
             return qblock.qblock_gemm(lib, *args)
     n, k = w.shape
