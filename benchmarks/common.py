@@ -309,11 +309,11 @@ def _command_line() -> list[str]:
 
 
 def kernel_variant() -> str:
-    """The CPU kernel variant sluice runs with here ('avx512', 'avx2', 'generic', 'off', ...)."""
+    """The CPU kernel level sluice runs with here ('amx', 'avx512', 'avx2', 'generic',
+    'off')."""
     import sluice.kernels
 
-    # `variant` is new (issue 10); before it lands, say so instead of guessing.
-    return str(getattr(sluice.kernels, "variant", lambda: "unknown")())
+    return sluice.kernels.level_in_use()
 
 
 def provenance(

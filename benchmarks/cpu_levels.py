@@ -44,7 +44,9 @@ from sluice.kernels import cpu  # noqa: E402
 _TORCH_ENV = {
     "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-    "avx512": {},
+    # On an AMX CPU, avx512 keeps oneDNN off the tiles too.
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "amx": {},
 }
 
 

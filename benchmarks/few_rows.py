@@ -1,11 +1,13 @@
 """Where a quantized GGUF layer's few-row path should hand over to the compute-bound one.
 
 A step of M rows (a short prompt, M streams decoding, a verifying step) multiplies
-each weight by M activation rows. sluice has three paths for a weight kept in its GGUF
+each weight by M activation rows. sluice has four paths for a weight kept in its GGUF
 blocks (sluice/layers/block_quant.py): the block kernel (int8 activations, each
 unpacked weight pair applied to up to 12 rows), the int8 GEMM (the same activations,
 a panel of 32 weight rows unpacked once for all rows; where the level has it, see
-INT8_GEMM_LEVELS) and dequantized tiles + the dense GEMM. The row count where a
+INT8_GEMM_LEVELS), dequantized tiles + the dense GEMM, and at the amx level with bf16
+activations the AMX kernel (a panel of 32 weight rows dequantized to bf16 at a time,
+on the tiles). The row count where a
 many-row path starts winning (`dense_min_rows`) depends on the format (integer
 K-quant scales or fp16 ones) and the instruction-set level, so this times one layer's
 linears (q, k, v, o, gate, up, down as the file stores them) on each path at each M,
@@ -39,6 +41,7 @@ from benchmarks.common import add_output_arg, add_rounds_arg, format_table, writ
 from sluice import kernels  # noqa: E402
 from sluice.architectures import spec_of  # noqa: E402
 from sluice.core.quantized_tensor import QuantizedTensor  # noqa: E402
+from sluice.kernels import qblock  # noqa: E402
 from sluice.layers.block_quant import (  # noqa: E402
     INT8_GEMM_LEVELS,
     dense_min_rows,
@@ -51,7 +54,7 @@ from sluice.loader.gguf_loader import (  # noqa: E402
 )
 
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-PATHS = ("block", "gemm", "dense")
+PATHS = ("block", "gemm", "dense", "amx")
 
 
 def layer_weights(path: Path) -> dict[str, QuantizedTensor]:
@@ -83,17 +86,29 @@ def _time(fn: Callable[[], Any], reps: int) -> float:
 
 
 def _call(lib: Any, w: QuantizedTensor, x: torch.Tensor, path: str) -> Callable[[], Any]:
+    if path == "amx":
+        return lambda: qblock.qblock_amx(lib, x, *w.parts(), w.bits, w.group)
     crossover = 1 << 30 if path == "block" else 0
-    return lambda: quantized_linear(lib, w, x, crossover, int8_gemm=path == "gemm")
+
+    def run() -> Any:
+        # At the library's own level (avx512 for amx): no AMX tiles in the other paths.
+        with kernels.use_variant(kernels.variant()):
+            return quantized_linear(lib, w, x, crossover, int8_gemm=path == "gemm")
+
+    return run
 
 
 def measure(
     weights: dict[str, QuantizedTensor], rows: list[int], rounds: int, dtype: torch.dtype
 ) -> dict[str, dict[str, list[float]]]:
     """{M: {path: [ms of the layer's linears, a round each]}}, paths alternating (the
-    int8 GEMM only where the kernels have it)."""
+    int8 GEMM and the AMX kernel only where the kernels have them)."""
     lib = kernels.load()
-    paths = [p for p in PATHS if p != "gemm" or kernels.variant() in INT8_GEMM_LEVELS]
+    has = {
+        "gemm": kernels.variant() in INT8_GEMM_LEVELS,
+        "amx": kernels.tiles() and dtype == torch.bfloat16,
+    }
+    paths = [p for p in PATHS if has.get(p, True)]
     out: dict[str, dict[str, list[float]]] = {}
     for m in rows:
         xs = {n: torch.randn(m, w.shape[1]).to(dtype) for n, w in weights.items()}
@@ -120,14 +135,12 @@ def main() -> None:
     rows = [int(m) for m in args.rows.split(",")]
     times = measure(weights, rows, args.rounds, getattr(torch, args.dtype))
     medians = {m: {p: statistics.median(v) for p, v in c.items()} for m, c in times.items()}
-    table = [
-        [m, f"{c['block']:.2f}", f"{c.get('gemm', float('nan')):.2f}", f"{c['dense']:.2f}"]
-        for m, c in medians.items()
-    ]
-    print(format_table(["rows", "block ms", "int8 GEMM ms", "dense ms"], table))
+    nan = float("nan")
+    table = [[m, *(f"{c.get(p, nan):.2f}" for p in PATHS)] for m, c in medians.items()]
+    print(format_table(["rows", "block ms", "int8 GEMM ms", "dense ms", "AMX ms"], table))
     result = {
         "model": args.model.name,
-        "kernels": kernels.variant(),
+        "kernels": kernels.level_in_use(),
         "dtype": args.dtype,
         "formats": {n: w.source for n, w in weights.items()},
         "dense_min_rows": {n: dense_min_rows(w) for n, w in weights.items()},

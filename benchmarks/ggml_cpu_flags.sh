@@ -18,6 +18,10 @@ case "${SLUICE_CPU_ISA:-}" in
   avx2) [ "$level" = generic ] || level=avx2 ;;
 esac
 common="-DGGML_NATIVE=OFF"
+# No GGML_AMX_INT8 on AMX CPUs: that build's llama-bench died with SIGILL at its first
+# tile instruction on 2 cores of an AMX Xeon (this llama.cpp loads a tile configuration
+# the compiler may not have written; llama.cpp PR #26954), so there llama.cpp runs its
+# AVX-512 kernels.
 case "$level" in
   avx512)
     out="$common -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON"
