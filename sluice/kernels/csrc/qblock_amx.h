@@ -18,7 +18,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include "dtype.h"
 #include "isa.h"
@@ -66,26 +66,29 @@ inline std::atomic<int64_t> amx_calls{0};
 // tile load, one stream, where rows of the caller's layout were 16 streams a load);
 // rows past M up to a multiple of 16 are zeros.
 struct AmxActivations {
-  std::vector<uint16_t> x;
-  int steps = 0;  // K / 32
-  const uint16_t* tile(int t, int s) const {
-    return x.data() + (static_cast<int64_t>(t) * steps + s) * kAmxTileRows * kAmxK;
+  std::unique_ptr<uint16_t[]> x;  // uninitialized: every row is written (copied or zeroed)
+  int steps = 0;                  // K / 32
+  uint16_t* tile(int t, int s) const {
+    return x.get() + (static_cast<int64_t>(t) * steps + s) * kAmxTileRows * kAmxK;
   }
 };
 
 inline void amx_copy_rows(const uint16_t* x, int M, int K, AmxActivations& a) {
+  const int padded = (M + kAmxTileRows - 1) / kAmxTileRows * kAmxTileRows;
 #pragma omp single
   {
     a.steps = K / kAmxK;
-    const int padded = (M + kAmxTileRows - 1) / kAmxTileRows * kAmxTileRows;
-    a.x.assign(static_cast<size_t>(padded) * K, 0);
+    a.x.reset(new uint16_t[static_cast<size_t>(padded) * K]);
   }  // implicit barrier: the buffer exists before any row is copied
 #pragma omp for schedule(static)
-  for (int r = 0; r < M; ++r) {
-    const uint16_t* src = x + static_cast<int64_t>(r) * K;
-    for (int s = 0; s < a.steps; ++s)
-      std::memcpy(const_cast<uint16_t*>(a.tile(r / kAmxTileRows, s)) + (r % kAmxTileRows) * kAmxK,
-                  src + s * kAmxK, sizeof(uint16_t) * kAmxK);
+  for (int r = 0; r < padded; ++r) {
+    for (int s = 0; s < a.steps; ++s) {
+      uint16_t* dst = a.tile(r / kAmxTileRows, s) + (r % kAmxTileRows) * kAmxK;
+      if (r < M)
+        std::memcpy(dst, x + static_cast<int64_t>(r) * K + s * kAmxK, sizeof(uint16_t) * kAmxK);
+      else
+        std::memset(dst, 0, sizeof(uint16_t) * kAmxK);
+    }
   }
 }
 
@@ -230,21 +233,22 @@ SLUICE_AMX_FN void qblock_amx_t(const uint16_t* x, int M, int K, const QbWeight&
   const int slice = K > kAmxSliceOver ? kAmxSlice : K;
   const int64_t panel_size = static_cast<int64_t>(K) * kAmxCols;
   const int64_t acc_size = static_cast<int64_t>(padded) * kAmxCols;
-  std::vector<uint16_t> panels(static_cast<size_t>(panel_size * kAmxGroup));
-  std::vector<float> acc(static_cast<size_t>(acc_size * kAmxGroup));
+  // Scratch, written before it is read (a zero-filled vector cost a pass over 5 MB).
+  const std::unique_ptr<uint16_t[]> panels(new uint16_t[panel_size * kAmxGroup]);
+  const std::unique_ptr<float[]> acc(new float[acc_size * kAmxGroup]);
   constexpr int span = kAmxGroup * kAmxCols;
 #pragma omp for schedule(dynamic, 1)
   for (int g0 = 0; g0 < N; g0 += span) {
     const int count = std::min(kAmxGroup, (N - g0 + kAmxCols - 1) / kAmxCols);
     SLUICE_AMX_FENCE();
     for (int p = 0; p < count; ++p)
-      amx_pack<BITS, G, IQ>(wt, K, N, g0 + p * kAmxCols, panels.data() + p * panel_size);
+      amx_pack<BITS, G, IQ>(wt, K, N, g0 + p * kAmxCols, panels.get() + p * panel_size);
     for (int k0 = 0; k0 < K; k0 += slice) {
       const int k1 = std::min(K, k0 + slice);
       for (int r0 = 0; r0 < M; r0 += 2 * kAmxTileRows) {
         for (int p = 0; p < count; ++p) {
-          const uint16_t* panel = panels.data() + p * panel_size;
-          float* pacc = acc.data() + p * acc_size;
+          const uint16_t* panel = panels.get() + p * panel_size;
+          float* pacc = acc.get() + p * acc_size;
           if (M - r0 > kAmxTileRows)
             amx_rows<2>(panel, a, r0, k0, k1, k0 == 0, pacc);
           else
@@ -256,7 +260,7 @@ SLUICE_AMX_FN void qblock_amx_t(const uint16_t* x, int M, int K, const QbWeight&
       const int n0 = g0 + p * kAmxCols, cols = std::min(kAmxCols, N - n0);
       for (int r = 0; r < M; ++r) {
         uint16_t* yr = y + static_cast<int64_t>(r) * N + n0;
-        const float* ar = acc.data() + p * acc_size + static_cast<int64_t>(r) * kAmxCols;
+        const float* ar = acc.get() + p * acc_size + static_cast<int64_t>(r) * kAmxCols;
         for (int c = 0; c < cols; ++c) yr[c] = round_to(yr + c, ar[c]);
       }
     }
