@@ -753,6 +753,7 @@ def _few_rows(results: Sequence[Result]) -> str:
         for m, cell in d["median_ms"].items():
             block, dense = cell["block"], cell["dense"]
             gemm = cell.get("gemm")  # results before the int8 GEMM have none
+            amx = cell.get("amx")  # only at the amx level
             crossover = "/".join(map(str, sorted(set(d["dense_min_rows"].values()))))
             if d.get("gemm_min_rows"):
                 gemm_from = sorted(set(d["gemm_min_rows"].values()))
@@ -765,8 +766,10 @@ def _few_rows(results: Sequence[Result]) -> str:
                     f"{block:.2f}",
                     "–" if gemm is None else f"{gemm:.2f}",
                     f"{dense:.2f}",
+                    "–" if amx is None else f"{amx:.2f}",
                     f"{block / dense:.2f}",
                     "–" if gemm is None else f"{block / gemm:.2f}",
+                    "–" if amx is None else f"{amx / dense:.2f}",
                     crossover,
                 ]
             )
@@ -776,8 +779,10 @@ def _few_rows(results: Sequence[Result]) -> str:
         "block kernel ms",
         "int8 GEMM ms",
         "dequantized tiles + GEMM ms",
+        "AMX ms",
         "block / dense",
         "block / int8 GEMM",
+        "AMX / dense",
         "dense_min_rows",
     ]
     return _table(RUN_HEADERS + headers, rows)
