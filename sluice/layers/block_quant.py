@@ -78,12 +78,11 @@ GEMM_MIN_ROWS = {"avx512": 12}
 INT8_GEMM_LEVELS = frozenset(GEMM_MIN_ROWS)
 # Rows from which a layer on the int8 GEMM takes the AMX bf16 kernel instead, at the amx
 # level with bf16 activations (qblock_amx; every other many-row bf16 call takes it in
-# place of dequantized tiles + torch's GEMM, which it beat at every row count from 16:
-# 1.5-2x at 16-32 rows, 1.1-1.7x at 512). Against the int8 GEMM its time was 0.92-1.22x
-# at 64 rows, 0.69-0.97x at 128 and 0.61-0.81x at 256 on Qwen2.5-7B's and -1.5B's Q4_K
-# gate and Q6_K down projections and Qwen2.5-0.5B's Q5_0 / Q8_0 ones (2 cores of an
-# AMX Xeon, ad hoc, alternating). Its bf16 activations are the dense path's, finer
-# than the GEMM's int8 ones.
+# place of dequantized tiles + torch's GEMM, which it beat at every row count from 16
+# on one Qwen2.5-7B layer: docs/results/few_rows-qwen2.5-7b-amx.json). There the int8
+# GEMM and the AMX kernel were even at 64 rows and the AMX kernel took 0.77x the GEMM's
+# time at 128 and 0.57x at 256 (2 cores of an AMX Xeon). Its bf16 activations are the
+# dense path's, finer than the GEMM's int8 ones.
 AMX_AFTER_GEMM_MIN_ROWS = 128
 # Levels without the int8 GEMM where a model that takes int8 prompts keeps every row
 # count on the block kernel: at avx2 it beats dequantized tiles + fp32 GEMM at 16-512
