@@ -24,6 +24,7 @@
 #include "isa.h"
 #include "qblock.h"
 #include "qblock_float.h"
+#include "qblock_gemm.h"  // gemm_transpose16
 
 #if defined(SLUICE_ISA_AVX512) && (__GNUC__ >= 11 || __clang_major__ >= 12)
 #define SLUICE_AMX 1
@@ -92,31 +93,6 @@ inline void amx_copy_rows(const uint16_t* x, int M, int K, AmxActivations& a) {
   }
 }
 
-// 16 vectors of 16 int32 transposed in place: v[i] lane j <- v[j] lane i.
-SLUICE_INLINE void amx_transpose16(__m512i* v) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 4) {
-    const __m512i a = _mm512_unpacklo_epi32(v[i], v[i + 1]);
-    const __m512i b = _mm512_unpackhi_epi32(v[i], v[i + 1]);
-    const __m512i c = _mm512_unpacklo_epi32(v[i + 2], v[i + 3]);
-    const __m512i d = _mm512_unpackhi_epi32(v[i + 2], v[i + 3]);
-    t[i] = _mm512_unpacklo_epi64(a, c);
-    t[i + 1] = _mm512_unpackhi_epi64(a, c);
-    t[i + 2] = _mm512_unpacklo_epi64(b, d);
-    t[i + 3] = _mm512_unpackhi_epi64(b, d);
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512i a = _mm512_shuffle_i32x4(t[j], t[4 + j], 0x88);
-    const __m512i b = _mm512_shuffle_i32x4(t[j], t[4 + j], 0xDD);
-    const __m512i c = _mm512_shuffle_i32x4(t[8 + j], t[12 + j], 0x88);
-    const __m512i d = _mm512_shuffle_i32x4(t[8 + j], t[12 + j], 0xDD);
-    v[j] = _mm512_shuffle_i32x4(a, c, 0x88);
-    v[8 + j] = _mm512_shuffle_i32x4(a, c, 0xDD);
-    v[4 + j] = _mm512_shuffle_i32x4(b, d, 0x88);
-    v[12 + j] = _mm512_shuffle_i32x4(b, d, 0xDD);
-  }
-}
-
 // Pairs p0 .. p0 + count of weight row w in natural order as bf16 (round to nearest
 // even, as the dense path's dequantization rounds).
 template <int BITS, int G, bool IQ>
@@ -155,7 +131,7 @@ SLUICE_AMX_FN void amx_pack(const QbWeight& wt, int K, int N, int n0, uint16_t* 
       for (int j0 = 0; j0 < len; j0 += 32) {
         __m512i t[16];
         for (int i = 0; i < 16; ++i) t[i] = _mm512_loadu_si512(rows[16 * v + i] + j0);
-        amx_transpose16(t);
+        gemm_transpose16(t);
         const int k2 = (k0 + j0) / 2;
         for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (static_cast<int64_t>(k2 + i) * 2 + v) * 16, t[i]);
       }
