@@ -151,16 +151,18 @@ def mean_kld(ref: torch.Tensor, other: torch.Tensor) -> float:
     return (ref.exp() * (ref - other)).sum(-1).mean().item()
 
 
-def test_prefix_hits_and_chunks_see_what_the_cold_run_saw(llm_int8: LLM) -> None:
+def test_prefix_hits_and_chunks_see_what_the_cold_run_saw(llm_int8: LLM, llm_fp32: LLM) -> None:
     # Every query attends to K/V as the pool holds them, the fresh rows of a prompt's
     # first chunk included, so a prompt cut into chunks, or a prefix from the cache,
     # meets the same quantization as a cold run. Not bit for bit: a float-level
-    # difference between paths can round a stored value to the neighbouring int8 step,
-    # and later layers carry that on, so two runs differ about as much as int8 differs
-    # from the unquantized cache, or less (measured: mean KLD 1.2e-5 between these
-    # chunkings, 2.7e-4 between int8 and the unquantized cache). The bound, 4x the
-    # measured difference, sits well under the int8-versus-unquantized one, so chunks
-    # that read their fresh rows unquantized would fail it (5e-4 once let them pass).
+    # difference between paths (row-count kernel choices) can round a stored value to
+    # the neighbouring int8 step, and later layers carry that on. Measured mean KLD,
+    # chunked against cold / int8 against the unquantized cache, on these 100 tokens:
+    # 1.2e-5 / 2.7e-4 (Zen 4), 9.9e-5 / - (AMX Xeon), 0 (5.7e-5 in chunks of 16) /
+    # 3.2e-4 (Zen 3). How close depends on the CPU, so the bound is relative: the two
+    # int8 runs are nearer each other than half the way to the unquantized cache, and
+    # each of them is visibly quantized (a run that read its fresh rows unquantized
+    # would sit at ~0 from the unquantized cache; 5e-4 absolute once let that pass).
     eng = llm_int8.engine
     prompt = llm_int8.tokenizer.encode(TEXT)[:100]
     chunked = LLM(
@@ -170,9 +172,12 @@ def test_prefix_hits_and_chunks_see_what_the_cold_run_saw(llm_int8: LLM) -> None
         max_num_batched_tokens=24,
         enable_prefix_caching=False,
     )
-    cold = full_logprobs(llm_int8, prompt)
-    kld = mean_kld(cold, full_logprobs(chunked, prompt))
-    assert kld < 5e-5, kld
+    ref = full_logprobs(llm_fp32, prompt)
+    cold, parts = full_logprobs(llm_int8, prompt), full_logprobs(chunked, prompt)
+    quantized = mean_kld(ref, cold)
+    assert quantized > 1e-4 and mean_kld(ref, parts) > 1e-4, quantized
+    kld = mean_kld(cold, parts)
+    assert kld < 0.5 * quantized, (kld, quantized)
     sp = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
     eng.reset_prefix_cache()
     (first,) = llm_int8.generate([prompt], sp, use_tqdm=False)
