@@ -44,7 +44,11 @@ run: install
 # its share of the CPUs), a test file's tests on one worker (its module fixtures load
 # once). --durations: every CI log says where the suite's time goes.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+# The kernels of every level this CPU runs are built first, once, one compiler per core
+# (a minute on 2 cores): the workers then load them instead of each compiling them. A
+# failed build leaves the tests to say what it breaks.
 test: install
+	-$(BIN)/python -m sluice.kernels
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # Qwen2.5-Coder-1.5B, all-mpnet-base-v2 and EmbeddingGemma-300M (~3 GB): what the slow

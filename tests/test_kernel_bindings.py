@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +248,36 @@ def test_a_compiler_that_fails_leaves_torch_ops(
         assert kernels._build("generic") is None
     assert "out of tea" in caplog.text
     assert not list((tmp_path / "cache" / "kernels").glob("*.so"))
+
+
+def test_builds_started_together_compile_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Builders of one level that start together (test workers, data-parallel replicas,
+    `kernels.build`'s threads) wait on the cache's file lock: one compiles, the others
+    load its library. The stand-in compiler logs each source it compiles, waits a
+    little so the builders overlap, and links by copying the real generic library."""
+    real = kernels.load("generic")
+    assert real is not None
+    log = tmp_path / "compiled.log"
+    cxx = tmp_path / "cxx"
+    cxx.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = --version ] && { echo stand-in 1.0; exit 0; }\n'
+        'for a; do case "$a" in *.cpp) echo "$a" >> "$LOG"; sleep 0.2;; esac; done\n'
+        'for a; do out="$a"; done\n'
+        'case "$out" in *.so) cp "$REAL" "$out";; *) : > "$out";; esac\n'
+    )
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("LOG", str(log))
+    monkeypatch.setenv("REAL", real._name)
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        libs = list(pool.map(kernels._build, ["generic"] * 3))
+    assert all(lib is not None and kernels.built_level(lib) == "generic" for lib in libs)
+    sources = sorted((CSRC).glob("*.cpp"))
+    assert len(log.read_text().splitlines()) == len(sources)  # one build's worth
+    assert len(list((tmp_path / "cache" / "kernels").glob("*.so"))) == 1
+    with pytest.raises(ValueError, match="cannot run the sse9 kernels"):
+        kernels.build(["sse9"])

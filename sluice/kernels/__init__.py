@@ -47,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch  # noqa: F401  (loads libgomp first, so the kernels bind to torch's copy)
+from filelock import FileLock
 
 from sluice import settings
 
@@ -67,6 +68,7 @@ __all__ = [
     "Library",
     "active_level",
     "attention",
+    "build",
     "built_level",
     "cpu",
     "decode_stack",
@@ -99,6 +101,8 @@ _X86_FLAGS = {
 # Levels that run another level's library.
 _LIBRARY_OF = {"amx": "avx512"}
 _lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None  # _compiler_pool()
+_pool_lock = threading.Lock()  # not _lock: load() holds that while it builds
 _libs: dict[str, Library | None] = {}
 _override: str | None = None  # use_variant()
 
@@ -116,26 +120,30 @@ def _flags(level: str) -> list[str]:
     return [*_COMMON_FLAGS, *(_X86_FLAGS[level] if cpu.is_x86() else [])]
 
 
+def _compiler_pool() -> ThreadPoolExecutor:
+    """One compiler process per core for the whole process: levels built at once
+    (`build()`) queue their sources here instead of each starting a process per core."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+        return _pool
+
+
 def _compile(cxx: str, flags: list[str], tmp: Path, so: Path) -> str | None:
-    """Each source to an object, on as many cores as there are (decode_stack.cpp and
-    qblock.cpp take ~30 s each at avx512, the rest seconds; the largest files start
-    first), then one link. Returns the compiler's messages on failure."""
+    """Each source to an object on the compiler pool (decode_stack.cpp and qblock.cpp
+    take ~30 s each at avx512, the rest seconds; the largest files start first), then
+    one link. Returns the compiler's messages on failure."""
     sources = sorted(_SOURCES, key=lambda src: -src.stat().st_size)
     objects = [tmp / f"{src.stem}.o" for src in sources]
 
     def run(command: list[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.run(command, capture_output=True, text=True)
 
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        steps = list(
-            pool.map(
-                run,
-                [
-                    [cxx, *flags, "-c", str(s), "-o", str(o)]
-                    for s, o in zip(sources, objects, strict=True)
-                ],
-            )
-        )
+    commands = [
+        [cxx, *flags, "-c", str(s), "-o", str(o)] for s, o in zip(sources, objects, strict=True)
+    ]
+    steps = list(_compiler_pool().map(run, commands))
     if all(step.returncode == 0 for step in steps):
         steps.append(run([cxx, *flags, *map(str, objects), "-o", str(so)]))
     failed = [step.stderr for step in steps if step.returncode != 0]
@@ -153,17 +161,20 @@ def _build(level: str) -> Library | None:
     for src in _SOURCES + _HEADERS:
         digest.update(src.read_bytes())
     out = cache_dir() / "kernels" / f"sluice-kernels-{level}-{digest.hexdigest()[:16]}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            tmp_so = Path(tmp) / out.name
-            error = _compile(cxx, flags, Path(tmp), tmp_so)
-            if error is not None:
-                logger.warning(
-                    "building CPU kernels (%s) failed, using torch ops:\n%s", level, error
-                )
-                return None
-            os.replace(tmp_so, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Processes starting together (test workers, data-parallel replicas) build a level
+    # once: the others wait here and load what the first wrote.
+    with FileLock(out.with_name(out.name + ".lock")):
+        if not out.exists():
+            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+                tmp_so = Path(tmp) / out.name
+                error = _compile(cxx, flags, Path(tmp), tmp_so)
+                if error is not None:
+                    logger.warning(
+                        "building CPU kernels (%s) failed, using torch ops:\n%s", level, error
+                    )
+                    return None
+                os.replace(tmp_so, out)
     lib = Library(str(out))
     apply_declarations(lib)
     built = built_level(lib)
@@ -197,6 +208,23 @@ def load(level: str | None = None) -> Library | None:
                         ", ".join(cpu.supported_levels()),
                     )
     return _libs[level]
+
+
+def build(levels: list[str] | None = None) -> dict[str, bool]:
+    """Build (or find cached) the libraries of `levels` (default: every level this CPU
+    runs) at once, their sources sharing the compiler pool: what `make test` does first,
+    so test workers load the kernels of every level instead of each compiling them.
+    Returns whether each library level built."""
+    supported = cpu.supported_levels()
+    for level in levels or ():
+        if level not in supported:
+            raise ValueError(f"this CPU cannot run the {level} kernels (it runs {supported})")
+    # The slowest build (the highest level) queues its sources first.
+    wanted = [x for x in reversed(supported) if x in (levels or supported)]
+    wanted = list(dict.fromkeys(library_level(x) for x in wanted))
+    with ThreadPoolExecutor(max_workers=len(wanted)) as pool:
+        libs = list(pool.map(_build, wanted))
+    return {x: lib is not None for x, lib in zip(wanted, libs, strict=True)}
 
 
 def library_level(level: str) -> str:
