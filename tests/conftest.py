@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +167,32 @@ def llm_fp32() -> Any:
 
 
 LEVELS = ("generic", "avx2", "avx512")
+
+
+def level_cases(
+    top: Sequence[tuple[str, ...]], lower: Sequence[tuple[str, ...]], dtype_at: int
+) -> list[tuple[str, ...]]:
+    """(level, *config) for every level this CPU runs: the `top` configs at its own level,
+    the `lower` ones at each level below. A lower case that would compute exactly what a
+    top case computes is left out: avx512 under amx runs the same library, and only bf16
+    activations (config[dtype_at]) take the AMX tiles, so an fp32 config there repeats
+    the amx case."""
+    from sluice import kernels
+    from sluice.kernels import cpu
+
+    here = cpu.level()
+    cases = []
+    for level in cpu.available_levels():
+        for config in top if level == here else lower:
+            repeat = (
+                level != here
+                and kernels.library_level(level) == kernels.library_level(here)
+                and config in top
+                and config[dtype_at] == "float32"
+            )
+            if not repeat:
+                cases.append((level, *config))
+    return cases
 
 
 @contextlib.contextmanager

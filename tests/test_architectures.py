@@ -22,8 +22,11 @@ def build(kind: str, directory: Path, smollm2_path: Path) -> torch.nn.Module:
 
 @pytest.mark.parametrize(
     ("kind", "compile"),
-    # torch.compile once, on the plainest architecture: compiling costs tens of seconds.
-    [(kind, False) for kind in sorted(KINDS)] + [("llama", True)],
+    # torch.compile once, on the plainest architecture, in the slow run (`make test-slow`):
+    # compiling costs tens of seconds, and the default run compiles a model once already
+    # (test_compiled_bf16_matches_eager, below).
+    [(kind, False) for kind in sorted(KINDS)]
+    + [pytest.param("llama", True, marks=pytest.mark.slow)],
 )
 def test_random_model_matches_transformers(
     kind: str, compile: bool, tmp_path: Path, smollm2_path: Path

@@ -26,7 +26,7 @@ from sluice.layers.linear import Linear
 from sluice.layers.quantization import Int8WeightOnly
 from sluice.models import llama_decode_stack
 from sluice.models.llama_decode_stack import LlamaDecodeStack
-from tests.conftest import kernels_at
+from tests.conftest import kernels_at, level_cases
 from tests.test_architectures import build
 from tests.test_moe_gguf import VOCAB, tokenizer
 
@@ -125,13 +125,7 @@ CONFIGS = [
     ("gguf", "bfloat16"),
     ("gguf", "float32"),
 ]
-CASES = [
-    (level, quantization, dtype)
-    for level in cpu.available_levels()
-    for quantization, dtype in (
-        CONFIGS if level == cpu.level() else [("int4", "float32"), ("gguf", "float32")]
-    )
-]
+CASES = level_cases(CONFIGS, [("int4", "float32"), ("gguf", "float32")], dtype_at=1)
 
 
 @pytest.mark.parametrize(("level", "quantization", "dtype"), CASES)
@@ -156,11 +150,7 @@ def assert_stack_equals_model_on_smollm2(quantization: str, dtype: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("level", "dtype"),
-    [
-        (level, "bfloat16" if level == cpu.level() else "float32")
-        for level in cpu.available_levels()
-    ],
+    ("level", "dtype"), level_cases([("bfloat16",)], [("float32",)], dtype_at=0)
 )
 def test_stack_equals_model_with_an_int8_kv_cache(level: str, dtype: str) -> None:
     # The stack writes and reads int8 K/V rows with the same kernels as the layers.
@@ -379,15 +369,11 @@ def test_stack_is_not_built_for_a_shared_expert_or_dense_experts(
 
 @pytest.mark.parametrize(
     ("level", "dtype", "lora_dtype"),
-    [
-        (level, dtype, lora_dtype)
-        for level in cpu.available_levels()
-        for dtype, lora_dtype in (
-            (("bfloat16", "int8"), ("bfloat16", "model"), ("float32", "int8"))
-            if level == cpu.level()
-            else (("float32", "int8"), ("float32", "model"))
-        )
-    ],
+    level_cases(
+        [("bfloat16", "int8"), ("bfloat16", "model"), ("float32", "int8")],
+        [("float32", "int8"), ("float32", "model")],
+        dtype_at=0,
+    ),
 )
 def test_stack_equals_model_with_lora_adapters(level: str, dtype: str, lora_dtype: str) -> None:
     """Steps mixing two adapters and the base run in the stack, each adapted linear

@@ -31,7 +31,7 @@ from sluice.layers.quantization import (
     quantized_kernels_only,
 )
 from sluice.loader import load_model
-from tests.conftest import LEVELS, kernels_at
+from tests.conftest import LEVELS, kernels_at, level_cases
 
 PARAGRAPH = (
     "The river rises in the hills north of the town and runs for about forty miles before "
@@ -339,15 +339,11 @@ def test_quantized_model_answers(quantization: str, dtype: str) -> None:
 PINS = {("none", "bfloat16"): 0.93, "int8": 0.89, "int4": 0.92, "gguf": 0.95}
 # The wiki text's cases at this CPU's level (WIKI_PINS); the rest on PARAGRAPH.
 WIKI_CASES = [("none", "bfloat16"), ("int8", "bfloat16"), ("int4", "float32"), ("gguf", "bfloat16")]
-AGREEMENT_CASES = [
-    (level, quantization, dtype)
-    for level in cpu.available_levels()
-    for quantization, dtype in (
-        [("int8", "float32"), ("int4", "bfloat16"), ("gguf", "float32")]
-        if level == cpu.level()
-        else [("int8", "float32"), ("int4", "float32"), ("gguf", "float32")]  # AVX2's auto
-    )
-]
+AGREEMENT_CASES = level_cases(
+    [("int8", "float32"), ("int4", "bfloat16"), ("gguf", "float32")],
+    [("int8", "float32"), ("int4", "float32"), ("gguf", "float32")],  # AVX2's auto
+    dtype_at=1,
+)
 
 # The wiki text (benchmarks/datasets.py's wiki_text, fetched by `make install`): 8
 # windows of 512 tokens spread evenly over it, 4,088 predicted positions, fp32
