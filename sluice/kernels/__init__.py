@@ -150,6 +150,19 @@ def _compile(cxx: str, flags: list[str], tmp: Path, so: Path) -> str | None:
     return "\n".join(failed) if failed else None
 
 
+def _compile_into(cxx: str, flags: list[str], level: str, out: Path) -> bool:
+    """Compile `level`'s library to `out` (whole or not at all); False, with a warning
+    naming the compiler's messages, if it fails."""
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        error = _compile(cxx, flags, Path(tmp), tmp_so)
+        if error is not None:
+            logger.warning("building CPU kernels (%s) failed, using torch ops:\n%s", level, error)
+            return False
+        os.replace(tmp_so, out)
+    return True
+
+
 def _build(level: str) -> Library | None:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -161,20 +174,13 @@ def _build(level: str) -> Library | None:
     for src in _SOURCES + _HEADERS:
         digest.update(src.read_bytes())
     out = cache_dir() / "kernels" / f"sluice-kernels-{level}-{digest.hexdigest()[:16]}.so"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Processes starting together (test workers, data-parallel replicas) build a level
-    # once: the others wait here and load what the first wrote.
-    with FileLock(out.with_name(out.name + ".lock")):
-        if not out.exists():
-            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                tmp_so = Path(tmp) / out.name
-                error = _compile(cxx, flags, Path(tmp), tmp_so)
-                if error is not None:
-                    logger.warning(
-                        "building CPU kernels (%s) failed, using torch ops:\n%s", level, error
-                    )
-                    return None
-                os.replace(tmp_so, out)
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # Processes starting together (test workers, data-parallel replicas) build a
+        # level once: the others wait here and load what the first wrote.
+        with FileLock(out.with_name(out.name + ".lock")):
+            if not out.exists() and not _compile_into(cxx, flags, level, out):
+                return None
     lib = Library(str(out))
     apply_declarations(lib)
     built = built_level(lib)
@@ -211,16 +217,17 @@ def load(level: str | None = None) -> Library | None:
 
 
 def build(levels: list[str] | None = None) -> dict[str, bool]:
-    """Build (or find cached) the libraries of `levels` (default: every level this CPU
-    runs) at once, their sources sharing the compiler pool: what `make test` does first,
-    so test workers load the kernels of every level instead of each compiling them.
-    Returns whether each library level built."""
+    """Build (or find cached) the libraries of `levels` (default: every level this
+    process runs, cpu.available_levels()) at once, their sources sharing the compiler
+    pool: what `make test` does first, so test workers load the kernels of every level
+    instead of each compiling them. Returns whether each library level built."""
     supported = cpu.supported_levels()
     for level in levels or ():
         if level not in supported:
             raise ValueError(f"this CPU cannot run the {level} kernels (it runs {supported})")
+    wanted_levels = levels or cpu.available_levels()
     # The slowest build (the highest level) queues its sources first.
-    wanted = [x for x in reversed(supported) if x in (levels or supported)]
+    wanted = [x for x in reversed(supported) if x in wanted_levels]
     wanted = list(dict.fromkeys(library_level(x) for x in wanted))
     with ThreadPoolExecutor(max_workers=len(wanted)) as pool:
         libs = list(pool.map(_build, wanted))
