@@ -44,7 +44,7 @@ run: install
 # its share of the CPUs), a test file's tests on one worker (its module fixtures load
 # once). --durations: every CI log says where the suite's time goes.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
-# The kernels of every level this CPU runs are built first, once, one compiler per core
+# The kernels of every level the tests run are built first, once, one compiler per core
 # (a minute on 2 cores): the workers then load them instead of each compiling them. A
 # failed build leaves the tests to say what it breaks.
 test: install

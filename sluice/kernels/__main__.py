@@ -1,5 +1,6 @@
 """`python -m sluice.kernels [LEVEL ...]`: build the kernel libraries of the levels named
-(default: every level this CPU runs) into the cache at once, one compiler per core.
+(default: every level this process runs, to SLUICE_CPU_ISA's if set) into the cache at
+once, one compiler per core.
 `make test` runs it first so its workers do not each compile every level."""
 
 from __future__ import annotations
