@@ -347,8 +347,10 @@ class ModelRunner:
         if loaded and self.followers is not None:
             self.followers.load_lora(loaded)  # before the step that needs them
         per_request = [-1 if r.lora is None else placed[r.lora.key] for r, _ in scheduled]
-        counts = torch.tensor([n for _, n in scheduled])
-        return torch.tensor(per_request, dtype=torch.int32).repeat_interleave(counts)
+        slots = torch.tensor(per_request, dtype=torch.int32)
+        if all(n == 1 for _, n in scheduled):  # a decode step: a token a request
+            return slots
+        return slots.repeat_interleave(torch.tensor([n for _, n in scheduled]))
 
     def _pool(self, spans: list[PoolSpan], states: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each embedding request's pooled vector once its prompt is complete (fp32, on
