@@ -155,16 +155,6 @@ inline const LoraBlocks& lora_blocks(int64_t rows, const int32_t* slots) {
   return blocks;
 }
 
-// How many work items ahead the shrink and expand prefetch: an item reads 0.5-3 KB of
-// adapter that a decode step finds in no cache, and the hardware prefetcher alone left
-// most of the expand's time waiting on the first line of each rank row.
-constexpr int64_t kLoraPrefetchItems = 4;
-
-inline void lora_prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
-}
-
 // sums[k] = x[rows[k]] . a for the n <= kLoraRows rows of a block.
 template <typename T, typename W>
 inline void lora_block_dots(const T* x, const int32_t* rows, int n, int in_dim, const W* a,
@@ -219,12 +209,6 @@ void lora_shrink(const T* x, int64_t rows, int in_dim, const W* a, const float* 
   const int64_t items = blocks.count() * r_total;
 #pragma omp for schedule(static) nowait
   for (int64_t i = 0; i < items; ++i) {
-    const auto a_row = [&](int64_t item) {
-      const int32_t s = slots[blocks.order[blocks.start[item / r_total]]];
-      return a + (static_cast<int64_t>(s) * r_total + item % r_total) * in_dim;
-    };
-    if (i + kLoraPrefetchItems < items)
-      lora_prefetch(a_row(i + kLoraPrefetchItems), in_dim * static_cast<int64_t>(sizeof(W)));
     const int64_t blk = i / r_total;
     const int r = static_cast<int>(i % r_total);
     const int32_t* block = blocks.order.data() + blocks.start[blk];
@@ -271,12 +255,6 @@ void lora_expand(const float* u, int64_t rows, int rank, int n_slices, const int
   const int r_total = n_slices * rank;
 #pragma omp for schedule(static)
   for (int64_t i = 0; i < items; ++i) {
-    if (i + kLoraPrefetchItems < items) {
-      const int64_t ahead = i + kLoraPrefetchItems;
-      const int32_t s = slots[blocks.order[blocks.start[ahead / tiles]]];
-      lora_prefetch(bt + (static_cast<int64_t>(s) * tiles + ahead % tiles) * rank * kTile,
-                    static_cast<int64_t>(ranks[s]) * kTile * static_cast<int64_t>(sizeof(W)));
-    }
     const int64_t blk = i / tiles;
     const int32_t* block = blocks.order.data() + blocks.start[blk];
     const int n = blocks.start[blk + 1] - blocks.start[blk];
