@@ -21,7 +21,7 @@ from sluice import LLM, SamplingParams, kernels
 from sluice.attention.backend import AttentionMetadata
 from sluice.core.quantized_tensor import QuantizedTensor, pack, unpack_values
 from sluice.kernels import cpu
-from sluice.layers.block_quant import BlockQuantized
+from sluice.layers.block_quant import GEMM_MIN_ROWS, INT8_GEMM_LEVELS, BlockQuantized
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import Int8WeightOnly
 from sluice.models import llama_decode_stack
@@ -350,6 +350,34 @@ def test_stack_equals_model_on_random_gguf_models(
         assert outputs[1] == outputs[0]  # token ids and logprob floats, exactly
         for eager, fused in zip(*counts, strict=True):  # the stack counts experts' rows
             assert torch.equal(fused, eager) and int(eager.sum()) > 0
+
+
+@pytest.mark.parametrize(("kind", "tensor_type"), [("qwen3", "Q4_0"), ("olmoe", "Q8_0")])
+def test_stack_runs_the_int8_gemm_where_eager_does(
+    kind: str, tensor_type: str, tmp_path: Path, tokenizer: Path, kernel_level: str
+) -> None:
+    # With int8 prompts at a level that has the int8 GEMM, eager layers take it from
+    # GEMM_MIN_ROWS rows (experts by their own rows), and so does the stack, which then
+    # takes decode steps of up to 32 streams. The router of each MoE layer sends every
+    # row to experts 0 or 1 (random logits) or else to 2 and 3 (the rest score 0, and
+    # the first of tied experts wins): steps mix experts of many rows, on the GEMM,
+    # with experts of few, on the grouped kernel.
+    path = random_gguf(kind, tensor_type, tmp_path, tokenizer)
+    llm = LLM(model=str(path), quantization="gguf", dtype="bfloat16", kv_cache_memory=0.02,
+              prompt_activations="int8")  # fmt: skip
+    stack = built_stack(llm)
+    gemm = kernels.variant() in INT8_GEMM_LEVELS
+    assert stack.shape.gemm_min_rows == (GEMM_MIN_ROWS[kernels.variant()] if gemm else 0)
+    assert stack.max_rows == (32 if gemm else stack_rows("gguf"))
+    model = llm.engine.runner.model
+    for layer in model.layers:
+        if llm.engine.model_config.is_moe:
+            layer.mlp.router.data[2:] = 0
+    prompts = random_prompts(4, stack.max_rows)
+    eager, none = run(llm, prompts, use_stack=False)
+    fused, calls = run(llm, prompts, use_stack=True)
+    assert none == 0 and calls > 0
+    assert fused == eager  # token ids and logprob floats, exactly
 
 
 def test_stack_is_not_built_for_a_shared_expert_or_dense_experts(

@@ -45,8 +45,8 @@ _DECODE_STACK = c_function(
     *(POINTER, POINTER, INT64, POINTER, POINTER, INT, INT),
     # qk_norm, experts, top_k, moe_inter, renormalize
     *(INT, INT, INT, INT, INT),
-    # lora_slots, lora_rank, residual_scale
-    *(POINTER, INT, FLOAT),
+    # lora_slots, lora_rank, residual_scale, gemm_min_rows
+    *(POINTER, INT, FLOAT, INT),
 )
 
 
@@ -126,6 +126,9 @@ class StackShape:
     # Each sublayer's output times this before it joins the residual stream (Granite's
     # residual_multiplier; 1.0: none).
     residual_scale: float = 1.0
+    # Rows from which qblock linears, and experts by their own rows, take the int8 GEMM
+    # as the eager layers do (block_quant.GEMM_MIN_ROWS); 0: never.
+    gemm_min_rows: int = 0
 
 
 def decode_stack(
@@ -176,5 +179,6 @@ def decode_stack(
         ptr_or_null(lora_slots),
         shape.lora_rank,
         shape.residual_scale,
+        shape.gemm_min_rows,
     )
     return h

@@ -40,6 +40,13 @@ from sluice.models.mlp import MLP
 from sluice.models.moe import SparseMoE
 
 STACK_MAX_ROWS = 3
+# Rows a step may have where every linear and expert takes the int8 GEMM from one row
+# count on, as the eager layers do (a model with int8 prompts at a level with the GEMM):
+# the stack then runs the GEMM there too, so 12-32 decoding streams take one call
+# instead of the eager layers' (~28 ms of Python and torch ops in a 16-stream step of
+# OLMoE-1B-7B, 243 ms, on 2 cores of an AMX Xeon: cProfile, ad hoc). Past 32 rows a step
+# is a prompt's, which the paged kernel does not take anyway.
+STACK_GEMM_MAX_ROWS = 32
 QBLOCK_FORMATS = frozenset(
     decode_stack.qblock_format(bits, group) for bits, group in qblock.FORMATS
 )
@@ -213,6 +220,28 @@ def _max_rows_eager(layer: DecoderLayer) -> int:
     return min(rows)
 
 
+def _gemm_min_rows(layer: DecoderLayer) -> int:
+    """The row count from which every linear of the layer, and each of its experts by
+    its own rows, takes the int8 GEMM in eager (block_quant.GEMM_MIN_ROWS); 0 where some
+    weight does not or their counts differ."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [attn.qkv_proj, attn.o_proj]
+    if isinstance(mlp, MLP):
+        linears += [mlp.gate_up_proj, mlp.down_proj]
+    rows = set()
+    for linear in linears:
+        method = linear.method
+        if not isinstance(method, BlockQuantized) or not method.int8_gemm:
+            return 0
+        rows.add(method.dense_min_rows)
+    if isinstance(mlp, SparseMoE):
+        experts = mlp.experts
+        if not experts.int8_gemm:
+            return 0
+        rows |= {experts.gate_up_dense_rows, experts.down_dense_rows}
+    return rows.pop() if len(rows) == 1 else 0
+
+
 def _qk_norm_mode(c: ModelConfig) -> int:
     if not c.qk_norm:
         return decode_stack.QK_NORM_NONE
@@ -239,6 +268,7 @@ class LlamaDecodeStack:
         max_rows: int,
         block_size: int,
         kv_int8: bool,
+        gemm_min_rows: int = 0,
     ) -> None:
         self.lib = lib
         self.formats = formats  # of the linears' weights (decode_stack.FORMAT_*, qblock's)
@@ -264,6 +294,7 @@ class LlamaDecodeStack:
             renormalize=c.norm_topk_prob,
             lora_rank=_lora_rank(model),
             residual_scale=c.residual_multiplier,
+            gemm_min_rows=gemm_min_rows,
         )
 
     @classmethod
@@ -314,6 +345,10 @@ class LlamaDecodeStack:
         # fixed since.)
         limit = qblock.row_block(lib) if formats <= QBLOCK_FORMATS else STACK_MAX_ROWS
         max_rows = min(limit, max_rows_eager)
+        gemm_rows = {_gemm_min_rows(layer) for layer in model.layers}
+        gemm_min_rows = gemm_rows.pop() if len(gemm_rows) == 1 else 0
+        if gemm_min_rows:  # from there on the stack runs the GEMM as eager does
+            max_rows = STACK_GEMM_MAX_ROWS
         if max_rows < 1:
             return None
         block_size = kv_caches[0][0].shape[2]  # pools are [blocks, kv_heads, block_size, d]
@@ -322,7 +357,9 @@ class LlamaDecodeStack:
         if len(kv_dtypes) != 1:  # one pool format for the whole stack
             return None
         kv_int8 = kv_dtypes == {torch.uint8}
-        return cls(lib, model, frozenset(formats), table, max_rows, block_size, kv_int8)
+        return cls(
+            lib, model, frozenset(formats), table, max_rows, block_size, kv_int8, gemm_min_rows
+        )
 
     def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Steps whose tokens all go to the paged kernel and our weight-only kernels (and

@@ -33,6 +33,7 @@
 #include "q4_matmul.h"
 #include "q8_matmul.h"
 #include "qblock.h"
+#include "qblock_gemm.h"
 
 namespace {
 
@@ -90,6 +91,10 @@ struct Shape {
   // Each sublayer's output times this before it joins the residual stream, rounded to
   // the activations' type as the eager layer rounds it (Granite's residual_multiplier).
   float residual_scale;
+  // Rows from which a qblock linear (and an expert, by its own rows) takes the int8 GEMM
+  // (qblock_gemm.h) in place of the block kernel, as the eager layers do for a model
+  // with int8 prompts (block_quant.GEMM_MIN_ROWS); 0: never.
+  int gemm_min_rows;
 };
 
 struct Batch {
@@ -153,14 +158,33 @@ void lora_end(const Shape& s, const int64_t* L, const Batch& b, const LoraLinear
                              at<int32_t>(L, Field(lin.a + 2)), y);
 }
 
+// The weight of the linear (or stacked experts) whose fields start at `packed`.
+inline sluice::QbWeight qb_weight(const int64_t* L, Field packed) {
+  return sluice::QbWeight{at<uint8_t>(L, packed), at<uint8_t>(L, Field(packed + 1)),
+                          at<void>(L, Field(packed + 2)), at<void>(L, Field(packed + 3)),
+                          at<uint16_t>(L, Field(packed + 4))};
+}
+
 // y [M, N] = x @ W.T for the linear whose fields start at `packed`, on the kernel its
-// format names (that kernel's orphaned omp for, barrier at the end).
+// format names (that kernel's orphaned omp for, barrier at the end): from
+// s.gemm_min_rows rows a qblock weight takes the int8 GEMM on x (which it quantizes
+// itself into ga), else the block kernel on xa.
+inline bool on_gemm(const Shape& s, const int64_t* layer, Field packed, int M) {
+  const int64_t format = layer[packed + 5];
+  const bool qblock = format != kFormatInt4 && format != kFormatInt8;
+  return qblock && s.gemm_min_rows > 0 && M >= s.gemm_min_rows;
+}
+
 template <typename T>
-void linear(const int64_t* layer, Field packed, const sluice::QBlockActivations& xa, int M,
-            int K, int N, T* y) {
+void linear(const Shape& s, const int64_t* layer, Field packed,
+            const sluice::QBlockActivations& xa, const T* x, sluice::GemmActivations& ga,
+            int M, int K, int N, T* y) {
   const auto* q = at<uint8_t>(layer, packed);
   const int64_t format = layer[packed + 5];
-  if (format == kFormatInt4)
+  if (on_gemm(s, layer, packed, M))
+    sluice::qblock_gemm(x, M, K, static_cast<int>(format / 100), static_cast<int>(format % 100),
+                        qb_weight(layer, packed), N, y, ga);
+  else if (format == kFormatInt4)
     sluice::q4_rows(xa, M, K, q, at<uint16_t>(layer, Field(packed + 2)),
                     at<uint16_t>(layer, Field(packed + 3)), N, y);
   else if (format == kFormatInt8)
@@ -251,21 +275,28 @@ struct MoeScratch {
   }
 };
 
-// The weight of the linear (or stacked experts) whose fields start at `packed`.
-inline sluice::QbWeight qb_weight(const int64_t* L, Field packed) {
-  return sluice::QbWeight{at<uint8_t>(L, packed), at<uint8_t>(L, Field(packed + 1)),
-                          at<void>(L, Field(packed + 2)), at<void>(L, Field(packed + 3)),
-                          at<uint16_t>(L, Field(packed + 4))};
-}
 
 // The experts of stacked weight `packed` over the grouped rows xa holds (K values each,
 // N outputs per expert), into y; ends with a barrier.
 template <typename T>
-void experts(const int64_t* L, Field packed, const sluice::QBlockActivations& xa,
-             const MoeScratch<T>& m, int K, int N, T* y) {
+void experts(const Shape& s, const int64_t* L, Field packed, const sluice::QBlockActivations& xa,
+             const T* x, sluice::GemmActivations& ga, const MoeScratch<T>& m, int K, int N,
+             T* y) {
   const int64_t format = L[packed + 5];
-  sluice::qblock_experts(xa, K, static_cast<int>(format / 100), static_cast<int>(format % 100),
-                         qb_weight(L, packed), N, m.groups, m.start.data(), m.expert.data(), y);
+  const int bits = static_cast<int>(format / 100), group = static_cast<int>(format % 100);
+  const sluice::QbWeight w = qb_weight(L, packed);
+  // An expert with as many rows as a linear takes the GEMM from does so, as eager's
+  // experts do (sluice/layers/experts.py); the rest share the grouped kernel.
+  const int many = s.gemm_min_rows;
+  for (int j = 0; many > 0 && j < m.groups; ++j) {
+    const int64_t r0 = m.start[j], rows = m.start[j + 1] - r0;
+    if (rows >= many)
+      sluice::qblock_gemm(x + r0 * K, static_cast<int>(rows), K, bits, group,
+                          sluice::qblock_expert_weight(w, K, bits, group, m.expert[j] * N), N,
+                          y + r0 * N, ga);
+  }
+  sluice::qblock_experts(xa, K, bits, group, w, N, m.groups, m.start.data(), m.expert.data(), y,
+                         /*skip_from=*/many);
 #pragma omp barrier
 }
 
@@ -296,7 +327,7 @@ void weighted_sum(int M, int H, int k, MoeScratch<T>& m, T* out) {
 // sluice/models/moe.py's SparseMoE.forward.
 template <typename T>
 void moe(const Shape& s, const int64_t* L, int M, const T* x, T* out, MoeScratch<T>& m,
-         sluice::QBlockActivations& xa) {
+         sluice::QBlockActivations& xa, sluice::GemmActivations& ga) {
   const int H = s.hidden, I = s.moe_inter, k = s.top_k, pairs = M * k;
   sluice::router_logits(x, M, H, at<float>(L, kRouter), s.experts, m.logits.data());
 #pragma omp single
@@ -307,13 +338,13 @@ void moe(const Shape& s, const int64_t* L, int M, const T* x, T* out, MoeScratch
                   x + static_cast<int64_t>(m.order[i] / k) * H, H * sizeof(T));
     quantize_for(xa, L, kGateUpPacked, m.xs.data(), pairs, H);
   }
-  experts(L, kGateUpPacked, xa, m, H, 2 * I, m.gate_up.data());
+  experts(s, L, kGateUpPacked, xa, m.xs.data(), ga, m, H, 2 * I, m.gate_up.data());
 #pragma omp single
   {
     sluice::silu_and_mul(m.gate_up.data(), m.act.data(), pairs, I);
     quantize_for(xa, L, kDownPacked, m.act.data(), pairs, I);
   }
-  experts(L, kDownPacked, xa, m, I, H, m.y.data());
+  experts(s, L, kDownPacked, xa, m.act.data(), ga, m, I, H, m.y.data());
 #pragma omp single
   weighted_sum(M, H, k, m, out);
 }
@@ -363,6 +394,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
   std::vector<T> qkv(static_cast<size_t>(M) * qkv_n), attn(static_cast<size_t>(M) * q_size);
   std::vector<T> gate_up(static_cast<size_t>(M) * 2 * s.inter), act(static_cast<size_t>(M) * s.inter);
   sluice::QBlockActivations xa;
+  sluice::GemmActivations ga;  // the int8 GEMM's rows (Shape::gemm_min_rows)
   MoeScratch<T> moe_scratch(s, M);
   const LoraLinear lora_qkv{kQkvLoraA, {0, q_size, q_size + kv_size, qkv_n}};
   const LoraLinear lora_o{kOLoraA, {0, H}};
@@ -382,10 +414,10 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
         scale_residual(s, h, static_cast<int64_t>(M) * H);  // the last layer's MLP output
         sluice::add_rms_norm<T>(h, residual.data(), at<T>(L, kInputNorm), x.data(), M, H, s.eps);
       }
-      quantize_for(xa, L, kQkvPacked, x.data(), M, H);
+      if (!on_gemm(s, L, kQkvPacked, M)) quantize_for(xa, L, kQkvPacked, x.data(), M, H);
     }
     lora_begin(s, L, b, lora_qkv, x.data(), M, H, lora_u);
-    linear(L, kQkvPacked, xa, M, H, qkv_n, qkv.data());
+    linear(s, L, kQkvPacked, xa, x.data(), ga, M, H, qkv_n, qkv.data());
     const bool qkv_lora = lora_on(L, b, lora_qkv);
     if (qkv_lora) {
       // The bias first, as the eager Linear adds it (a pass of its own: folded into the
@@ -416,31 +448,32 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
                            s.kv_heads, s.head_dim, s.block_size, s.scale,
                            static_cast<int64_t>(qkv_n), /*window=*/0);
 #pragma omp single
-    quantize_for(xa, L, kOPacked, attn.data(), M, q_size);
+    if (!on_gemm(s, L, kOPacked, M)) quantize_for(xa, L, kOPacked, attn.data(), M, q_size);
     lora_begin(s, L, b, lora_o, attn.data(), M, q_size, lora_u);
-    linear(L, kOPacked, xa, M, q_size, H, h);
+    linear(s, L, kOPacked, xa, attn.data(), ga, M, q_size, H, h);
     lora_end(s, L, b, lora_o, M, lora_u, h);
     const bool sparse = L[kRouter] != 0;  // a Mixture-of-Experts layer
 #pragma omp single
     {
       scale_residual(s, h, static_cast<int64_t>(M) * H);  // the attention's output
       sluice::add_rms_norm<T>(h, residual.data(), at<T>(L, kPostNorm), x.data(), M, H, s.eps);
-      if (!sparse) quantize_for(xa, L, kGateUpPacked, x.data(), M, H);
+      if (!sparse && !on_gemm(s, L, kGateUpPacked, M))
+        quantize_for(xa, L, kGateUpPacked, x.data(), M, H);
     }
     if (sparse) {
-      moe(s, L, M, x.data(), h, moe_scratch, xa);
+      moe(s, L, M, x.data(), h, moe_scratch, xa, ga);
       continue;
     }
     lora_begin(s, L, b, lora_gate_up, x.data(), M, H, lora_u);
-    linear(L, kGateUpPacked, xa, M, H, 2 * s.inter, gate_up.data());
+    linear(s, L, kGateUpPacked, xa, x.data(), ga, M, H, 2 * s.inter, gate_up.data());
     lora_end(s, L, b, lora_gate_up, M, lora_u, gate_up.data());
 #pragma omp single
     {
       sluice::silu_and_mul(gate_up.data(), act.data(), M, s.inter);
-      quantize_for(xa, L, kDownPacked, act.data(), M, s.inter);
+      if (!on_gemm(s, L, kDownPacked, M)) quantize_for(xa, L, kDownPacked, act.data(), M, s.inter);
     }
     lora_begin(s, L, b, lora_down, act.data(), M, s.inter, lora_u);
-    linear(L, kDownPacked, xa, M, s.inter, H, h);
+    linear(s, L, kDownPacked, xa, act.data(), ga, M, s.inter, H, h);
     lora_end(s, L, b, lora_down, M, lora_u, h);
   }
   // The model's output is the last layer's MLP output plus the residual stream.
@@ -467,6 +500,7 @@ const char* sluice_decode_stack_field(int i) {
 // experts in a dense model). lora_slots [rows] int32: each row's LoRA slot (-1: none),
 // null where no row has an adapter; lora_rank: the slots' rank per slice.
 // residual_scale: each sublayer's output factor (Shape's; 1 for all but Granite).
+// gemm_min_rows: rows from which qblock linears and experts take the int8 GEMM (0: never).
 void sluice_decode_stack(int bf16, const int64_t* fields, int layers, int hidden, int heads,
                          int kv_heads, int head_dim, int inter, int block_size, float eps,
                          float scale, void* h, const void* cos, const void* sin, int rows,
@@ -474,10 +508,11 @@ void sluice_decode_stack(int bf16, const int64_t* fields, int layers, int hidden
                          const int64_t* q_start, const int64_t* ctx_end, int seqs,
                          int kv_int8, int qk_norm, int experts, int top_k, int moe_inter,
                          int renormalize, const int32_t* lora_slots, int lora_rank,
-                         float residual_scale) {
+                         float residual_scale, int gemm_min_rows) {
   const Shape s{layers, hidden,     heads, kv_heads, head_dim,         inter,
                 block_size, eps,    scale, kv_int8 != 0, qk_norm,   experts,
-                top_k,  moe_inter, renormalize != 0, lora_rank, residual_scale};
+                top_k,  moe_inter, renormalize != 0, lora_rank, residual_scale,
+                gemm_min_rows};
   const Batch b{rows, slots, tables, max_blocks, q_start, ctx_end, seqs, lora_slots};
   if (bf16)
     run(s, fields, b, static_cast<uint16_t*>(h), static_cast<const uint16_t*>(cos),

@@ -819,12 +819,15 @@ QbWeight qblock_expert_weight(const QbWeight& w, int K, int64_t first_row) {
 // faster on a quiet machine, up to 2x where another process took a core and every
 // barrier waited for the preempted thread. No barrier at the end either: a caller
 // that reads y next passes one.
+// skip_from > 0: groups of that many rows or more are left out (the decode stack's
+// experts that take the int8 GEMM).
 template <int BITS, int G, bool IQ, typename T>
 void qblock_experts_t(const QBlockActivations& xa, int K, const QbWeight& w, int N,
-                      int num_groups, const int64_t* start, const int64_t* expert, T* y) {
+                      int num_groups, const int64_t* start, const int64_t* expert, T* y,
+                      int skip_from = 0) {
   for (int j = 0; j < num_groups; ++j) {
     const int r0 = static_cast<int>(start[j]), rows = static_cast<int>(start[j + 1] - start[j]);
-    if (rows == 0) continue;
+    if (rows == 0 || (skip_from > 0 && rows >= skip_from)) continue;
     const QbWeight we = qblock_expert_weight<BITS, G, IQ>(w, K, expert[j] * N);
     qblock_rows_t<BITS, G, IQ>(xa, rows, K, we, N, y, r0, /*wait=*/false);
   }
@@ -833,9 +836,20 @@ void qblock_experts_t(const QBlockActivations& xa, int K, const QbWeight& w, int
 // qblock_experts_t for the runtime format (every thread of a parallel region calls it).
 template <typename T>
 void qblock_experts(const QBlockActivations& xa, int K, int bits, int group, const QbWeight& w,
-                    int N, int num_groups, const int64_t* start, const int64_t* expert, T* y) {
+                    int N, int num_groups, const int64_t* start, const int64_t* expert, T* y,
+                    int skip_from = 0) {
   SLUICE_QB_DISPATCH(bits, group, w.s != nullptr,
-                     (qblock_experts_t<B, G, IQ>(xa, K, w, N, num_groups, start, expert, y)))
+                     (qblock_experts_t<B, G, IQ>(xa, K, w, N, num_groups, start, expert, y,
+                                                 skip_from)))
+}
+
+// qblock_expert_weight for the runtime format.
+inline QbWeight qblock_expert_weight(const QbWeight& w, int K, int bits, int group,
+                                     int64_t first_row) {
+  QbWeight out = w;
+  SLUICE_QB_DISPATCH(bits, group, w.s != nullptr,
+                     (out = qblock_expert_weight<B, G, IQ>(w, K, first_row)))
+  return out;
 }
 
 }  // namespace sluice

@@ -351,4 +351,11 @@ void qblock_gemm_t(const T* x, int M, int K, const QbWeight& wt, int N, T* y,
   }
 }
 
+// qblock_gemm_t for the runtime format (every thread of a parallel region calls it).
+template <typename T>
+void qblock_gemm(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N, T* y,
+                 GemmActivations& a) {
+  SLUICE_QB_DISPATCH(bits, group, w.s != nullptr, (qblock_gemm_t<B, G, IQ>(x, M, K, w, N, y, a)))
+}
+
 }  // namespace sluice
