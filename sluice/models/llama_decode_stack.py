@@ -242,6 +242,25 @@ def _gemm_min_rows(layer: DecoderLayer) -> int:
     return rows.pop() if len(rows) == 1 else 0
 
 
+def _max_rows(
+    lib: Library, model: LlamaForCausalLM, formats: set[int], max_rows_eager: int
+) -> tuple[int, int]:
+    """(the most rows a step the stack takes, StackShape.gemm_min_rows). Where every
+    layer takes the int8 GEMM from one row count, STACK_GEMM_MAX_ROWS: the stack runs
+    the GEMM from there as eager does. Otherwise, on qblock weights, at most the rows one
+    pass of its kernel serves (qblock.row_block: 12 at AVX-512, 4 below) below every
+    eager crossover; else 3, the decode regime the int4 and int8 kernels (a weight read
+    per row) are for. (A cap of 3 for every format once answered a "stall" on 4-15-row
+    steps that only tests/test_server.py's queue-full test showed; that test's client
+    had closed its stream, a race fixed since.)"""
+    gemm_rows = {_gemm_min_rows(layer) for layer in model.layers}
+    gemm_min_rows = gemm_rows.pop() if len(gemm_rows) == 1 else 0
+    if gemm_min_rows:
+        return STACK_GEMM_MAX_ROWS, gemm_min_rows
+    limit = qblock.row_block(lib) if formats <= QBLOCK_FORMATS else STACK_MAX_ROWS
+    return min(limit, max_rows_eager), 0
+
+
 def _qk_norm_mode(c: ModelConfig) -> int:
     if not c.qk_norm:
         return decode_stack.QK_NORM_NONE
@@ -337,18 +356,7 @@ class LlamaDecodeStack:
             formats |= found[0]
             rows.append(found[1])
             max_rows_eager = min(max_rows_eager, _max_rows_eager(layer))
-        # On qblock weights, at most the rows one pass of its kernel serves
-        # (qblock.row_block: 12 at AVX-512, 4 below); else 3, the decode regime the int4
-        # and int8 kernels (a weight read per row) are for. (A cap of 3 for every format
-        # once answered a "stall" on 4-15-row steps that only tests/test_server.py's
-        # queue-full test showed; that test's client had closed its stream, a race
-        # fixed since.)
-        limit = qblock.row_block(lib) if formats <= QBLOCK_FORMATS else STACK_MAX_ROWS
-        max_rows = min(limit, max_rows_eager)
-        gemm_rows = {_gemm_min_rows(layer) for layer in model.layers}
-        gemm_min_rows = gemm_rows.pop() if len(gemm_rows) == 1 else 0
-        if gemm_min_rows:  # from there on the stack runs the GEMM as eager does
-            max_rows = STACK_GEMM_MAX_ROWS
+        max_rows, gemm_min_rows = _max_rows(lib, model, formats, max_rows_eager)
         if max_rows < 1:
             return None
         block_size = kv_caches[0][0].shape[2]  # pools are [blocks, kv_heads, block_size, d]
