@@ -204,15 +204,21 @@ def layer_fields(
     return {fmt for fmt, _ in found}, fields
 
 
-def _max_rows_eager(layer: DecoderLayer) -> int:
-    """The most rows a step may have for the layer's eager forward to run our weight
-    kernels throughout (each linear's, and the experts', dense crossover less one)."""
+def _linears(layer: DecoderLayer) -> list[Linear]:
+    """The layer's linears the stack runs (its MLP's where it is dense)."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = [attn.qkv_proj, attn.o_proj]
     if isinstance(mlp, MLP):
         linears += [mlp.gate_up_proj, mlp.down_proj]
+    return linears
+
+
+def _max_rows_eager(layer: DecoderLayer) -> int:
+    """The most rows a step may have for the layer's eager forward to run our weight
+    kernels throughout (each linear's, and the experts', dense crossover less one)."""
+    mlp = layer.mlp
     # layer_fields returned fields, so every linear runs one of our kernels.
-    rows = [cast(_KernelMethod, linear.method).dense_min_rows - 1 for linear in linears]
+    rows = [cast(_KernelMethod, linear.method).dense_min_rows - 1 for linear in _linears(layer)]
     if isinstance(mlp, SparseMoE):
         # An expert gets at most one pair of each row: fewer rows than the experts'
         # crossover keep every expert on the grouped kernel, as eager runs them.
@@ -224,12 +230,9 @@ def _gemm_min_rows(layer: DecoderLayer) -> int:
     """The row count from which every linear of the layer, and each of its experts by
     its own rows, takes the int8 GEMM in eager (block_quant.GEMM_MIN_ROWS); 0 where some
     weight does not or their counts differ."""
-    attn, mlp = layer.self_attn, layer.mlp
-    linears = [attn.qkv_proj, attn.o_proj]
-    if isinstance(mlp, MLP):
-        linears += [mlp.gate_up_proj, mlp.down_proj]
+    mlp = layer.mlp
     rows = set()
-    for linear in linears:
+    for linear in _linears(layer):
         method = linear.method
         if not isinstance(method, BlockQuantized) or not method.int8_gemm:
             return 0

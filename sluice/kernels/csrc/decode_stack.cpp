@@ -165,16 +165,17 @@ inline sluice::QbWeight qb_weight(const int64_t* L, Field packed) {
                           at<uint16_t>(L, Field(packed + 4))};
 }
 
-// y [M, N] = x @ W.T for the linear whose fields start at `packed`, on the kernel its
-// format names (that kernel's orphaned omp for, barrier at the end): from
-// s.gemm_min_rows rows a qblock weight takes the int8 GEMM on x (which it quantizes
-// itself into ga), else the block kernel on xa.
+// Whether the linear at `packed` takes the int8 GEMM for M rows (it then needs no xa).
 inline bool on_gemm(const Shape& s, const int64_t* layer, Field packed, int M) {
   const int64_t format = layer[packed + 5];
   const bool qblock = format != kFormatInt4 && format != kFormatInt8;
   return qblock && s.gemm_min_rows > 0 && M >= s.gemm_min_rows;
 }
 
+// y [M, N] = x @ W.T for the linear whose fields start at `packed`, on the kernel its
+// format names (that kernel's orphaned omp for, barrier at the end): from
+// s.gemm_min_rows rows a qblock weight takes the int8 GEMM on x (which it quantizes
+// itself into ga), else the block kernel on xa.
 template <typename T>
 void linear(const Shape& s, const int64_t* layer, Field packed,
             const sluice::QBlockActivations& xa, const T* x, sluice::GemmActivations& ga,
@@ -274,7 +275,6 @@ struct MoeScratch {
     }
   }
 };
-
 
 // The experts of stacked weight `packed` over the grouped rows xa holds (K values each,
 // N outputs per expert), into y; ends with a barrier.
