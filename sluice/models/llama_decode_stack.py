@@ -290,7 +290,7 @@ class LlamaDecodeStack:
         max_rows: int,
         block_size: int,
         kv_int8: bool,
-        gemm_min_rows: int = 0,
+        gemm_min_rows: int,
     ) -> None:
         self.lib = lib
         self.formats = formats  # of the linears' weights (decode_stack.FORMAT_*, qblock's)

@@ -165,11 +165,12 @@ inline sluice::QbWeight qb_weight(const int64_t* L, Field packed) {
                           at<uint16_t>(L, Field(packed + 4))};
 }
 
+// Whether a linear's format field names a qblock layout (not the int4 or int8 kernel).
+inline bool is_qblock(int64_t format) { return format != kFormatInt4 && format != kFormatInt8; }
+
 // Whether the linear at `packed` takes the int8 GEMM for M rows (it then needs no xa).
 inline bool on_gemm(const Shape& s, const int64_t* layer, Field packed, int M) {
-  const int64_t format = layer[packed + 5];
-  const bool qblock = format != kFormatInt4 && format != kFormatInt8;
-  return qblock && s.gemm_min_rows > 0 && M >= s.gemm_min_rows;
+  return is_qblock(layer[packed + 5]) && s.gemm_min_rows > 0 && M >= s.gemm_min_rows;
 }
 
 // y [M, N] = x @ W.T for the linear whose fields start at `packed`, on the kernel its
@@ -206,7 +207,7 @@ template <typename T>
 void quantize_for(sluice::QBlockActivations& xa, const int64_t* layer, Field packed, const T* x,
                   int M, int K) {
   const int64_t format = layer[packed + 5];
-  const bool qblock = format != kFormatInt4 && format != kFormatInt8;
+  const bool qblock = is_qblock(format);
   xa.quantize(x, M, K, qblock ? static_cast<int>(format % 100) : 0,
               qblock && layer[packed + 4] != 0);
 }
