@@ -24,12 +24,15 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+
 #include "decode_stack_fields.h"
 #include "dtype.h"
 #include "isa.h"
 #include "fused_ops.h"
 #include "lora.h"
 #include "paged_attention.h"
+#include "side_prefetch.h"
 #include "q4_matmul.h"
 #include "q8_matmul.h"
 #include "qblock.h"
@@ -106,7 +109,23 @@ struct Batch {
   const int64_t* ctx_end;   // [S]
   int seqs;
   const int32_t* lora_slots;  // [M] each row's LoRA slot (-1: none); null: no adapter
+  int32_t lora_block_slot;    // the slot where the adapter rows are one block, else -1
 };
+
+// The slot of a step's adapter rows where they form one block of the LoRA kernels (one
+// slot, at most kLoraRows rows: a stream or two of one adapter), else -1.
+int32_t lora_block_slot(const int32_t* lora_slots, int rows) {
+  if (lora_slots == nullptr) return -1;
+  int32_t slot = -1;
+  int count = 0;
+  for (int t = 0; t < rows; ++t) {
+    if (lora_slots[t] < 0) continue;
+    if (slot >= 0 && lora_slots[t] != slot) return -1;
+    slot = lora_slots[t];
+    ++count;
+  }
+  return count <= sluice::kLoraRows ? slot : -1;
+}
 
 template <typename T>
 const T* at(const int64_t* layer, Field f) {
@@ -156,6 +175,37 @@ void lora_end(const Shape& s, const int64_t* L, const Batch& b, const LoraLinear
                              reinterpret_cast<const void*>(L[lin.a + 1]),
                              lora_scale(L, lin) != nullptr, lin.offsets.back(), b.lora_slots,
                              at<int32_t>(L, Field(lin.a + 2)), y);
+}
+
+// Before a linear's matmul, where the step's adapter rows are one block: queue this
+// thread's run of the linear's B^T (its expand follows the matmul) and of the next
+// adapted linear's A (`next` in the layer `next_L`, input width next_k: the next
+// sublayer's shrink) for the matmul to prefetch (side_prefetch.h). A step of more
+// blocks reads each adapter row once for several rows, and it is their arithmetic, not
+// the reads, that it waits on.
+template <typename T>
+void lora_queue(const Shape& s, const Batch& b, const int64_t* L, const LoraLinear& lin,
+                const int64_t* next_L, const LoraLinear* next, int next_k) {
+  sluice::side_prefetch_clear();
+  const int64_t slot = b.lora_block_slot;
+  if (slot < 0) return;
+  const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
+  if (lora_on(L, b, lin)) {
+    const int n_slices = static_cast<int>(lin.offsets.size()) - 1;
+    const int64_t tiles = sluice::lora_tiles(n_slices, lin.offsets.data());
+    const int64_t tile_bytes = static_cast<int64_t>(s.lora_rank) * sluice::kLoraTile *
+                               (lora_scale(L, lin) != nullptr ? 1 : sizeof(T));
+    const char* bt = reinterpret_cast<const char*>(L[lin.a + 1]) + slot * tiles * tile_bytes;
+    const auto run = sluice::lora_thread_run(bt, tiles, tile_bytes, thread, threads);
+    sluice::side_prefetch_set(0, run.start, run.bytes);
+  }
+  if (next != nullptr && lora_on(next_L, b, *next)) {
+    const int64_t r_total = static_cast<int64_t>(next->offsets.size() - 1) * s.lora_rank;
+    const int64_t row_bytes = next_k * (lora_scale(next_L, *next) != nullptr ? 1 : sizeof(T));
+    const char* a = reinterpret_cast<const char*>(next_L[next->a]) + slot * r_total * row_bytes;
+    const auto run = sluice::lora_thread_run(a, r_total, row_bytes, thread, threads);
+    sluice::side_prefetch_set(1, run.start, run.bytes);
+  }
 }
 
 // The weight of the linear (or stacked experts) whose fields start at `packed`.
@@ -418,6 +468,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
       if (!on_gemm(s, L, kQkvPacked, M)) quantize_for(xa, L, kQkvPacked, x.data(), M, H);
     }
     lora_begin(s, L, b, lora_qkv, x.data(), M, H, lora_u);
+    lora_queue<T>(s, b, L, lora_qkv, L, &lora_o, q_size);
     linear(s, L, kQkvPacked, xa, x.data(), ga, M, H, qkv_n, qkv.data());
     const bool qkv_lora = lora_on(L, b, lora_qkv);
     if (qkv_lora) {
@@ -451,6 +502,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
 #pragma omp single
     if (!on_gemm(s, L, kOPacked, M)) quantize_for(xa, L, kOPacked, attn.data(), M, q_size);
     lora_begin(s, L, b, lora_o, attn.data(), M, q_size, lora_u);
+    lora_queue<T>(s, b, L, lora_o, L, &lora_gate_up, H);
     linear(s, L, kOPacked, xa, attn.data(), ga, M, q_size, H, h);
     lora_end(s, L, b, lora_o, M, lora_u, h);
     const bool sparse = L[kRouter] != 0;  // a Mixture-of-Experts layer
@@ -466,6 +518,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
       continue;
     }
     lora_begin(s, L, b, lora_gate_up, x.data(), M, H, lora_u);
+    lora_queue<T>(s, b, L, lora_gate_up, L, &lora_down, s.inter);
     linear(s, L, kGateUpPacked, xa, x.data(), ga, M, H, 2 * s.inter, gate_up.data());
     lora_end(s, L, b, lora_gate_up, M, lora_u, gate_up.data());
 #pragma omp single
@@ -474,7 +527,10 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
       if (!on_gemm(s, L, kDownPacked, M)) quantize_for(xa, L, kDownPacked, act.data(), M, s.inter);
     }
     lora_begin(s, L, b, lora_down, act.data(), M, s.inter, lora_u);
+    const bool last = l + 1 == s.layers;
+    lora_queue<T>(s, b, L, lora_down, L + kLayerFields, last ? nullptr : &lora_qkv, H);
     linear(s, L, kDownPacked, xa, act.data(), ga, M, s.inter, H, h);
+    sluice::side_prefetch_clear();  // what is left is not read before the next queue
     lora_end(s, L, b, lora_down, M, lora_u, h);
   }
   // The model's output is the last layer's MLP output plus the residual stream.
@@ -514,7 +570,8 @@ void sluice_decode_stack(int bf16, const int64_t* fields, int layers, int hidden
                 block_size, eps,    scale, kv_int8 != 0, qk_norm,   experts,
                 top_k,  moe_inter, renormalize != 0, lora_rank, residual_scale,
                 gemm_min_rows};
-  const Batch b{rows, slots, tables, max_blocks, q_start, ctx_end, seqs, lora_slots};
+  const Batch b{rows,  slots, tables,     max_blocks,
+                q_start, ctx_end, seqs, lora_slots, lora_block_slot(lora_slots, rows)};
   if (bf16)
     run(s, fields, b, static_cast<uint16_t*>(h), static_cast<const uint16_t*>(cos),
         static_cast<const uint16_t*>(sin));

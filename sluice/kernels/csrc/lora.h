@@ -240,6 +240,26 @@ inline int64_t lora_tiles(int n_slices, const int32_t* offsets) {
   return tiles;
 }
 
+// Where a step's adapter rows are one block (one slot, at most kLoraRows rows), the
+// shrink's items are its slot's A rows in order and the expand's its B^T tiles, and
+// `omp for schedule(static)` hands each thread one run of them: thread t of n takes
+// items / n of them, one more for the first items % n threads (libgomp's split; the
+// OpenMP standard leaves it to the runtime, and another split only makes a prefetch of
+// the run, side_prefetch.h, fetch a neighbour's items). `first` is the slot's first
+// item; the run's bytes are returned as {start, length}.
+struct LoraRun {
+  const char* start;
+  int64_t bytes;
+};
+
+inline LoraRun lora_thread_run(const void* first, int64_t items, int64_t item_bytes, int thread,
+                               int threads) {
+  const int64_t base = items / threads, extra = items % threads;
+  const int64_t begin = thread * base + std::min<int64_t>(thread, extra);
+  const int64_t count = base + (thread < extra ? 1 : 0);
+  return {static_cast<const char*>(first) + begin * item_bytes, count * item_bytes};
+}
+
 // y[t, :] += B[slot(t)] u[t, :] over every slice: the product summed in fp32 from zero
 // (as PEFT adds the adapter's output to the base's), then added to y and rounded once
 // to y's type. B^T is [slots, tiles, rank, kLoraTile]; a work item is one tile for a

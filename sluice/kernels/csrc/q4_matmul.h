@@ -27,6 +27,7 @@
 
 #include "dtype.h"
 #include "isa.h"
+#include "side_prefetch.h"
 
 namespace sluice {
 
@@ -257,6 +258,7 @@ void q4_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const uin
   const int nb = K / 32;
 #pragma omp for schedule(static)
   for (int n = 0; n < N; ++n) {
+    side_prefetch_step();
     const uint8_t* wr = qw + static_cast<int64_t>(n) * (K / 2);
     const uint16_t* dr = d + static_cast<int64_t>(n) * nb;
     const uint16_t* mr = m + static_cast<int64_t>(n) * nb;

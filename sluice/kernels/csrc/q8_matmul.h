@@ -18,6 +18,7 @@
 
 #include "dtype.h"
 #include "isa.h"
+#include "side_prefetch.h"
 #include "q4_matmul.h"
 
 namespace sluice {
@@ -144,6 +145,7 @@ void q8_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const flo
   }
 #pragma omp for schedule(static)
   for (int n = 0; n < N; ++n) {
+    side_prefetch_step();
     const uint8_t* wr = qw + static_cast<int64_t>(n) * K;
     for_row_blocks<kQ8Rows>(0, M, [&](auto rows, int r0) {  // q4_matmul.h
       q8_row_block<decltype(rows)::value>(xa, r0, nb, wr, offset.data(), scale[n], N, n, y);
@@ -233,6 +235,7 @@ template <typename T>
 void q8f_rows(const float* x, int M, int K, const uint8_t* qw, const float* scale, int N, T* y) {
 #pragma omp for schedule(static)
   for (int n = 0; n < N; ++n) {
+    side_prefetch_step();
     const uint8_t* wr = qw + static_cast<int64_t>(n) * K;
     for_row_blocks<kQ8fRows>(0, M, [&](auto rows, int r0) {
       q8f_row_block<decltype(rows)::value>(x, r0, K, wr, scale[n], N, n, y);

@@ -36,6 +36,7 @@
 #include "dtype.h"
 #include "isa.h"
 #include "q4_matmul.h"
+#include "side_prefetch.h"
 
 namespace sluice {
 
@@ -748,6 +749,7 @@ void qb_rows_pass(const QBlockActivations& xa, int r0, int K, const QbWeight& wt
 #pragma omp for schedule(static) nowait
   for (int n = 0; n < N; ++n) {
     float out[R];
+    side_prefetch_step();
     qb_dot_row<BITS, G, IQ, R, true>(wt.row<BITS, G, IQ>(K, n), a, K, out);
     qb_store<T, R>(y, N, n, out);
   }
