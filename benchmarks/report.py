@@ -33,6 +33,7 @@ import difflib  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import shlex  # noqa: E402
+import statistics  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -905,6 +906,13 @@ def _embeddings(results: Sequence[Result]) -> str:
     return _table(RUN_HEADERS + headers, rows)
 
 
+def _paired_median(sides: dict[str, Any], a: str, b: str) -> float:
+    """The median over rounds of a / b, where round i of both sides ran on one server
+    (benchmarks/lora.py's one stream): steadier than the ratio of the two medians on a
+    machine whose speed drifts between rounds."""
+    return statistics.median(x / y for x, y in zip(sides[a]["runs"], sides[b]["runs"], strict=True))
+
+
 def _lora(results: Sequence[Result]) -> str:
     rows = []
     for name, d in results:
@@ -921,6 +929,7 @@ def _lora(results: Sequence[Result]) -> str:
                 f"{s['sluice_base']:.1f}",
                 f"{s['sluice_adapter']:.1f}",
                 f"{s['sluice_adapter'] / s['sluice_base']:.2f}x",
+                f"{_paired_median(d['single_stream'], 'sluice_adapter', 'sluice_base'):.2f}x",
                 "-" if llama is None else f"{llama:.1f}",
                 "-" if llama is None else f"{s['sluice_adapter'] / llama:.2f}x",
                 "-" if gguf is None else ("yes" if gguf["tokens_equal"] else "NO"),
@@ -936,6 +945,7 @@ def _lora(results: Sequence[Result]) -> str:
         "1 stream tok/s: base",
         "adapter",
         "ratio",
+        "per round (median)",
         "llama-server --lora",
         "sluice / llama",
         "llama.cpp's GGUF adapter = PEFT",
