@@ -186,26 +186,24 @@ void lora_end(const Shape& s, const int64_t* L, const Batch& b, const LoraLinear
 template <typename T>
 void lora_queue(const Shape& s, const Batch& b, const int64_t* L, const LoraLinear& lin,
                 const int64_t* next_L, const LoraLinear* next, int next_k) {
-  sluice::side_prefetch_clear();
+  sluice::LoraRun expand{nullptr, 0}, shrink{nullptr, 0};
   const int64_t slot = b.lora_block_slot;
-  if (slot < 0) return;
   const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
-  if (lora_on(L, b, lin)) {
+  if (slot >= 0 && lora_on(L, b, lin)) {
     const int n_slices = static_cast<int>(lin.offsets.size()) - 1;
     const int64_t tiles = sluice::lora_tiles(n_slices, lin.offsets.data());
     const int64_t tile_bytes = static_cast<int64_t>(s.lora_rank) * sluice::kLoraTile *
                                (lora_scale(L, lin) != nullptr ? 1 : sizeof(T));
     const char* bt = reinterpret_cast<const char*>(L[lin.a + 1]) + slot * tiles * tile_bytes;
-    const auto run = sluice::lora_thread_run(bt, tiles, tile_bytes, thread, threads);
-    sluice::side_prefetch_set(0, run.start, run.bytes);
+    expand = sluice::lora_thread_run(bt, tiles, tile_bytes, thread, threads);
   }
-  if (next != nullptr && lora_on(next_L, b, *next)) {
+  if (slot >= 0 && next != nullptr && lora_on(next_L, b, *next)) {
     const int64_t r_total = static_cast<int64_t>(next->offsets.size() - 1) * s.lora_rank;
     const int64_t row_bytes = next_k * (lora_scale(next_L, *next) != nullptr ? 1 : sizeof(T));
     const char* a = reinterpret_cast<const char*>(next_L[next->a]) + slot * r_total * row_bytes;
-    const auto run = sluice::lora_thread_run(a, r_total, row_bytes, thread, threads);
-    sluice::side_prefetch_set(1, run.start, run.bytes);
+    shrink = sluice::lora_thread_run(a, r_total, row_bytes, thread, threads);
   }
+  sluice::side_prefetch_set(expand.start, expand.bytes, shrink.start, shrink.bytes);
 }
 
 // The weight of the linear (or stacked experts) whose fields start at `packed`.

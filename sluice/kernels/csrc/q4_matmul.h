@@ -256,9 +256,10 @@ template <typename T>
 void q4_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const uint16_t* d,
              const uint16_t* m, int N, T* y) {
   const int nb = K / 32;
+  SidePrefetch queue = side_prefetch_queue;
 #pragma omp for schedule(static)
   for (int n = 0; n < N; ++n) {
-    side_prefetch_step();
+    side_prefetch_step(queue);
     const uint8_t* wr = qw + static_cast<int64_t>(n) * (K / 2);
     const uint16_t* dr = d + static_cast<int64_t>(n) * nb;
     const uint16_t* mr = m + static_cast<int64_t>(n) * nb;
@@ -266,6 +267,7 @@ void q4_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const uin
       q4_row_block<decltype(rows)::value>(xa, r0, nb, wr, dr, mr, N, n, y);
     });
   }
+  side_prefetch_queue = queue;
 }
 
 }  // namespace sluice

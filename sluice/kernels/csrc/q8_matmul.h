@@ -143,14 +143,16 @@ void q8_rows(const Q4Activations& xa, int M, int K, const uint8_t* qw, const flo
     for (int b = 0; b < nb; ++b) s += xa.sx[static_cast<size_t>(r) * nb + b];
     offset[r] = 128.f * s;
   }
+  SidePrefetch queue = side_prefetch_queue;
 #pragma omp for schedule(static)
   for (int n = 0; n < N; ++n) {
-    side_prefetch_step();
+    side_prefetch_step(queue);
     const uint8_t* wr = qw + static_cast<int64_t>(n) * K;
     for_row_blocks<kQ8Rows>(0, M, [&](auto rows, int r0) {  // q4_matmul.h
       q8_row_block<decltype(rows)::value>(xa, r0, nb, wr, offset.data(), scale[n], N, n, y);
     });
   }
+  side_prefetch_queue = queue;
 }
 
 // The same int8 weights times unquantized activations, for the output head: int8
@@ -233,14 +235,16 @@ void q8f_row_block(const float* x, int r0, int K, const uint8_t* wr, float scale
 // y [M, N] = x @ w.T with x already pair-ordered fp32; orphaned `omp for` over rows.
 template <typename T>
 void q8f_rows(const float* x, int M, int K, const uint8_t* qw, const float* scale, int N, T* y) {
+  SidePrefetch queue = side_prefetch_queue;
 #pragma omp for schedule(static)
   for (int n = 0; n < N; ++n) {
-    side_prefetch_step();
+    side_prefetch_step(queue);
     const uint8_t* wr = qw + static_cast<int64_t>(n) * K;
     for_row_blocks<kQ8fRows>(0, M, [&](auto rows, int r0) {
       q8f_row_block<decltype(rows)::value>(x, r0, K, wr, scale[n], N, n, y);
     });
   }
+  side_prefetch_queue = queue;
 }
 
 }  // namespace sluice

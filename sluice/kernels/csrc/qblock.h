@@ -746,13 +746,15 @@ void qb_rows_pass(const QBlockActivations& xa, int r0, int K, const QbWeight& wt
                   bool wait = true) {
   const QbActRows<R> a = qb_act_rows<G, R>(xa, r0, K);
   y += static_cast<int64_t>(r0) * N;
+  SidePrefetch queue = side_prefetch_queue;
 #pragma omp for schedule(static) nowait
   for (int n = 0; n < N; ++n) {
     float out[R];
-    side_prefetch_step();
+    side_prefetch_step(queue);
     qb_dot_row<BITS, G, IQ, R, true>(wt.row<BITS, G, IQ>(K, n), a, K, out);
     qb_store<T, R>(y, N, n, out);
   }
+  side_prefetch_queue = queue;
   if (wait) {
 #pragma omp barrier
   }
