@@ -37,6 +37,7 @@
 #include "q8_matmul.h"
 #include "qblock.h"
 #include "qblock_gemm.h"
+#include "side_prefetch.h"
 
 namespace {
 
@@ -528,7 +529,7 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
     const bool last = l + 1 == s.layers;
     lora_queue<T>(s, b, L, lora_down, L + kLayerFields, last ? nullptr : &lora_qkv, H);
     linear(s, L, kDownPacked, xa, act.data(), ga, M, s.inter, H, h);
-    sluice::side_prefetch_clear();  // what is left is not read before the next queue
+    sluice::side_prefetch_clear();  // nothing after the stack may fetch what is left
     lora_end(s, L, b, lora_down, M, lora_u, h);
   }
   // The model's output is the last layer's MLP output plus the residual stream.

@@ -18,8 +18,8 @@
 
 #include "dtype.h"
 #include "isa.h"
-#include "side_prefetch.h"
 #include "q4_matmul.h"
+#include "side_prefetch.h"
 
 namespace sluice {
 
