@@ -32,7 +32,6 @@
 #include "fused_ops.h"
 #include "lora.h"
 #include "paged_attention.h"
-#include "side_prefetch.h"
 #include "q4_matmul.h"
 #include "q8_matmul.h"
 #include "qblock.h"
@@ -187,10 +186,11 @@ void lora_end(const Shape& s, const int64_t* L, const Batch& b, const LoraLinear
 template <typename T>
 void lora_queue(const Shape& s, const Batch& b, const int64_t* L, const LoraLinear& lin,
                 const int64_t* next_L, const LoraLinear* next, int next_k) {
-  sluice::LoraRun expand{nullptr, 0}, shrink{nullptr, 0};
   const int64_t slot = b.lora_block_slot;
+  if (slot < 0) return;  // then no linear of this step queues anything
+  sluice::LoraRun expand{nullptr, 0}, shrink{nullptr, 0};
   const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
-  if (slot >= 0 && lora_on(L, b, lin)) {
+  if (lora_on(L, b, lin)) {
     const int n_slices = static_cast<int>(lin.offsets.size()) - 1;
     const int64_t tiles = sluice::lora_tiles(n_slices, lin.offsets.data());
     const int64_t tile_bytes = static_cast<int64_t>(s.lora_rank) * sluice::kLoraTile *
@@ -198,7 +198,7 @@ void lora_queue(const Shape& s, const Batch& b, const int64_t* L, const LoraLine
     const char* bt = reinterpret_cast<const char*>(L[lin.a + 1]) + slot * tiles * tile_bytes;
     expand = sluice::lora_thread_run(bt, tiles, tile_bytes, thread, threads);
   }
-  if (slot >= 0 && next != nullptr && lora_on(next_L, b, *next)) {
+  if (next != nullptr && lora_on(next_L, b, *next)) {
     const int64_t r_total = static_cast<int64_t>(next->offsets.size() - 1) * s.lora_rank;
     const int64_t row_bytes = next_k * (lora_scale(next_L, *next) != nullptr ? 1 : sizeof(T));
     const char* a = reinterpret_cast<const char*>(next_L[next->a]) + slot * r_total * row_bytes;

@@ -210,8 +210,14 @@ void lora_shrink(const T* x, int64_t rows, int in_dim, const W* a, const float* 
   const int64_t items = blocks.count() * r_total;
   // bf16 rows are widened once per block into this thread's buffer, not once per row
   // of A they meet (exact, so the sums are the same; at 64 streams the widening was a
-  // third of the shrink's instructions).
-  static thread_local std::vector<float> widened;
+  // third of the shrink's instructions). The buffer is sized and reached before the
+  // loop: each reach for a thread_local is a call to __tls_get_addr.
+  static thread_local std::vector<float> widened_rows;
+  float* widened = nullptr;
+  if constexpr (!std::is_same_v<T, float>) {
+    widened_rows.resize(static_cast<size_t>(kLoraRows) * in_dim);
+    widened = widened_rows.data();
+  }
   static constexpr int32_t kInOrder[kLoraRows] = {0, 1, 2, 3};
   static_assert(kLoraRows == 4, "kInOrder lists a block's rows");
   int64_t widened_block = -1;
@@ -229,14 +235,13 @@ void lora_shrink(const T* x, int64_t rows, int in_dim, const W* a, const float* 
         lora_block_dots(x, block, n, in_dim, ar, sums);
       } else {
         if (widened_block != blk) {
-          widened.resize(static_cast<size_t>(n) * in_dim);
           for (int k = 0; k < n; ++k)
             for (int h = 0; h < in_dim; ++h)
               widened[static_cast<size_t>(k) * in_dim + h] =
                   to_float(x[static_cast<int64_t>(block[k]) * in_dim + h]);
           widened_block = blk;
         }
-        lora_block_dots(widened.data(), kInOrder, n, in_dim, ar, sums);
+        lora_block_dots(widened, kInOrder, n, in_dim, ar, sums);
       }
       if (scale != nullptr)
         for (int k = 0; k < n; ++k) sums[k] *= scale[static_cast<int64_t>(s) * r_total + r];
