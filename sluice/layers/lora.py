@@ -145,7 +145,8 @@ class LoRASlots(nn.Module):
         self.layer = layer
         self.targets = targets
         self.shard = shard
-        self.rank = max_rank
+        # int8 tiles of B^T hold their rank rows in fours (the kernels' VNNI order)
+        self.rank = -(-max_rank // 4) * 4 if int8 else max_rank
         self.dtype = dtype  # the activations' (and, unless int8, the matrices')
         bounds, tiles = [0], [0]  # each slice's first column, and first tile of B^T
         for w in widths:
@@ -157,11 +158,11 @@ class LoRASlots(nn.Module):
         stored = torch.int8 if int8 else dtype
         self.a: torch.Tensor
         self.bt: torch.Tensor
-        a = torch.zeros(max_loras, n * max_rank, in_features, dtype=stored)
-        bt = torch.zeros(max_loras, tiles[-1], max_rank, TILE_COLUMNS, dtype=stored)
+        a = torch.zeros(max_loras, n * self.rank, in_features, dtype=stored)
+        bt = torch.zeros(max_loras, tiles[-1], self.rank, TILE_COLUMNS, dtype=stored)
         self.register_buffer("a", a, False)
         self.register_buffer("bt", bt, False)
-        self.scales = _Int8Scales.zeros(max_loras, n * max_rank) if int8 else None
+        self.scales = _Int8Scales.zeros(max_loras, n * self.rank) if int8 else None
         # Per slot, the rank its adapter has here (0: it adapts nothing in this layer):
         # the kernels read no padding past it. On the CPU, for the kernels.
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device="cpu")
@@ -193,7 +194,7 @@ class LoRASlots(nn.Module):
                 continue
             self.a[slot, rows], self.scales.a[slot, rows] = _int8_rows(a)
             bt, self.scales.b[slot, rows] = _int8_rows(bt)
-            self.bt[slot, tiles, :r] = _tiled(bt)
+            self.bt[slot, tiles] = _in_fours(_tiled(F.pad(bt, (0, 0, 0, self.rank - r))))
         if self.scales is not None:
             self.scales.u[slot] = self.scales.a[slot] * self.scales.b[slot]
         self._adapts[slot] = bool(self.ranks[slot])
@@ -230,31 +231,51 @@ class LoRASlots(nn.Module):
         Three kernels a layer whatever the adapters, no host sync (a GPU step is
         launch-bound: a loop over slots and slices made one stream 2.6x slower); the
         extra multiplies (max_loras times the low-rank work) are small beside the
-        base matmul."""
+        base matmul. int8 slots: `_add_int8`."""
+        if self.scales is not None:
+            return self._add_int8(x, y, mapping)
         a, b = self._dense_weights(y.dtype)
         slots = self.a.shape[0]
         u = x @ a.t()  # [rows, slots * slices * rank]
         u = u.view(-1, slots, self.a.shape[1]) * mapping.mask(slots, u.dtype)[:, :, None]
         y.addmm_(u.view(u.shape[0], -1), b)
 
+    def _add_int8(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> None:
+        """add_with_torch for int8 slots, as the kernels compute it (csrc/lora.h): x's
+        rows and each row's u within a slice rounded to int8 steps, the integer
+        products summed in fp32 (exact below 2^24), the steps and scales applied
+        after, in the kernels' order."""
+        assert self.scales is not None
+        a, b = self._dense_weights(torch.float32)  # the stored integers
+        slots, n, rank = self.a.shape[0], len(self.targets), self.rank
+        xq, x_step = _int8_steps(x.float())
+        factor = x_step[:, :, None] * self.scales.u.to(x.device)  # [rows, slots, n * rank]
+        u = (xq @ a.t()).view(-1, slots, n * rank) * factor
+        u = u * mapping.mask(slots, u.dtype)[:, :, None]
+        uq, u_step = _int8_steps(u.view(-1, slots, n, rank))  # u_step [rows, slots, n, 1]
+        widths = torch.tensor(self.bounds, device=u.device).diff()
+        per_column = u_step.sum(dim=(1, 3)).repeat_interleave(widths, dim=1)  # one slot
+        delta = (uq.view(uq.shape[0], -1) @ b) * per_column
+        y.copy_((y.float() + delta).to(y.dtype))
+
     def _dense_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch path's A [slots * slices * rank, in] and B^T with a block per
         slice [slots * slices * rank, out] (slice j's rows nonzero only in its own
-        columns, so the fused layer's expand is one product), int8 scaled back, in
-        `dtype`. Made when first needed after a load."""
+        columns, so the fused layer's expand is one product), in `dtype`; int8 slots'
+        as the stored integers (their scales apply to u). Made when first needed
+        after a load."""
         if self._dense is None or self._dense[0].dtype != dtype:
-            a, bt = self.a.to(dtype), self.bt.to(dtype)
+            a, bt = self.a.to(dtype), self.bt
             n, r, slots = len(self.targets), self.rank, bt.shape[0]
             if self.scales is not None:
-                a = a * self.scales.a.to(dtype)[:, :, None]
+                bt = _in_fours(bt.flatten(0, 1), undo=True).view(bt.shape)
+            bt = bt.to(dtype)
             blocks = bt.new_zeros(slots, n * r, self.bounds[-1])
             for j in range(n):
                 tiles = bt[:, self.tiles[j] : self.tiles[j + 1]]  # [slots, t, rank, TILE]
                 width = self.bounds[j + 1] - self.bounds[j]
                 rows = tiles.permute(0, 2, 1, 3).reshape(slots, r, -1)[:, :, :width]
                 blocks[:, j * r : (j + 1) * r, self.bounds[j] : self.bounds[j + 1]] = rows
-            if self.scales is not None:
-                blocks = blocks * self.scales.b.to(dtype)[:, :, None]
             self._dense = a.flatten(0, 1), blocks.flatten(0, 1)
         return self._dense
 
@@ -315,6 +336,26 @@ def _tiled(bt: torch.Tensor) -> torch.Tensor:
     r, width = bt.shape
     padded = F.pad(bt, (0, -width % TILE_COLUMNS))
     return padded.view(r, -1, TILE_COLUMNS).transpose(0, 1)
+
+
+def _in_fours(tiles: torch.Tensor, undo: bool = False) -> torch.Tensor:
+    """Tiles [tiles, rank, TILE_COLUMNS] (rank a multiple of 4) with each group of four
+    rank rows stored column by column, a column's four values side by side, as the
+    int8 kernels read them (csrc/lora.h's lora_itile); `undo`: back to rows."""
+    t, r, c = tiles.shape
+    if undo:
+        return tiles.reshape(t, r // 4, c, 4).transpose(2, 3).reshape(t, r, c)
+    return tiles.reshape(t, r // 4, 4, c).transpose(2, 3).reshape(t, r, c)
+
+
+def _int8_steps(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """v's rows (its last dimension) rounded to int8 steps of their absmax / 127, as
+    whole numbers in v's dtype, and each row's step (0 for a row of zeros): a multiply
+    by 127 / absmax and a round to nearest even, as the kernels' lora_quantize."""
+    amax = v.abs().amax(dim=-1, keepdim=True)
+    full = torch.full_like(amax, 127.0)  # tensor / tensor: IEEE division (a scalar's is
+    inv = torch.where(amax > 0, full / amax, torch.zeros_like(amax))  # by its reciprocal)
+    return torch.round(v * inv), amax * torch.full_like(amax, 1 / 127)
 
 
 def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
