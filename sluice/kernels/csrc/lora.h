@@ -191,15 +191,16 @@ inline int32_t lora_idot(const uint8_t* q, const int8_t* a, int n) {
   return sum;
 }
 
-// The 64 sums of a tile of int8 B^T (its rank rows in groups of four, each group's 64
-// columns with their four values side by side: VNNI's order) with one row's biased u:
-// sums[c] = sum over r < 4 * groups of (q[r] - 128) * B[r][c].
-inline void lora_itile(const uint8_t* q, const int8_t* b, int groups, int32_t* sums) {
-  for (int c = 0; c < 64; ++c) sums[c] = 0;
+// A tile of int8 B^T (its rank rows in groups of four, each group's 64 columns with
+// their four values side by side: VNNI's order) times one row's biased u, as fp32:
+// delta[c] = (sum over r < 4 * groups of (q[r] - 128) * B[r][c]) * step.
+inline void lora_itile(const uint8_t* q, const int8_t* b, int groups, float step, float* delta) {
+  int32_t sums[64] = {};
   for (int g = 0; g < groups; ++g)
     for (int c = 0; c < 64; ++c)
       for (int j = 0; j < 4; ++j)
         sums[c] += (static_cast<int32_t>(q[4 * g + j]) - 128) * b[(g * 64 + c) * 4 + j];
+  for (int c = 0; c < 64; ++c) delta[c] = static_cast<float>(sums[c]) * step;
 }
 
 #if defined(SLUICE_ISA_AVX512)
@@ -225,7 +226,7 @@ SLUICE_INLINE void lora_idots_avx512(const uint8_t* const* q, const int8_t* a, i
 // lora_itile for N rows at once: each group of B^T's tile is loaded once for them all.
 template <int N>
 SLUICE_INLINE void lora_itiles_avx512(const uint8_t* const* q, const int8_t* b, int groups,
-                                      int32_t* sums) {
+                                      const float* steps, float* delta) {
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512i acc[N][4], corr[4];
   for (int i = 0; i < 4; ++i) corr[i] = _mm512_setzero_si512();
@@ -244,9 +245,13 @@ SLUICE_INLINE void lora_itiles_avx512(const uint8_t* const* q, const int8_t* b, 
       for (int i = 0; i < 4; ++i) acc[k][i] = _mm512_dpbusd_epi32(acc[k][i], w, bv[i]);
     }
   }
-  for (int k = 0; k < N; ++k)
-    for (int i = 0; i < 4; ++i)
-      _mm512_storeu_si512(sums + k * 64 + i * 16, _mm512_sub_epi32(acc[k][i], corr[i]));
+  for (int k = 0; k < N; ++k) {
+    const __m512 step = _mm512_set1_ps(steps[k]);
+    for (int i = 0; i < 4; ++i) {
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[k][i], corr[i]));
+      _mm512_storeu_ps(delta + k * 64 + i * 16, _mm512_mul_ps(sum, step));
+    }
+  }
 }
 #endif
 
@@ -340,20 +345,33 @@ inline void lora_block_tile(const float* const* u, const W* b, int rank, int n, 
   }
 }
 
-// sums[k * 64 ..] for each of a block's n rows (their biased u rows) over one int8 tile
-// of B^T, `groups` groups of four ranks of it (a partial tile's padding is zero).
+// delta[k * 64 ..] for each of a block's n rows (their biased u rows, scaled by their
+// steps) over one int8 tile of B^T, `groups` groups of four ranks of it (a partial
+// tile's padding is zero).
 inline void lora_block_itile(const uint8_t* const* q, const int8_t* b, int groups, int n,
-                             int32_t* sums) {
+                             const float* steps, float* delta) {
 #if defined(SLUICE_ISA_AVX512)
   switch (n) {
-    case 1: return lora_itiles_avx512<1>(q, b, groups, sums);
-    case 2: return lora_itiles_avx512<2>(q, b, groups, sums);
-    case 3: return lora_itiles_avx512<3>(q, b, groups, sums);
-    default: return lora_itiles_avx512<kLoraRows>(q, b, groups, sums);
+    case 1: return lora_itiles_avx512<1>(q, b, groups, steps, delta);
+    case 2: return lora_itiles_avx512<2>(q, b, groups, steps, delta);
+    case 3: return lora_itiles_avx512<3>(q, b, groups, steps, delta);
+    default: return lora_itiles_avx512<kLoraRows>(q, b, groups, steps, delta);
   }
 #else
-  for (int k = 0; k < n; ++k) lora_itile(q[k], b, groups, sums + k * 64);
+  for (int k = 0; k < n; ++k) lora_itile(q[k], b, groups, steps[k], delta + k * 64);
 #endif
+}
+
+// Ask for a block's rows of y from column `col` (the next item's tile: 64 columns)
+// while this item computes: the base matmul wrote y in its own order, and an item's
+// few short runs of it came from beyond the cache (perf: a third of the expand's
+// samples on its loads of y).
+template <typename T>
+inline void lora_prefetch_rows(const T* y, const int32_t* block, int n, int out_dim, int col) {
+  constexpr int kLine = 64 / sizeof(T);
+  for (int k = 0; k < n; ++k)
+    for (int c = 0; c < 64; c += kLine)
+      __builtin_prefetch(y + static_cast<int64_t>(block[k]) * out_dim + col + c, 1);
 }
 
 // y[0, n) += d[0, n), rounded once to y's type (bf16: to nearest even, as round_to).
@@ -546,6 +564,7 @@ void lora_expand(const float* u, int64_t rows, int rank, int n_slices, const int
     if (ranks[s] == 0) continue;
     const int64_t tile = i % tiles;
     const LoraTileSpan span = lora_tile_span(offsets, tile);
+    if (tile + 1 < tiles) lora_prefetch_rows(y, block, n, out_dim, span.begin + span.cols);
     const float* ur[kLoraRows];
     for (int k = 0; k < n; ++k)
       ur[k] = u + static_cast<int64_t>(block[k]) * r_total + span.slice * rank;
@@ -594,19 +613,19 @@ void lora_expand_int8(const float* u, int64_t rows, int rank, int n_slices,
     }
     const int64_t tile = i % tiles;
     const LoraTileSpan span = lora_tile_span(offsets, tile);
+    if (tile + 1 < tiles) lora_prefetch_rows(y, block, n, out_dim, span.begin + span.cols);
     const uint8_t* q[kLoraRows];
-    for (int k = 0; k < n; ++k) q[k] = quantized + static_cast<size_t>(k) * r_total + span.slice * rank;
-    int32_t sums[kLoraRows * kTile];
-    const int8_t* b = bt + (static_cast<int64_t>(s) * tiles + tile) * rank * kTile;
-    lora_block_itile(q, b, (ranks[s] + 3) / 4, n, sums);
-    float delta[kLoraRows * kTile];
+    float step[kLoraRows];
     for (int k = 0; k < n; ++k) {
-      const float step = steps[k * n_slices + span.slice];
-      for (int c = 0; c < span.cols; ++c)
-        delta[k * kTile + c] = static_cast<float>(sums[k * kTile + c]) * step;
+      q[k] = quantized + static_cast<size_t>(k) * r_total + span.slice * rank;
+      step[k] = steps[k * n_slices + span.slice];
+    }
+    float delta[kLoraRows * kTile];
+    const int8_t* b = bt + (static_cast<int64_t>(s) * tiles + tile) * rank * kTile;
+    lora_block_itile(q, b, (ranks[s] + 3) / 4, n, step, delta);
+    for (int k = 0; k < n; ++k)  // (apart from the product: no multiply-add, as torch)
       lora_add(y + static_cast<int64_t>(block[k]) * out_dim + span.begin, delta + k * kTile,
                span.cols);
-    }
   }
 }
 
