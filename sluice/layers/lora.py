@@ -162,6 +162,10 @@ class LoRASlots(nn.Module):
         bt = torch.zeros(max_loras, tiles[-1], self.rank, TILE_COLUMNS, dtype=stored)
         self.register_buffer("a", a, False)
         self.register_buffer("bt", bt, False)
+        # Each output column's slice (the int8 torch path's per-slice steps, by column).
+        self.column_slice: torch.Tensor
+        slice_of = torch.arange(n).repeat_interleave(torch.tensor(widths))
+        self.register_buffer("column_slice", slice_of, False)
         self.scales = _Int8Scales.zeros(max_loras, n * self.rank) if int8 else None
         # Per slot, the rank its adapter has here (0: it adapts nothing in this layer):
         # the kernels read no padding past it. On the CPU, for the kernels.
@@ -253,8 +257,7 @@ class LoRASlots(nn.Module):
         u = (xq @ a.t()).view(-1, slots, n * rank) * factor
         u = u * mapping.mask(slots, u.dtype)[:, :, None]
         uq, u_step = _int8_steps(u.view(-1, slots, n, rank))  # u_step [rows, slots, n, 1]
-        widths = torch.tensor(self.bounds, device=u.device).diff()
-        per_column = u_step.sum(dim=(1, 3)).repeat_interleave(widths, dim=1)  # one slot
+        per_column = u_step.sum(dim=(1, 3))[:, self.column_slice]  # (one slot is nonzero)
         delta = (uq.view(uq.shape[0], -1) @ b) * per_column
         y.copy_((y.float() + delta).to(y.dtype))
 

@@ -67,15 +67,11 @@ inline void lora_tile(const float* u, const W* b, int stride, int rank, int n, f
 }
 
 #if defined(SLUICE_ISA_AVX512)
-// 16 values of a row as fp32 (bf16 is the top half of an fp32; int8 as integers).
+// 16 values of a row as fp32 (bf16 is the top half of an fp32).
 SLUICE_INLINE __m512 lora_load16(const float* p) { return _mm512_loadu_ps(p); }
 SLUICE_INLINE __m512 lora_load16(const uint16_t* p) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-SLUICE_INLINE __m512 lora_load16(const int8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
 }
 
 // N rows of one slot at once: each A row or B^T tile row is loaded once for all of
@@ -289,6 +285,21 @@ inline const LoraBlocks& lora_blocks(int64_t rows, const int32_t* slots) {
   return blocks;
 }
 
+#if defined(SLUICE_ISA_AVX512)
+// f(std::integral_constant<int, n>) for a block's n rows: the AVX-512 loops keep each
+// row's sums in registers, so they take the row count as a constant.
+template <typename F>
+SLUICE_INLINE void lora_with_rows(int n, F&& f) {
+  static_assert(kLoraRows == 4, "one case per block size");
+  switch (n) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, kLoraRows>{});
+  }
+}
+#endif
+
 // sums[k] = x[rows[k]] . a for the n <= kLoraRows rows of a block.
 template <typename T, typename W>
 inline void lora_block_dots(const T* x, const int32_t* rows, int n, int in_dim, const W* a,
@@ -296,12 +307,7 @@ inline void lora_block_dots(const T* x, const int32_t* rows, int n, int in_dim, 
   const T* xr[kLoraRows];
   for (int k = 0; k < n; ++k) xr[k] = x + static_cast<int64_t>(rows[k]) * in_dim;
 #if defined(SLUICE_ISA_AVX512)
-  switch (n) {
-    case 1: return lora_dots_avx512<1>(xr, a, in_dim, sums);
-    case 2: return lora_dots_avx512<2>(xr, a, in_dim, sums);
-    case 3: return lora_dots_avx512<3>(xr, a, in_dim, sums);
-    default: return lora_dots_avx512<kLoraRows>(xr, a, in_dim, sums);
-  }
+  lora_with_rows(n, [&](auto rows_n) { lora_dots_avx512<rows_n>(xr, a, in_dim, sums); });
 #else
   for (int k = 0; k < n; ++k) sums[k] = lora_dot(xr[k], a, in_dim);
 #endif
@@ -311,12 +317,7 @@ inline void lora_block_dots(const T* x, const int32_t* rows, int n, int in_dim, 
 inline void lora_block_idots(const uint8_t* const* q, int n, int in_dim, const int8_t* a,
                              int32_t* sums) {
 #if defined(SLUICE_ISA_AVX512)
-  switch (n) {
-    case 1: return lora_idots_avx512<1>(q, a, in_dim, sums);
-    case 2: return lora_idots_avx512<2>(q, a, in_dim, sums);
-    case 3: return lora_idots_avx512<3>(q, a, in_dim, sums);
-    default: return lora_idots_avx512<kLoraRows>(q, a, in_dim, sums);
-  }
+  lora_with_rows(n, [&](auto rows_n) { lora_idots_avx512<rows_n>(q, a, in_dim, sums); });
 #else
   for (int k = 0; k < n; ++k) sums[k] = lora_idot(q[k], a, in_dim);
 #endif
@@ -329,12 +330,8 @@ inline void lora_block_tile(const float* const* u, const W* b, int rank, int n, 
 #if defined(SLUICE_ISA_AVX512)
   static_assert(kTile == 64, "the AVX-512 tile is 64 columns");
   if (cols == kTile) {
-    switch (n) {
-      case 1: return lora_tiles64_avx512<1>(u, b, kTile, rank, delta);
-      case 2: return lora_tiles64_avx512<2>(u, b, kTile, rank, delta);
-      case 3: return lora_tiles64_avx512<3>(u, b, kTile, rank, delta);
-      default: return lora_tiles64_avx512<kLoraRows>(u, b, kTile, rank, delta);
-    }
+    return lora_with_rows(
+        n, [&](auto rows_n) { lora_tiles64_avx512<rows_n>(u, b, kTile, rank, delta); });
   }
 #endif
   for (int k = 0; k < n; ++k) {
@@ -351,12 +348,8 @@ inline void lora_block_tile(const float* const* u, const W* b, int rank, int n, 
 inline void lora_block_itile(const uint8_t* const* q, const int8_t* b, int groups, int n,
                              const float* steps, float* delta) {
 #if defined(SLUICE_ISA_AVX512)
-  switch (n) {
-    case 1: return lora_itiles_avx512<1>(q, b, groups, steps, delta);
-    case 2: return lora_itiles_avx512<2>(q, b, groups, steps, delta);
-    case 3: return lora_itiles_avx512<3>(q, b, groups, steps, delta);
-    default: return lora_itiles_avx512<kLoraRows>(q, b, groups, steps, delta);
-  }
+  lora_with_rows(n,
+                 [&](auto rows_n) { lora_itiles_avx512<rows_n>(q, b, groups, steps, delta); });
 #else
   for (int k = 0; k < n; ++k) lora_itile(q[k], b, groups, steps[k], delta + k * 64);
 #endif
