@@ -1,13 +1,14 @@
 """Where a quantized GGUF layer's few-row path should hand over to the compute-bound one.
 
 A step of M rows (a short prompt, M streams decoding, a verifying step) multiplies
-each weight by M activation rows. sluice has four paths for a weight kept in its GGUF
+each weight by M activation rows. sluice has these paths for a weight kept in its GGUF
 blocks (sluice/layers/block_quant.py): the block kernel (int8 activations, each
 unpacked weight pair applied to up to 12 rows), the int8 GEMM (the same activations,
 a panel of 32 weight rows unpacked once for all rows; where the level has it, see
-INT8_GEMM_LEVELS), dequantized tiles + the dense GEMM, and at the amx level with bf16
-activations the AMX kernel (a panel of 32 weight rows dequantized to bf16 at a time,
-on the tiles). The row count where a
+INT8_GEMM_LEVELS), at the amx level that GEMM on AMX-INT8 tiles ("tiles": the same
+sums, csrc/qblock_gemm_amx.h), dequantized tiles + the dense GEMM, and at the amx
+level with bf16 activations the AMX kernel (a panel of 32 weight rows dequantized to
+bf16 at a time, on the tiles). The row count where a
 many-row path starts winning (`dense_min_rows`) depends on the format (integer
 K-quant scales or fp16 ones) and the instruction-set level, so this times one layer's
 linears (q, k, v, o, gate, up, down as the file stores them) on each path at each M,
@@ -54,7 +55,7 @@ from sluice.loader.gguf_loader import (  # noqa: E402
 )
 
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-PATHS = ("block", "gemm", "dense", "amx")
+PATHS = ("block", "gemm", "tiles", "dense", "amx")
 
 
 def layer_weights(path: Path) -> dict[str, QuantizedTensor]:
@@ -88,6 +89,8 @@ def _time(fn: Callable[[], Any], reps: int) -> float:
 def _call(lib: Any, w: QuantizedTensor, x: torch.Tensor, path: str) -> Callable[[], Any]:
     if path == "amx":
         return lambda: qblock.qblock_amx(lib, x, *w.parts(), w.bits, w.group)
+    if path == "tiles":
+        return lambda: qblock.qblock_gemm(lib, x, *w.parts(), w.bits, w.group, tiles=True)
     crossover = 1 << 30 if path == "block" else 0
 
     def run() -> Any:
@@ -107,6 +110,7 @@ def measure(
     has = {
         "gemm": kernels.variant() in INT8_GEMM_LEVELS,
         "amx": kernels.tiles() and dtype == torch.bfloat16,
+        "tiles": kernels.tiles(),
     }
     paths = [p for p in PATHS if has.get(p, True)]
     out: dict[str, dict[str, list[float]]] = {}
@@ -137,7 +141,8 @@ def main() -> None:
     medians = {m: {p: statistics.median(v) for p, v in c.items()} for m, c in times.items()}
     nan = float("nan")
     table = [[m, *(f"{c.get(p, nan):.2f}" for p in PATHS)] for m, c in medians.items()]
-    print(format_table(["rows", "block ms", "int8 GEMM ms", "dense ms", "AMX ms"], table))
+    heads = ["rows", "block ms", "int8 GEMM ms", "int8 tiles ms", "dense ms", "AMX ms"]
+    print(format_table(heads, table))
     result = {
         "model": args.model.name,
         "kernels": kernels.level_in_use(),

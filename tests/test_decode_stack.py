@@ -20,7 +20,7 @@ from benchmarks.random_models import SMALL, build_model, write_random_adapter
 from sluice import LLM, SamplingParams, kernels
 from sluice.attention.backend import AttentionMetadata
 from sluice.core.quantized_tensor import QuantizedTensor, pack, unpack_values
-from sluice.kernels import cpu
+from sluice.kernels import cpu, qblock
 from sluice.layers.block_quant import GEMM_MIN_ROWS, INT8_GEMM_LEVELS, BlockQuantized
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import Int8WeightOnly
@@ -362,13 +362,34 @@ def test_stack_runs_the_int8_gemm_where_eager_does(
     # row to experts 0 or 1 (random logits) or else to 2 and 3 (the rest score 0, and
     # the first of tied experts wins): steps mix experts of many rows, on the GEMM,
     # with experts of few, on the grouped kernel.
-    path = random_gguf(kind, tensor_type, tmp_path, tokenizer)
+    assert_stack_runs_the_gemm_as_eager(random_gguf(kind, tensor_type, tmp_path, tokenizer))
+
+
+@pytest.mark.parametrize(("kind", "tensor_type"), [("qwen3", "Q4_0"), ("olmoe", "Q8_0")])
+def test_stack_runs_the_gemm_on_amx_int8_tiles_where_eager_does(
+    kind: str, tensor_type: str, tmp_path: Path, tokenizer: Path
+) -> None:
+    # At the amx level both take the GEMM's tile path (the same sums as VNNI's); the
+    # tile calls counted show it ran.
+    with kernels_at("amx"):
+        lib = kernels.load()
+        assert lib is not None
+        path = random_gguf(kind, tensor_type, tmp_path, tokenizer)
+        before = qblock.amx_int8_calls(lib)
+        stack = assert_stack_runs_the_gemm_as_eager(path)
+        assert stack.shape.gemm_tiles and qblock.amx_int8_calls(lib) > before
+
+
+def assert_stack_runs_the_gemm_as_eager(path: Path) -> LlamaDecodeStack:
+    """The stack built for the GGUF at `path` with int8 prompts takes the int8 GEMM where
+    the level has it, as eager does, with the same token ids and logprobs."""
     llm = LLM(model=str(path), quantization="gguf", dtype="bfloat16", kv_cache_memory=0.02,
               prompt_activations="int8")  # fmt: skip
     stack = built_stack(llm)
     gemm = kernels.variant() in INT8_GEMM_LEVELS
     assert stack.shape.gemm_min_rows == (GEMM_MIN_ROWS[kernels.variant()] if gemm else 0)
     assert stack.max_rows == (32 if gemm else stack_rows("gguf"))
+    assert stack.shape.gemm_tiles == kernels.tiles(stack.lib)
     model = llm.engine.runner.model
     for layer in model.layers:
         if llm.engine.model_config.is_moe:
@@ -378,6 +399,7 @@ def test_stack_runs_the_int8_gemm_where_eager_does(
     fused, calls = run(llm, prompts, use_stack=True)
     assert none == 0 and calls > 0
     assert fused == eager  # token ids and logprob floats, exactly
+    return stack
 
 
 def test_stack_is_not_built_for_a_shared_expert_or_dense_experts(

@@ -237,6 +237,30 @@ def test_amx_matmul_is_the_dense_bf16_product(
             qblock.qblock_amx(lib, x.float(), *w.rows(0, n), bits, group)
 
 
+@pytest.mark.parametrize(("bits", "group", "symmetric", "integer"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_gemm_on_amx_tiles_is_the_vnni_gemm_bit_for_bit(
+    bits: int, group: int, symmetric: bool, integer: bool, dtype: torch.dtype
+) -> None:
+    # The tile path makes the VNNI GEMM's integer sums and applies the scales in its
+    # order, so the two agree exactly (and the VNNI GEMM is held to the reference
+    # above). Off-grid activations (rounding ties too), row counts under, at and past
+    # a 16-row block, and weight rows past a 16-row pass (40 = 16 + 16 + 8).
+    with kernels_at("amx"):
+        lib = kernels.load()
+        assert lib is not None and kernels.tiles(lib)
+        n, k = 40, columns(integer)
+        w = random_weight(n, k, bits, group, 5 * bits + group, symmetric, integer)
+        x = torch.randn(70, k, generator=torch.Generator().manual_seed(bits + group)).to(dtype)
+        x[3, : k // 2] = 0  # a row with all-zero spans (scale 0)
+        for rows in (1, 12, 16, 17, 33, 70):
+            vnni = qblock.qblock_gemm(lib, x[:rows], *w.rows(0, n), bits, group)
+            before = qblock.amx_int8_calls(lib)
+            got = qblock.qblock_gemm(lib, x[:rows], *w.rows(0, n), bits, group, tiles=True)
+            assert qblock.amx_int8_calls(lib) > before  # the tiles ran
+            assert torch.equal(got, vnni), (rows, (got - vnni).abs().max())
+
+
 def block_steps(x: torch.Tensor, block: int) -> torch.Tensor:
     """Each value's int8 block step (its block's largest magnitude / 127)."""
     rows, k = x.shape

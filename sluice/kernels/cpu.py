@@ -47,7 +47,9 @@ _REQUIRED = {
         }
     ),
 }
-_REQUIRED["amx"] = _REQUIRED["avx512"] | {"amx_tile", "amx_bf16", "avx512_bf16"}
+# AMX-BF16 for the bf16 many-row kernel (csrc/qblock_amx.h), AMX-INT8 for the int8
+# GEMM's tile path (csrc/qblock_gemm_amx.h): every AMX CPU so far has both.
+_REQUIRED["amx"] = _REQUIRED["avx512"] | {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16"}
 # arch_prctl's request for an extended state component (asm/prctl.h), and AMX's tile
 # data component (XFEATURE_XTILEDATA).
 _SYS_ARCH_PRCTL = 158  # x86-64

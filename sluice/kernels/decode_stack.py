@@ -45,8 +45,8 @@ _DECODE_STACK = c_function(
     *(POINTER, POINTER, INT64, POINTER, POINTER, INT, INT),
     # qk_norm, experts, top_k, moe_inter, renormalize
     *(INT, INT, INT, INT, INT),
-    # lora_slots, lora_rank, residual_scale, gemm_min_rows
-    *(POINTER, INT, FLOAT, INT),
+    # lora_slots, lora_rank, residual_scale, gemm_min_rows, gemm_tiles
+    *(POINTER, INT, FLOAT, INT, INT),
 )
 
 
@@ -129,6 +129,9 @@ class StackShape:
     # Rows from which qblock linears, and experts by their own rows, take the int8 GEMM
     # as the eager layers do (block_quant.GEMM_MIN_ROWS); 0: never.
     gemm_min_rows: int = 0
+    # That GEMM on AMX-INT8 tiles (csrc/qblock_gemm_amx.h), as eager runs it where
+    # kernels.tiles() (the amx level); the same sums as the VNNI GEMM.
+    gemm_tiles: bool = False
 
 
 def decode_stack(
@@ -180,5 +183,6 @@ def decode_stack(
         shape.lora_rank,
         shape.residual_scale,
         shape.gemm_min_rows,
+        int(shape.gemm_tiles),
     )
     return h

@@ -38,7 +38,9 @@ _MATMUL_ARGS = (
 _MATMUL = c_function("sluice_qblock_matmul", None, *_MATMUL_ARGS)
 _MATMUL_FLOAT = c_function("sluice_qblock_matmul_float", None, *_MATMUL_ARGS)
 _MATMUL_RESIDUAL = c_function("sluice_qblock_matmul_residual", None, *_MATMUL_ARGS)
-_GEMM = c_function("sluice_qblock_gemm", None, *_MATMUL_ARGS)
+# (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, tiles, y)
+_GEMM = c_function("sluice_qblock_gemm", None, *_MATMUL_ARGS[:-1], INT, POINTER)
+_AMX_INT8_CALLS = c_function("sluice_amx_int8_calls", INT64)
 _AMX = c_function("sluice_qblock_amx", INT, *_MATMUL_ARGS)
 _HAS_AMX = c_function("sluice_amx", INT)
 _AMX_CALLS = c_function("sluice_amx_calls", INT64)
@@ -187,12 +189,16 @@ def qblock_gemm(
     super_scale: torch.Tensor,
     bits: int,
     group: int,
+    tiles: bool = False,
 ) -> torch.Tensor:
     """qblock_matmul's product for many rows (prompts, many streams): the same int8
     activations, multiplied by the weight unpacked 32 rows at a time into the order the
     integer dot-product instructions take, each panel reused by every row
-    (csrc/qblock_gemm.h). Not bit-equal to qblock_matmul: it sums in another order."""
-    return _matmul(_GEMM, lib, x, packed, hbits, scale, minimum, super_scale, bits, group)
+    (csrc/qblock_gemm.h). Not bit-equal to qblock_matmul: it sums in another order.
+    `tiles`: on AMX-INT8 tiles where has_amx(lib) (csrc/qblock_gemm_amx.h; bit-equal to
+    the VNNI path); only where the process holds the tile state (kernels.tiles())."""
+    args = (packed, hbits, scale, minimum, super_scale, bits, group)
+    return _matmul(_GEMM, lib, x, *args, extra=(int(tiles),))
 
 
 def qblock_amx(
@@ -228,6 +234,11 @@ def has_amx(lib: Library) -> bool:
 def amx_calls(lib: Library) -> int:
     """Threads' shares of qblock_amx calls that ran on the tiles so far."""
     return int(_AMX_CALLS(lib))
+
+
+def amx_int8_calls(lib: Library) -> int:
+    """Threads' shares of qblock_gemm calls that ran on the int8 tiles so far."""
+    return int(_AMX_INT8_CALLS(lib))
 
 
 def qblock_matmul_float(

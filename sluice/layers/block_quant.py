@@ -82,7 +82,9 @@ INT8_GEMM_LEVELS = frozenset(GEMM_MIN_ROWS)
 # on one Qwen2.5-7B layer: docs/results/few_rows-qwen2.5-7b-amx.json). There the int8
 # GEMM and the AMX kernel were even at 64 rows and the AMX kernel took 0.77x the GEMM's
 # time at 128 and 0.57x at 256 (2 cores of an AMX Xeon). Its bf16 activations are the
-# dense path's, finer than the GEMM's int8 ones.
+# dense path's, finer than the GEMM's int8 ones. Below it, the int8 GEMM itself runs on
+# AMX-INT8 tiles at the amx level (kernels.tiles(); csrc/qblock_gemm_amx.h, the same
+# sums as VNNI's): docs/results/few_rows-qwen2.5-coder-1.5b-amx-int8.json.
 AMX_AFTER_GEMM_MIN_ROWS = 128
 # Levels without the int8 GEMM where a model that takes int8 prompts keeps every row
 # count on the block kernel: at avx2 it beats dequantized tiles + fp32 GEMM at 16-512
@@ -288,7 +290,7 @@ def _linear(
             if not int8_gemm or x.shape[0] >= AMX_AFTER_GEMM_MIN_ROWS:
                 return qblock.qblock_amx(lib, *args)
         if int8_gemm:
-            return qblock.qblock_gemm(lib, *args)
+            return qblock.qblock_gemm(lib, *args, tiles=kernels.tiles(lib))
     n, k = w.shape
     rows = _tile_rows(k)
     if rows >= n:  # the common case: one tile

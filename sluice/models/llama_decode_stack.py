@@ -317,6 +317,7 @@ class LlamaDecodeStack:
             lora_rank=_lora_rank(model),
             residual_scale=c.residual_multiplier,
             gemm_min_rows=gemm_min_rows,
+            gemm_tiles=kernels.tiles(lib),
         )
 
     @classmethod

@@ -35,7 +35,7 @@
 #include "q4_matmul.h"
 #include "q8_matmul.h"
 #include "qblock.h"
-#include "qblock_gemm.h"
+#include "qblock_gemm_amx.h"
 #include "side_prefetch.h"
 
 namespace {
@@ -98,6 +98,9 @@ struct Shape {
   // (qblock_gemm.h) in place of the block kernel, as the eager layers do for a model
   // with int8 prompts (block_quant.GEMM_MIN_ROWS); 0: never.
   int gemm_min_rows;
+  // That GEMM on AMX-INT8 tiles (qblock_gemm_amx.h: the same sums), as eager runs it at
+  // the amx level.
+  bool gemm_tiles;
 };
 
 struct Batch {
@@ -233,8 +236,8 @@ void linear(const Shape& s, const int64_t* layer, Field packed,
   const auto* q = at<uint8_t>(layer, packed);
   const int64_t format = layer[packed + 5];
   if (on_gemm(s, layer, packed, M))
-    sluice::qblock_gemm(x, M, K, static_cast<int>(format / 100), static_cast<int>(format % 100),
-                        qb_weight(layer, packed), N, y, ga);
+    sluice::qblock_gemm_on(s.gemm_tiles, x, M, K, static_cast<int>(format / 100),
+                           static_cast<int>(format % 100), qb_weight(layer, packed), N, y, ga);
   else if (format == kFormatInt4)
     sluice::q4_rows(xa, M, K, q, at<uint16_t>(layer, Field(packed + 2)),
                     at<uint16_t>(layer, Field(packed + 3)), N, y);
@@ -341,9 +344,9 @@ void experts(const Shape& s, const int64_t* L, Field packed, const sluice::QBloc
   for (int j = 0; many > 0 && j < m.groups; ++j) {
     const int64_t r0 = m.start[j], rows = m.start[j + 1] - r0;
     if (rows >= many)
-      sluice::qblock_gemm(x + r0 * K, static_cast<int>(rows), K, bits, group,
-                          sluice::qblock_expert_weight(w, K, bits, group, m.expert[j] * N), N,
-                          y + r0 * N, ga);
+      sluice::qblock_gemm_on(s.gemm_tiles, x + r0 * K, static_cast<int>(rows), K, bits, group,
+                             sluice::qblock_expert_weight(w, K, bits, group, m.expert[j] * N),
+                             N, y + r0 * N, ga);
   }
   sluice::qblock_experts(xa, K, bits, group, w, N, m.groups, m.start.data(), m.expert.data(), y,
                          /*skip_from=*/many);
@@ -556,7 +559,8 @@ const char* sluice_decode_stack_field(int i) {
 // experts in a dense model). lora_slots [rows] int32: each row's LoRA slot (-1: none),
 // null where no row has an adapter; lora_rank: the slots' rank per slice.
 // residual_scale: each sublayer's output factor (Shape's; 1 for all but Granite).
-// gemm_min_rows: rows from which qblock linears and experts take the int8 GEMM (0: never).
+// gemm_min_rows: rows from which qblock linears and experts take the int8 GEMM (0: never);
+// gemm_tiles: that GEMM on AMX-INT8 tiles (the caller holds the tile state).
 void sluice_decode_stack(int bf16, const int64_t* fields, int layers, int hidden, int heads,
                          int kv_heads, int head_dim, int inter, int block_size, float eps,
                          float scale, void* h, const void* cos, const void* sin, int rows,
@@ -564,11 +568,11 @@ void sluice_decode_stack(int bf16, const int64_t* fields, int layers, int hidden
                          const int64_t* q_start, const int64_t* ctx_end, int seqs,
                          int kv_int8, int qk_norm, int experts, int top_k, int moe_inter,
                          int renormalize, const int32_t* lora_slots, int lora_rank,
-                         float residual_scale, int gemm_min_rows) {
+                         float residual_scale, int gemm_min_rows, int gemm_tiles) {
   const Shape s{layers, hidden,     heads, kv_heads, head_dim,         inter,
                 block_size, eps,    scale, kv_int8 != 0, qk_norm,   experts,
                 top_k,  moe_inter, renormalize != 0, lora_rank, residual_scale,
-                gemm_min_rows};
+                gemm_min_rows, gemm_tiles != 0};
   const Batch b{rows,  slots, tables,     max_blocks,
                 q_start, ctx_end, seqs, lora_slots, lora_block_slot(lora_slots, rows)};
   if (bf16)

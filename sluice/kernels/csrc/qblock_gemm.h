@@ -43,6 +43,9 @@ struct GemmActivations {
   std::vector<float> dx;        // [M, K / span]
   std::vector<int32_t> qinit;   // [M, K / G]: implied * Q (symmetric weights)
   std::vector<float> qsum;      // [M, K / G]: Q as fp32 (weights with offsets)
+  // The AMX-INT8 path's copies, per block of 16 rows (qblock_gemm_amx.h: amx_int8_rows).
+  std::vector<int8_t> tq;
+  std::vector<float> tdx, tqsum;
   int64_t stride = 0;
   int spans = 0, groups = 0;
   const int8_t* row(int r) const { return q.data() + stride * r; }
