@@ -755,6 +755,7 @@ def _few_rows(results: Sequence[Result]) -> str:
             block, dense = cell["block"], cell["dense"]
             gemm = cell.get("gemm")  # results before the int8 GEMM have none
             amx = cell.get("amx")  # only at the amx level
+            tiles = cell.get("tiles")  # the int8 GEMM on AMX-INT8 tiles: the amx level
             crossover = "/".join(map(str, sorted(set(d["dense_min_rows"].values()))))
             if d.get("gemm_min_rows"):
                 gemm_from = sorted(set(d["gemm_min_rows"].values()))
@@ -766,10 +767,12 @@ def _few_rows(results: Sequence[Result]) -> str:
                     m,
                     f"{block:.2f}",
                     "–" if gemm is None else f"{gemm:.2f}",
+                    "–" if tiles is None else f"{tiles:.2f}",
                     f"{dense:.2f}",
                     "–" if amx is None else f"{amx:.2f}",
                     f"{block / dense:.2f}",
                     "–" if gemm is None else f"{block / gemm:.2f}",
+                    "–" if tiles is None or gemm is None else f"{tiles / gemm:.2f}",
                     "–" if amx is None else f"{amx / dense:.2f}",
                     crossover,
                 ]
@@ -779,10 +782,12 @@ def _few_rows(results: Sequence[Result]) -> str:
         "rows",
         "block kernel ms",
         "int8 GEMM ms",
+        "int8 GEMM on AMX-INT8 ms",
         "dequantized tiles + GEMM ms",
         "AMX ms",
         "block / dense",
         "block / int8 GEMM",
+        "AMX-INT8 / int8 GEMM",
         "AMX / dense",
         "dense_min_rows",
     ]
