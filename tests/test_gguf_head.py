@@ -48,12 +48,12 @@ def head_inputs(llm: LLM, max_tokens: int) -> torch.Tensor:
 def assert_head_is_two_level_near_the_top(alias: str, max_tokens: int) -> None:
     llm = LLM(model=alias, enable_prefix_caching=False)
     method = llm.engine.runner.model.lm_head.method
-    assert method.name == "gguf" and method.lib is not None and method.row_max is not None
+    assert method.name == "gguf" and method.lib is not None and method.row_norm is not None
     w = method.weight
     args = (w.packed, w.hbits, w.scale, w.minimum, w.super_scale, w.bits, w.group)
     x = head_inputs(llm, max_tokens).float()  # (bf16 inputs convert exactly)
     assert len(x) >= 4 * len(PROMPTS)  # prompts and answers, not a stub
-    got = qblock.qblock_matmul_head(method.lib, x, *args, method.row_max)
+    got = qblock.qblock_matmul_head(method.lib, x, *args, method.row_norm)
     assert torch.equal(got.argmax(1), qblock.qblock_matmul_residual(method.lib, x, *args).argmax(1))
     exact = x.double() @ qblock.qblock_dequantize(method.lib, *args, torch.float32).double().t()
     top = exact.amax(1, keepdim=True)

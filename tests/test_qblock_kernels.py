@@ -294,10 +294,16 @@ def test_residual_matmul_keeps_activations_to_a_fraction_of_their_step(
             assert gain > 20
 
 
+def head_row_norms(lib: kernels.Library, *weight: Any) -> torch.Tensor:
+    """Each weight row's L2 norm, rounded up, as the model's head computes it
+    (block_quant.row_norms)."""
+    dense = qblock.qblock_dequantize(lib, *weight, torch.float32).double()
+    return (torch.linalg.vector_norm(dense, dim=1) * (1 + 1e-6)).float()
+
+
 def head_kernel(lib: kernels.Library, x: torch.Tensor, *weight: Any) -> torch.Tensor:
-    """qblock_matmul_head with the row maxima computed as the model's head does."""
-    row_max = qblock.qblock_dequantize(lib, *weight, torch.float32).abs().amax(1)
-    return qblock.qblock_matmul_head(lib, x, *weight, row_max)
+    """qblock_matmul_head with the row norms computed as the model's head does."""
+    return qblock.qblock_matmul_head(lib, x, *weight, head_row_norms(lib, *weight))
 
 
 @pytest.mark.parametrize(("bits", "group", "symmetric", "integer"), CASES)
@@ -324,6 +330,38 @@ def test_head_matmul_is_the_residual_one_for_every_token_that_may_be_picked(
     for rows in (1, 5, 12):  # a row's logits do not depend on the batch
         assert torch.equal(head_kernel(lib, x[:rows], *weight), got[:rows])
         assert torch.equal(head_kernel(lib, x[rows : rows + 1], *weight), got[rows : rows + 1])
+
+
+@pytest.mark.parametrize(("bits", "group", "symmetric", "integer"), CASES)
+def test_head_on_amx_tiles_keeps_candidates_two_level_and_the_rest_the_gemms(
+    bits: int, group: int, symmetric: bool, integer: bool
+) -> None:
+    # With its first level from the int8 GEMM on tiles, every logit is bit for bit the
+    # two-level one or that GEMM's; the pick and every token that could round to it are
+    # two-level (their first level again from the block kernel, as before); a row's
+    # logits do not depend on the batch.
+    with kernels_at("amx"):
+        lib = kernels.load()
+        assert lib is not None and kernels.tiles(lib)
+        n, k = 3000, columns(integer)
+        w = random_weight(n, k, bits, group, 7 * bits + group, symmetric, integer)
+        weight = (*w.rows(0, n), bits, group)
+        row_norm = head_row_norms(lib, *weight)
+        x = torch.randn(17, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+        before = qblock.amx_int8_calls(lib)
+        got = qblock.qblock_matmul_head(lib, x, *weight, row_norm, tiles=True)
+        assert qblock.amx_int8_calls(lib) > before
+        two = qblock.qblock_matmul_residual(lib, x, *weight)
+        one = qblock.qblock_gemm(lib, x, *weight, tiles=True)
+        exact = got == two
+        assert (exact | (got == one)).all()
+        assert torch.equal(got.float().argmax(1), two.float().argmax(1))
+        top = two.float().amax(1, keepdim=True)
+        assert (two.float()[~exact] < top.expand_as(two)[~exact]).all()
+        assert (~exact).float().mean() > 0.5
+        for rows in (1, 16):
+            part = qblock.qblock_matmul_head(lib, x[:rows], *weight, row_norm, tiles=True)
+            assert torch.equal(part, got[:rows])
 
 
 @pytest.mark.parametrize(
@@ -419,10 +457,10 @@ def test_few_rows_take_the_block_kernel_up_to_the_crossover(
         else:
             torch.testing.assert_close(y, dense, rtol=1e-4, atol=1e-4)
             assert not torch.equal(y, on_blocks)
-        row_max = head.method.row_max
-        assert row_max is not None
+        row_norm = head.method.row_norm
+        assert row_norm is not None
         on_head_kernel = qblock.qblock_matmul_head(
-            lib, x, *weight.parts(), weight.bits, weight.group, row_max
+            lib, x, *weight.parts(), weight.bits, weight.group, row_norm
         )
         head_on_blocks = rows < block_rows or kernel_level == "avx2"
         assert torch.equal(head(x), on_head_kernel) == head_on_blocks
@@ -464,6 +502,48 @@ def test_many_bf16_rows_take_the_amx_kernel_at_the_amx_level(int8_prompts: bool)
                 if expected:
                     amx = qblock.qblock_amx(lib, x, *weight.parts(), weight.bits, weight.group)
                     assert torch.equal(y, amx)
+
+
+def test_the_int8_gemm_and_the_heads_first_level_take_amx_int8_tiles_at_the_amx_level() -> None:
+    """At the amx level a linear with int8 prompts runs its GEMM rows (GEMM_MIN_ROWS up
+    to AMX_AFTER_GEMM_MIN_ROWS) on the int8 tiles, and the output head its rows from
+    HEAD_TILES_MIN_ROWS below its dense crossover; a forced avx512 level never does."""
+    from sluice.layers.block_quant import (
+        AMX_AFTER_GEMM_MIN_ROWS,
+        GEMM_MIN_ROWS,
+        HEAD_TILES_MIN_ROWS,
+        BlockQuantized,
+    )
+    from sluice.layers.linear import Linear
+    from sluice.loader.gguf_blocks import repack
+    from tests.test_gguf_blocks import random_blocks
+
+    weight = repack(torch.from_numpy(random_blocks("Q6_K", 80, 512, seed=4)), "Q6_K", 80, 512)
+    gen = torch.Generator().manual_seed(0)
+    for level in ("amx", "avx512"):
+        with kernels_at(level):
+            lib = kernels.load()
+            assert lib is not None
+            layer = Linear(512, 80, bias=False, method=BlockQuantized(int8_prompts=True))
+            head = Linear(512, 80, bias=False, method=BlockQuantized(output_head=True))
+            for linear in (layer, head):
+                linear.method.load_quantized(linear, weight)
+            gemm_from = GEMM_MIN_ROWS["avx512"]
+            for linear, rows, expected in [
+                (layer, gemm_from - 1, False),
+                (layer, gemm_from, True),
+                (layer, AMX_AFTER_GEMM_MIN_ROWS - 1, True),
+                (head, HEAD_TILES_MIN_ROWS - 1, False),
+                (head, HEAD_TILES_MIN_ROWS, True),
+            ]:
+                x = torch.randn(rows, 512, generator=gen).bfloat16()
+                before = qblock.amx_int8_calls(lib)
+                y = linear(x)
+                on_tiles = qblock.amx_int8_calls(lib) > before
+                assert on_tiles == (expected and level == "amx"), (level, rows)
+            args = (*weight.parts(), weight.bits, weight.group)
+            assert torch.equal(y, qblock.qblock_matmul_head(lib, x, *args, head.method.row_norm,
+                                                            tiles=level == "amx"))  # fmt: skip
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])

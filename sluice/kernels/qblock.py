@@ -44,8 +44,10 @@ _AMX_INT8_CALLS = c_function("sluice_amx_int8_calls", INT64)
 _AMX = c_function("sluice_qblock_amx", INT, *_MATMUL_ARGS)
 _HAS_AMX = c_function("sluice_amx", INT)
 _AMX_CALLS = c_function("sluice_amx_calls", INT64)
-# (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, row_max, y)
-_MATMUL_HEAD = c_function("sluice_qblock_matmul_head", None, *_MATMUL_ARGS[:-1], POINTER, POINTER)
+# (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, row_norm, tiles, y)
+_MATMUL_HEAD = c_function(
+    "sluice_qblock_matmul_head", None, *_MATMUL_ARGS[:-1], POINTER, INT, POINTER
+)
 # (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, num_groups, group_start,
 #  group_expert, y)
 _MATMUL_EXPERTS = c_function(
@@ -287,19 +289,26 @@ def qblock_matmul_head(
     super_scale: torch.Tensor,
     bits: int,
     group: int,
-    row_max: torch.Tensor,  # [N] fp32: each weight row's largest |value|
+    row_norm: torch.Tensor,  # [N] fp32: each weight row's L2 norm, rounded up
+    tiles: bool = False,
 ) -> torch.Tensor:
     """The output head: qblock_matmul_residual's value, bit for bit, for every token
-    whose logit may be the row's largest (its one-level value plus the bound row_max[n]
-    * sum|residual| reaches the best lower bound of any token), and for the rest
+    whose logit may be the row's largest (its one-level value plus the bound
+    row_norm[n] * |residual| reaches the best lower bound of any token), and for the rest
     qblock_matmul's. Greedy picks and the logits near the top are those of the two
     levels; the second level costs a dot product per such token instead of a second
-    kernel row per position."""
+    kernel row per position. `tiles`: the one level from qblock_gemm on AMX-INT8 tiles
+    (the rest take its values; where has_amx(lib) and the process holds the tile
+    state), the candidates unchanged."""
     n = packed.shape[0]
-    if row_max.shape != (n,) or row_max.dtype != torch.float32 or not row_max.is_contiguous():
-        raise ValueError(f"row_max must be contiguous float32 [{n}]")
+    if (
+        row_norm.shape != (n,)
+        or row_norm.dtype != torch.float32
+        or not row_norm.is_contiguous()
+    ):
+        raise ValueError(f"row_norm must be contiguous float32 [{n}]")
     weight = (packed, hbits, scale, minimum, super_scale, bits, group)
-    return _matmul(_MATMUL_HEAD, lib, x, *weight, extra=(ptr(row_max),))
+    return _matmul(_MATMUL_HEAD, lib, x, *weight, extra=(ptr(row_norm), int(tiles)))
 
 
 def _check_expert_groups(

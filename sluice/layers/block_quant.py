@@ -20,7 +20,7 @@ bits), since one level flips near-tied logits; the same kernel reads the blocks,
 the vocabulary-sized head runs at the int8 kernel's bandwidth (the float-activation
 kernel it replaced was compute-bound on 6-bit heads: 6.3 against 4.6 ms a token on
 Qwen2.5-Coder-1.5B's). The second level is added only to the tokens that may be the
-pick (`qblock.qblock_matmul_head`, bounded by each row's largest |W|, `row_max`),
+pick (`qblock.qblock_matmul_head`, bounded by each row's L2 norm, `row_norm`),
 so a verifying step's positions cost one kernel row each, not two. Near the top its
 logits are within 4.3e-5 (relative) of the exact ones on the packaged models
 (tests/test_gguf_head.py).
@@ -100,6 +100,13 @@ INT8_PROMPTS_ON_BLOCKS = frozenset({"avx2"})
 # hoc, alternating). Its two levels keep the logits near exact, so the accuracy that
 # keeps prompts' other layers on the GEMM (above) does not bind it.
 HEAD_ON_BLOCKS = frozenset({"avx2"})
+# Rows from which the output head's first int8 level comes from the int8 GEMM on AMX-INT8
+# tiles (kernels.tiles(); qblock_matmul_head's `tiles`), below its dense crossover. On
+# Qwen2.5-Coder-1.5B's Q6_K head (151936 x 1536) the two took 22.5 against 15.4 ms at 8
+# rows, even at 12, 25.2 against 32.5 at 14, 26.3 against 35.5 at 16 and 40.5 against
+# 51.5 at 24 (2 cores of an AMX Xeon, ad hoc, alternating): a tile block costs the same
+# for 1 row as for 16.
+HEAD_TILES_MIN_ROWS = 13
 
 
 def dense_min_rows(
@@ -162,25 +169,25 @@ def _tile_rows(k: int) -> int:
     return max(64, TILE_ELEMENTS // k)
 
 
-def _row_max_abs(lib: Library, qt: QuantizedTensor) -> torch.Tensor:
-    """[N] fp32: each row's largest |W[n, k]|, a dequantized tile of rows at a time. The
-    tiles are fresh tensors, freed here (through the shared scratch, a bf16 model kept a
-    16 MiB fp32 tile resident after load that nothing else used), and small: this runs
-    at the end of a load, whose peak memory they add to (no |W| copy either)."""
+def row_norms(lib: Library, qt: QuantizedTensor) -> torch.Tensor:
+    """[N] fp32: each row's L2 norm, summed in fp64 and rounded up (it bounds the head's
+    second level), a dequantized tile of rows at a time. The tiles are fresh tensors,
+    freed here (through the shared scratch, a bf16 model kept a 16 MiB fp32 tile
+    resident after load that nothing else used), and small: this runs at the end of a
+    load, whose peak memory they add to."""
     n, k = qt.shape
-    rows = max(1, _ROW_MAX_TILE // k)
+    rows = max(1, _ROW_NORM_TILE // k)
     out = torch.empty(n, dtype=torch.float32)
     for start in range(0, n, rows):
         stop = min(n, start + rows)
         tile = qblock.qblock_dequantize(
             lib, *_kernel_args(qt.row_slice(start, stop)), torch.float32
         )
-        low, high = torch.aminmax(tile, dim=1)
-        out[start:stop] = torch.maximum(high, -low)
+        out[start:stop] = (torch.linalg.vector_norm(tile.double(), dim=1) * (1 + 1e-6)).float()
     return out
 
 
-_ROW_MAX_TILE = 1 << 18  # values of a _row_max_abs tile: 1 MiB of fp32
+_ROW_NORM_TILE = 1 << 18  # values of a row_norms tile: 1 MiB of fp32
 
 
 def _kernel_args(
@@ -211,7 +218,7 @@ class BlockQuantized(LinearMethod):
         self.int8_gemm = False
         self.weight: QuantizedTensor | None = None
         self.lib: Library | None = None
-        self.row_max: torch.Tensor | None = None  # the output head's (_row_max_abs)
+        self.row_norm: torch.Tensor | None = None  # the output head's (row_norms)
         self.dense_min_rows = 1
 
     @property
@@ -236,9 +243,9 @@ class BlockQuantized(LinearMethod):
         layer.qb_scale, layer.qb_min = weight.scale, weight.minimum
         layer.qb_super = weight.super_scale
         self.lib = cpu_kernels(layer.weight)
-        # The head's kernel bounds its second level per token by the row's largest |W|.
-        self.row_max = (
-            _row_max_abs(self.lib, weight) if self.output_head and self.lib is not None else None
+        # The head's kernel bounds its second level per token by the row's L2 norm.
+        self.row_norm = (
+            row_norms(self.lib, weight) if self.output_head and self.lib is not None else None
         )
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
         self.int8_gemm = int8_gemm_for(self.lib, self.int8_prompts and not self.output_head)
@@ -259,11 +266,11 @@ class BlockQuantized(LinearMethod):
             y = cast(
                 torch.Tensor,
                 _qblock_linear_op(
-                    x, *_kernel_args(w), self.row_max, self.dense_min_rows, self.int8_gemm
+                    x, *_kernel_args(w), self.row_norm, self.dense_min_rows, self.int8_gemm
                 ),
             )
         else:
-            y = _linear(self.lib, w, x, self.row_max, self.dense_min_rows, self.int8_gemm)
+            y = _linear(self.lib, w, x, self.row_norm, self.dense_min_rows, self.int8_gemm)
         return y if layer.bias is None else y + layer.bias
 
 
@@ -271,20 +278,21 @@ def _linear(
     lib: Library | None,
     w: QuantizedTensor,
     x: torch.Tensor,
-    row_max: torch.Tensor | None,
+    row_norm: torch.Tensor | None,
     dense_min_rows: int,
     int8_gemm: bool = False,
 ) -> torch.Tensor:
     """x @ W.T: the block kernel for few rows; for many, the int8 GEMM where `int8_gemm`
     (int8_gemm_for), else dequantized tiles + the dense GEMM; at the amx level bf16
     rows take the AMX kernel in the dense path's place, and in the GEMM's from
-    AMX_AFTER_GEMM_MIN_ROWS. row_max (the output head's, _row_max_abs) picks the head's
+    AMX_AFTER_GEMM_MIN_ROWS. row_norm (the output head's, row_norms) picks the head's
     kernel."""
     if lib is not None:
         args = (x.contiguous(), *_kernel_args(w))
         if x.shape[0] < dense_min_rows:
-            if row_max is not None:
-                return qblock.qblock_matmul_head(lib, *args, row_max)
+            if row_norm is not None:
+                tiles = x.shape[0] >= HEAD_TILES_MIN_ROWS and kernels.tiles(lib)
+                return qblock.qblock_matmul_head(lib, *args, row_norm, tiles=tiles)
             return qblock.qblock_matmul(lib, *args)
         if x.dtype == torch.bfloat16 and kernels.tiles(lib):
             if not int8_gemm or x.shape[0] >= AMX_AFTER_GEMM_MIN_ROWS:
@@ -331,13 +339,13 @@ def _qblock_linear_op(
     super_scale: torch.Tensor,
     bits: int,
     group: int,
-    row_max: torch.Tensor | None,
+    row_norm: torch.Tensor | None,
     dense_min_rows: int,
     int8_gemm: bool,
 ) -> torch.Tensor:
     w = QuantizedTensor(bits, group, packed, hbits, scale, minimum, super_scale)
     lib = kernels.load() if x.device.type == "cpu" else None
-    return _linear(lib, w, x, row_max, dense_min_rows, int8_gemm)
+    return _linear(lib, w, x, row_norm, dense_min_rows, int8_gemm)
 
 
 @_qblock_linear_op.register_fake
@@ -350,7 +358,7 @@ def _(
     super_scale: torch.Tensor,
     bits: int,
     group: int,
-    row_max: torch.Tensor | None,
+    row_norm: torch.Tensor | None,
     dense_min_rows: int,
     int8_gemm: bool,
 ) -> torch.Tensor:

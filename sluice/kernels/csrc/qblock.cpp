@@ -10,6 +10,7 @@
 #include "q8_matmul.h"
 #include "qblock.h"
 #include "qblock_float.h"
+#include "qblock_gemm_amx.h"
 
 namespace {
 
@@ -102,14 +103,17 @@ void prefetch_row(const QbWeight& w, int K, int n) {
 
 // y = the first level's logits (coarse), and for the tokens that may be row r's greedy
 // pick the second level's term added, one dot product each. Token n's second-level
-// term is at most rmax[n] * s[r] (s: the sum of the residual's magnitudes, rmax: the
-// row's largest |W|), so a token whose coarse logit plus that bound stays under
+// term is at most rnorm[n] * s[r] (Cauchy-Schwarz; s: the residual's L2 norm, rnorm:
+// weight row n's), so a token whose coarse logit plus that bound stays under
 // cutoff[r] (the best lower bound of any token, less two bf16 steps of the largest
-// magnitude) can neither be the pick nor round to the pick's value.
+// magnitude) can neither be the pick nor round to the pick's value. first: where
+// coarse came from the tiles (not the block kernel), the first level's activations,
+// whose block-kernel product a candidate's logit takes instead (a second dot product),
+// so candidates stay bit for bit the two-level kernel's.
 template <int BITS, int G, bool IQ, typename T>
-void head_refine_t(const float* coarse, const sluice::QBlockActivations& rest, int M, int K,
-                   const QbWeight& w, int N, const float* rmax, const float* s,
-                   const float* cutoff, T* y) {
+void head_refine_t(const float* coarse, const sluice::QBlockActivations& rest,
+                   const sluice::QBlockActivations* first, int M, int K, const QbWeight& w,
+                   int N, const float* rnorm, const float* s, const float* cutoff, T* y) {
   std::vector<int64_t> picked;  // this thread's candidates, as r * N + n
 #pragma omp for schedule(static)
   for (int n0 = 0; n0 < N; n0 += kHeadTile) {
@@ -120,52 +124,83 @@ void head_refine_t(const float* coarse, const sluice::QBlockActivations& rest, i
       T* yr = y + static_cast<int64_t>(r) * N;
       for (int n = n0; n < n1; ++n) yr[n] = sluice::round_to(yr + n, c[n]);
       for (int n = n0; n < n1; ++n)
-        if (c[n] + rmax[n] * s[r] >= cutoff[r]) picked.push_back(static_cast<int64_t>(r) * N + n);
+        if (c[n] + rnorm[n] * s[r] >= cutoff[r]) picked.push_back(static_cast<int64_t>(r) * N + n);
     }
     for (const int64_t i : picked) prefetch_row<BITS, G, IQ>(w, K, static_cast<int>(i % N));
     for (const int64_t i : picked) {
       const int r = static_cast<int>(i / N), n = static_cast<int>(i % N);
-      float out;
-      sluice::qb_dot_row<BITS, G, IQ, 1>(w.row<BITS, G, IQ>(K, n),
-                                         sluice::qb_act_rows<G, 1>(rest, r, K), K, &out);
-      y[i] = sluice::round_to(y + i, coarse[i] + out);
+      const sluice::QbRow row = w.row<BITS, G, IQ>(K, n);
+      float out, one = coarse[i];
+      sluice::qb_dot_row<BITS, G, IQ, 1>(row, sluice::qb_act_rows<G, 1>(rest, r, K), K, &out);
+      if (first) sluice::qb_dot_row<BITS, G, IQ, 1>(row, sluice::qb_act_rows<G, 1>(*first, r, K), K, &one);
+      y[i] = sluice::round_to(y + i, one + out);
     }
   }
 }
 
-// Sum of |residual| of each row, as the kernels see it (dx times its int8 values).
-std::vector<float> residual_mass(const sluice::QBlockActivations& rest, int M, int K) {
+// The L2 norm of each row's residual, as the kernels see it (dx times its int8 values).
+// With the weight rows' norms it bounds the second level's term (Cauchy-Schwarz), where
+// the largest |W| times the residual's L1 norm, the bound before, left ~6% of the 1.5B's
+// tokens as candidates on 16 streams' hidden states and this ~0.01% (ad hoc).
+std::vector<float> residual_norm(const sluice::QBlockActivations& rest, int M, int K) {
   std::vector<float> s(M, 0.f);
   for (int r = 0; r < M; ++r) {
     const int8_t* q = rest.row(r);
     const float* dx = rest.dx.data() + static_cast<int64_t>(r) * (K / 32);
     double sum = 0;  // (positions are pair-ordered, but dx holds one scale per 32 of them)
-    for (int k = 0; k < K; ++k) sum += std::abs(static_cast<double>(dx[k / 32]) * q[k]);
-    s[r] = static_cast<float>(sum * (1 + 1e-5));  // the fp32 sums' rounding too
+    for (int k = 0; k < K; ++k) {
+      const double v = static_cast<double>(dx[k / 32]) * q[k];
+      sum += v * v;
+    }
+    s[r] = static_cast<float>(std::sqrt(sum) * (1 + 1e-5));  // the fp32 sums' rounding too
   }
   return s;
+}
+
+// The first level's logits of every token into coarse: the block kernel on xw, or with
+// `tiles` the int8 GEMM on AMX-INT8 tiles on x (the same int8 values, summed in another
+// order; every thread of a parallel region calls this).
+template <typename T>
+void head_first_level(bool tiles, const T* x, const sluice::QBlockActivations& xw, int M, int K,
+                      int bits, int group, const QbWeight& w, int N, float* coarse,
+                      sluice::GemmActivations& ga) {
+#if defined(SLUICE_AMX)
+  if (tiles) {
+    SLUICE_QB_DISPATCH(bits, group, w.s != nullptr,
+                       (sluice::qblock_gemm_amx_t<B, G, IQ, T, float>(x, M, K, w, N, coarse, ga)))
+    return;
+  }
+#else
+  (void)tiles, (void)x, (void)ga;
+#endif
+  sluice::qblock_rows(xw, M, K, bits, group, w, N, coarse);
 }
 
 // The output head: matmul_residual's logits for every token that may be the greedy
 // pick (bit for bit), the first level's for the rest. The second level then costs a
 // dot product per candidate (~500 of Qwen's 151,936 tokens, a few thousand at most)
 // instead of a kernel row per position: the head reads its weights once for up to 12
-// positions, not 6.
+// positions, not 6. tiles: the first level on AMX-INT8 tiles (where the library has
+// them), and candidates' first level again on the block kernel.
 template <typename T>
 void matmul_head(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N,
-                 const float* rmax, T* y) {
+                 const float* rnorm, bool tiles, T* y) {
   const bool integer = w.s != nullptr;
   sluice::QBlockActivations xw, xr;  // the first level (as qblock_matmul's), the second
   xw.quantize(x, M, K, group, integer);
   std::vector<float> rest(static_cast<size_t>(M) * K);
   residual_rows(x, xw, M, K, rest.data(), K);
   xr.quantize(rest.data(), M, K, group, integer);
-  const std::vector<float> s = residual_mass(xr, M, K);
+  const std::vector<float> s = residual_norm(xr, M, K);
   std::vector<float> coarse(static_cast<size_t>(M) * N);
   std::vector<float> lo(M, -INFINITY), hi(M, -INFINITY), cutoff(M);
+  sluice::GemmActivations ga;  // the tiles' rows (shared: one thread sizes it)
+#if !defined(SLUICE_AMX)
+  tiles = false;
+#endif
 #pragma omp parallel
   {
-    sluice::qblock_rows(xw, M, K, bits, group, w, N, coarse.data());
+    head_first_level(tiles, x, xw, M, K, bits, group, w, N, coarse.data(), ga);
     std::vector<float> lo_t(M, -INFINITY), hi_t(M, -INFINITY);  // this thread's
 #pragma omp for schedule(static) nowait
     for (int n0 = 0; n0 < N; n0 += kHeadTile) {
@@ -174,8 +209,8 @@ void matmul_head(const T* x, int M, int K, int bits, int group, const QbWeight& 
         const float* c = coarse.data() + static_cast<int64_t>(r) * N;
         float l = lo_t[r], h = hi_t[r];
         for (int n = n0; n < n1; ++n) {
-          l = std::max(l, c[n] - rmax[n] * s[r]);
-          h = std::max(h, c[n] + rmax[n] * s[r]);
+          l = std::max(l, c[n] - rnorm[n] * s[r]);
+          h = std::max(h, c[n] + rnorm[n] * s[r]);
         }
         lo_t[r] = l;
         hi_t[r] = h;
@@ -191,8 +226,8 @@ void matmul_head(const T* x, int M, int K, int bits, int group, const QbWeight& 
     for (int r = 0; r < M; ++r)  // less two bf16 steps: 2 * 2**-7 of the magnitude
       cutoff[r] = lo[r] - std::ldexp(std::max(std::abs(lo[r]), std::abs(hi[r])), -6) - 1e-3f;
     SLUICE_QB_DISPATCH(bits, group, integer,
-                       (head_refine_t<B, G, IQ>(coarse.data(), xr, M, K, w, N, rmax, s.data(),
-                                                cutoff.data(), y)))
+                       (head_refine_t<B, G, IQ>(coarse.data(), xr, tiles ? &xw : nullptr, M,
+                                                K, w, N, rnorm, s.data(), cutoff.data(), y)))
   }
 }
 
@@ -278,17 +313,20 @@ void sluice_qblock_matmul_residual(const void* x, int bf16, int M, int K, int bi
 }
 
 // The output head: as sluice_qblock_matmul_residual for every logit that may be the
-// greedy pick, one int8 level for the rest; row_max [N]: each weight row's largest |W|.
+// greedy pick, one int8 level for the rest; row_norm [N]: each weight row's L2 norm
+// (rounded up).
+// tiles: that one level from the int8 GEMM on AMX-INT8 tiles where this library has
+// them (the caller holds the tile state), the block kernel's otherwise.
 void sluice_qblock_matmul_head(const void* x, int bf16, int M, int K, int bits, int group,
                                const uint8_t* packed, const uint8_t* hbits, const void* d,
-                               const void* m, const uint16_t* s, int N, const float* row_max,
-                               void* y) {
+                               const void* m, const uint16_t* s, int N, const float* row_norm,
+                               int tiles, void* y) {
   const QbWeight w{packed, hbits, d, m, s};
   if (bf16)
-    matmul_head(static_cast<const uint16_t*>(x), M, K, bits, group, w, N, row_max,
+    matmul_head(static_cast<const uint16_t*>(x), M, K, bits, group, w, N, row_norm, tiles != 0,
                 static_cast<uint16_t*>(y));
   else
-    matmul_head(static_cast<const float*>(x), M, K, bits, group, w, N, row_max,
+    matmul_head(static_cast<const float*>(x), M, K, bits, group, w, N, row_norm, tiles != 0,
                 static_cast<float*>(y));
 }
 

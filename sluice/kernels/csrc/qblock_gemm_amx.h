@@ -98,17 +98,44 @@ struct alignas(64) AmxInt8Chunk {
   int32_t sums[2][kTileWRows][kTileLanes];
 };
 
-// K values c0 .. c0 + len of the `live` rows w into c (rows past live stay as they were:
-// zeroed by the caller).
+// Ask for the cache lines from `p` through `bytes` on (a region a later pass reads).
+SLUICE_INLINE void amx_int8_prefetch(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
+}
+
+// The scales and offsets of weight rows n .. n + 15 (a later pass's): 16 rows' worth of
+// each is one short contiguous run.
 template <int BITS, int G, bool IQ>
-SLUICE_INLINE void amx_int8_unpack(const QbRow* w, int live, int c0, int len, bool symmetric,
-                                   AmxInt8Chunk& c) {
+SLUICE_INLINE void amx_int8_prefetch_scales(const QbWeight& wt, int K, int64_t n) {
+  const QbRow r = wt.row<BITS, G, IQ>(K, n);
+  const int64_t bytes = static_cast<int64_t>(kTileWRows) * (K / G) * (IQ ? 1 : 2);
+  amx_int8_prefetch(r.d, bytes);
+  if (r.m) amx_int8_prefetch(r.m, bytes);
+  if constexpr (IQ) amx_int8_prefetch(r.sd, kTileWRows * (K / kQbSuper) * (r.m ? 4 : 2));
+}
+
+// K values c0 .. c0 + len of the `live` rows w into c (rows past live stay as they were:
+// zeroed by the caller). Each row's bytes two passes on (32 rows: with two threads
+// taking passes in turn, usually this thread's next) are asked for as these are read;
+// without it the unpacking waited on memory (perf: a third of the kernel's samples on
+// the 1.5B's 16-stream steps): a row of a 1.5B linear is under a KB, so a row's own
+// stream ends before the hardware prefetcher gets ahead of it. One pass ahead with a
+// static schedule measured the same on single layers and left one thread waiting at
+// the step's barriers (ad hoc).
+template <int BITS, int G, bool IQ>
+SLUICE_INLINE void amx_int8_unpack(const QbRow* w, int live, int K, int c0, int len,
+                                   bool symmetric, AmxInt8Chunk& c) {
   const int p0 = c0 / 64, np = len / 64, ng = len / G;
   const __m512i offset = _mm512_set1_epi8(static_cast<char>(symmetric ? 1 << (BITS - 1) : 0));
   const __mmask16 k = static_cast<__mmask16>((1u << ng) - 1);
+  constexpr int pair_bytes = BITS == 8 ? 64 : 32, hpair_bytes = BITS == 5 ? 8 : 16;
+  const int64_t ahead = 2 * kTileWRows * qb_row_bytes(BITS, K);
+  const int64_t hahead = 2 * kTileWRows * qb_hbits_row_bytes(BITS, K);
   for (int i = 0; i < live; ++i) {
+    amx_int8_prefetch(w[i].w + ahead + pair_bytes * p0, pair_bytes * np);
+    if constexpr (BITS == 5 || BITS == 6)
+      amx_int8_prefetch(w[i].h + hahead + hpair_bytes * p0, hpair_bytes * np);
     for (int p = p0; p < p0 + np; ++p) {
-      if (p % 2 == 0) qb_prefetch<BITS>(w[i], p);
       const __m512i u = qb_unpack<BITS>(w[i], p);
       const __m512i natural = _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0));
       _mm512_store_si512(c.w[i] + (p - p0) * 64, _mm512_sub_epi8(natural, offset));
@@ -175,10 +202,11 @@ SLUICE_AMX_INT8_FN SLUICE_INLINE void amx_int8_block(AmxInt8Chunk& c, const Gemm
 }
 
 // y [M, N] = x @ W.T on the tiles (every thread of a parallel region calls this; blocks
-// of 16 weight rows are shared out, each thread unpacking its own).
-template <int BITS, int G, bool IQ, typename T>
+// of 16 weight rows are shared out, each thread unpacking its own). y in x's type, or
+// fp32 (the output head's first level: sluice/kernels/csrc/qblock.cpp).
+template <int BITS, int G, bool IQ, typename T, typename Y = T>
 SLUICE_AMX_INT8_FN void qblock_gemm_amx_t(const T* x, int M, int K, const QbWeight& wt, int N,
-                                          T* y, GemmActivations& a) {
+                                          Y* y, GemmActivations& a) {
   constexpr int span = IQ ? kQbSuper : 32;
   const bool sym = wt.m == nullptr;
   gemm_quantize(x, M, K, span, G, static_cast<int>(qb_implied_m<BITS>), sym, a);
@@ -193,11 +221,13 @@ SLUICE_AMX_INT8_FN void qblock_gemm_amx_t(const T* x, int M, int K, const QbWeig
     const int live = std::min(kTileWRows, N - n0);
     QbRow w[kTileWRows];
     for (int i = 0; i < live; ++i) w[i] = wt.row<BITS, G, IQ>(K, n0 + i);
+    if (n0 + 2 * kTileWRows < N)
+      amx_int8_prefetch_scales<BITS, G, IQ>(wt, K, n0 + 2 * kTileWRows);
     if (live < kTileWRows) std::memset(&c, 0, sizeof(c));  // rows past N: zeros
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int c0 = 0; c0 < K; c0 += kTileChunk) {
       const int len = std::min(kTileChunk, K - c0);
-      amx_int8_unpack<BITS, G, IQ>(w, live, c0, len, sym, c);
+      amx_int8_unpack<BITS, G, IQ>(w, live, K, c0, len, sym, c);
       for (int b = 0; b < blocks; ++b) {
         float* ab = acc.data() + static_cast<int64_t>(b) * kTileWRows * kTileLanes;
         if (sym)
@@ -208,7 +238,7 @@ SLUICE_AMX_INT8_FN void qblock_gemm_amx_t(const T* x, int M, int K, const QbWeig
     }
     for (int r = 0; r < M; ++r) {
       const float* ar = acc.data() + static_cast<int64_t>(r / kTileLanes) * kTileWRows * kTileLanes;
-      T* yr = y + static_cast<int64_t>(r) * N + n0;
+      Y* yr = y + static_cast<int64_t>(r) * N + n0;
       for (int i = 0; i < live; ++i) yr[i] = round_to(yr + i, ar[i * kTileLanes + r % kTileLanes]);
     }
   }
