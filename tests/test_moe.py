@@ -167,7 +167,7 @@ def test_quantized_experts_equal_their_dense_selves(
 
     calls = []
     gemm = qblock.qblock_gemm
-    monkeypatch.setattr(qblock, "qblock_gemm", lambda *a: calls.append(1) or gemm(*a))
+    monkeypatch.setattr(qblock, "qblock_gemm", lambda *a, **kw: calls.append(1) or gemm(*a, **kw))
 
     gen = torch.Generator().manual_seed(0)
     e, h, i = 8, 128, 64

@@ -467,7 +467,7 @@ def test_int8_prompts_take_the_gemm_and_keep_the_pinned_agreement(
 
     calls = []
     gemm = qblock.qblock_gemm
-    monkeypatch.setattr(qblock, "qblock_gemm", lambda *a: calls.append(1) or gemm(*a))
+    monkeypatch.setattr(qblock, "qblock_gemm", lambda *a, **kw: calls.append(1) or gemm(*a, **kw))
     with kernels_at("avx512"):
         llm = LLM(quantization="gguf", prompt_activations="int8", kv_cache_memory=0.05)
         got = top1_and_perplexity(llm, kernels_only=False, prompts=wiki_windows)
