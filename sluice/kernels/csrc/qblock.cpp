@@ -132,7 +132,8 @@ void head_refine_t(const float* coarse, const sluice::QBlockActivations& rest,
       const sluice::QbRow row = w.row<BITS, G, IQ>(K, n);
       float out, one = coarse[i];
       sluice::qb_dot_row<BITS, G, IQ, 1>(row, sluice::qb_act_rows<G, 1>(rest, r, K), K, &out);
-      if (first) sluice::qb_dot_row<BITS, G, IQ, 1>(row, sluice::qb_act_rows<G, 1>(*first, r, K), K, &one);
+      if (first)
+        sluice::qb_dot_row<BITS, G, IQ, 1>(row, sluice::qb_act_rows<G, 1>(*first, r, K), K, &one);
       y[i] = sluice::round_to(y + i, one + out);
     }
   }

@@ -15,7 +15,7 @@
 // signed multiply, which is the VNNI GEMM's u * q plus its implied * Q start, exactly;
 // weights with offsets take unsigned x signed and their m * Q term. The integer sums
 // are the VNNI GEMM's, and the float steps are applied in its order, so the two agree
-// bit for bit (tests/test_qblock_gemm_amx.py).
+// bit for bit (tests/test_qblock_kernels.py).
 //
 // Tiles (palette 1): 0-1 weights (16 rows x G values), 2-3 activations (G / 4 steps x
 // 16 rows x 4 values), 4-5 sums (16 columns x 16 rows, int32); two groups in flight.
