@@ -301,6 +301,21 @@ def head_row_norms(lib: kernels.Library, *weight: Any) -> torch.Tensor:
     return (torch.linalg.vector_norm(dense, dim=1) * (1 + 1e-6)).float()
 
 
+def assert_two_level_where_it_may_be_picked(
+    got: torch.Tensor, two: torch.Tensor, one: torch.Tensor
+) -> None:
+    """The head's logits `got` are each bit for bit the two-level one (`two`) or the
+    one-level one (`one`); the greedy pick and every token that could round to its value
+    are two-level; most tokens are one-level (the second level was not paid for
+    everywhere)."""
+    exact = got == two
+    assert (exact | (got == one)).all()
+    assert torch.equal(got.float().argmax(1), two.float().argmax(1))
+    top = two.float().amax(1, keepdim=True)
+    assert (two.float()[~exact] < top.expand_as(two)[~exact]).all()  # none left out ties
+    assert (~exact).float().mean() > 0.5
+
+
 def head_kernel(lib: kernels.Library, x: torch.Tensor, *weight: Any) -> torch.Tensor:
     """qblock_matmul_head with the row norms computed as the model's head does."""
     return qblock.qblock_matmul_head(lib, x, *weight, head_row_norms(lib, *weight))
@@ -321,12 +336,7 @@ def test_head_matmul_is_the_residual_one_for_every_token_that_may_be_picked(
     got = head_kernel(lib, x, *weight)
     two = qblock.qblock_matmul_residual(lib, x, *weight)
     one = qblock.qblock_matmul(lib, x, *weight)
-    exact, coarse = got == two, got == one
-    assert (exact | coarse).all()
-    assert torch.equal(got.float().argmax(1), two.float().argmax(1))
-    top = two.float().amax(1, keepdim=True)
-    assert (two.float()[~exact] < top.expand_as(two)[~exact]).all()  # none left out ties
-    assert (~exact).float().mean() > 0.5  # the second level was not paid for everywhere
+    assert_two_level_where_it_may_be_picked(got, two, one)
     for rows in (1, 5, 12):  # a row's logits do not depend on the batch
         assert torch.equal(head_kernel(lib, x[:rows], *weight), got[:rows])
         assert torch.equal(head_kernel(lib, x[rows : rows + 1], *weight), got[rows : rows + 1])
@@ -353,12 +363,7 @@ def test_head_on_amx_tiles_keeps_candidates_two_level_and_the_rest_the_gemms(
         assert qblock.amx_int8_calls(lib) > before
         two = qblock.qblock_matmul_residual(lib, x, *weight)
         one = qblock.qblock_gemm(lib, x, *weight, tiles=True)
-        exact = got == two
-        assert (exact | (got == one)).all()
-        assert torch.equal(got.float().argmax(1), two.float().argmax(1))
-        top = two.float().amax(1, keepdim=True)
-        assert (two.float()[~exact] < top.expand_as(two)[~exact]).all()
-        assert (~exact).float().mean() > 0.5
+        assert_two_level_where_it_may_be_picked(got, two, one)
         for rows in (1, 16):
             part = qblock.qblock_matmul_head(lib, x[:rows], *weight, row_norm, tiles=True)
             assert torch.equal(part, got[:rows])

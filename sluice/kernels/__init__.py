@@ -258,8 +258,9 @@ def level_in_use() -> str:
 
 
 def tiles(lib: Library | None = None) -> bool:
-    """Whether many-row bf16 matmuls on GGUF weights run on AMX tiles (qblock.qblock_amx):
-    at the amx level, on `lib` (default: the one in use) if it has that path."""
+    """Whether GGUF weights' matmuls may run on AMX tiles (many bf16 rows on
+    qblock.qblock_amx; the int8 GEMM and the head's first level on AMX-INT8 tiles): at
+    the amx level, on `lib` (default: the one in use) if it has those paths."""
     lib = lib if lib is not None else load()
     return lib is not None and active_level() == "amx" and qblock.has_amx(lib)
 
