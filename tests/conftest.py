@@ -116,19 +116,57 @@ def smollm2_path() -> Path:
 def hf_smollm2(smollm2_path: Path) -> tuple[Any, Any]:
     """(model, tokenizer) from transformers, dequantized from the same GGUF, fp32, eval mode.
 
-    The reference for weights, tokenization and greedy generation; ~40 s, so once a session.
+    The reference for weights, tokenization and greedy generation; once a session.
     """
+    return transformers_from_gguf(smollm2_path)
+
+
+def transformers_from_gguf(path: Path) -> tuple[Any, Any]:
+    """transformers' (model, in fp32 and eval mode; tokenizer) from a GGUF file.
+
+    transformers reads the file's header once for the tokenizer and twice for the
+    model, each time through gguf's reader, which takes seconds per 100k vocabulary
+    strings, and builds gguf's tensor-name table once per tensor: ~25 s of one CPU for
+    SmolLM2, ~40 s for Gemma 3's 262k vocabulary. Here each file is read once and the
+    table built once per architecture and depth: the same objects from the same file."""
     import accelerate  # noqa: F401  (transformers needs it)
+    import gguf
     import torch
     import transformers
 
-    directory, name = str(smollm2_path.parent), smollm2_path.name
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=torch.float32
-    )
-    model.eval()
-    return model, tokenizer
+    directory, name = str(path.parent), path.name
+    with _gguf_reads_once(gguf):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, gguf_file=name, dtype=torch.float32
+        )
+    return hf.eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _gguf_reads_once(gguf: Any) -> Iterator[None]:
+    """gguf.GGUFReader and gguf.get_tensor_name_map memoized while inside (transformers
+    imports both from gguf at each call, so it sees these)."""
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+    maps: dict[tuple[Any, int], Any] = {}
+
+    def read_once(path: Any, mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    def map_once(arch: Any, n_blocks: int) -> Any:
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = name_map(arch, n_blocks)
+        return maps[arch, n_blocks]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, map_once
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 PROMPTS = [

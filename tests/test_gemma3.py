@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import transformers_from_gguf
 
 from sluice import LLM, SamplingParams
 
@@ -56,15 +57,7 @@ def hf_gemma(gemma_path: Path) -> tuple[Any, Any]:
 
 def load_transformers(gemma_path: Path) -> tuple[Any, Any]:
     """transformers' model (fp32) and tokenizer from the GGUF file."""
-    import accelerate  # noqa: F401  (transformers needs it)
-    import transformers
-
-    directory, name = str(gemma_path.parent), gemma_path.name
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=torch.float32
-    )
-    return model.eval(), tokenizer
+    return transformers_from_gguf(gemma_path)
 
 
 @pytest.fixture(scope="module")
