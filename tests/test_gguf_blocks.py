@@ -20,6 +20,7 @@ from sluice.core.quantized_tensor import (
     unpack_values,
 )
 from sluice.loader import load_model
+from sluice.kernels import repack as repack_kernel
 from sluice.loader.gguf_blocks import FORMATS, repack
 
 # Byte offsets of each block's float16 scale fields (set to sane values in random
@@ -62,6 +63,29 @@ def test_every_format_decodes_as_gguf_does(type_name: str) -> None:
     tol = 0.0 if "K" not in type_name else 2.0**-21 * np.abs(expected).max()
     np.testing.assert_allclose(got, expected, rtol=0, atol=tol)
     assert qt.integer_scales == ("K" in type_name)
+
+
+@pytest.mark.parametrize("type_name", sorted(FORMATS))
+def test_the_c_repack_writes_the_torch_paths_bytes(
+    type_name: str, monkeypatch: pytest.MonkeyPatch, kernel_level: str
+) -> None:
+    """The kernels' repack (csrc/gguf_repack.cpp: what a load runs where they build, in
+    each level's build) writes every part of the layout exactly as the torch path
+    does, the one checked against gguf's own decoding above."""
+    from sluice import kernels
+    from sluice.loader import gguf_blocks
+
+    assert kernels.load() is not None and type_name in repack_kernel.FORMAT_CODES
+    rows, cols = 37, 768  # rows past a chunk's multiple; three 256-value super-blocks
+    raw = torch.from_numpy(random_blocks(type_name, rows, cols, seed=3))
+    got = repack(raw, type_name, rows, cols)
+    monkeypatch.setattr(gguf_blocks.kernels, "load", lambda: None)
+    want = repack(raw, type_name, rows, cols)
+    for name in ("packed", "hbits", "scale", "minimum", "super_scale"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    assert (got.bits, got.group, got.source) == (want.bits, want.group, want.source)
 
 
 @pytest.mark.parametrize("symmetric", [False, True])

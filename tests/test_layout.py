@@ -33,7 +33,8 @@ ALLOWED: dict[str, set[str]] = {
     # below both, and nothing the loader may not import itself.
     "architectures": {"core", "config"},
     "models": {"core", "settings", "config", "kernels", "attention", "layers", "architectures"},
-    "loader": {"core", "settings", "config", "architectures"},
+    # The loader repacks a GGUF file's blocks with the kernels' C code where it loads.
+    "loader": {"core", "settings", "config", "kernels", "architectures"},
     # The runner and the engine ask an architecture's registration what it can do.
     "runner": {
         "core",

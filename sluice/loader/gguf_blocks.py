@@ -25,8 +25,10 @@ from collections.abc import Callable
 
 import torch
 
+from sluice import kernels
 from sluice.core import host_memory
 from sluice.core.quantized_tensor import QuantizedTensor, pack
+from sluice.kernels import repack as repack_kernel
 
 # (values, scale, offset, multipliers): u [blocks, block values] uint8, scale/offset
 # [blocks, groups]; offset None for a symmetric format (-2**(bits - 1) * scale, not
@@ -143,6 +145,9 @@ def repack(
     if isinstance(raw, torch.Tensor):
         whole = raw.reshape(rows, row_bytes)
         raw = lambda r0, r1: whole[r0:r1]  # noqa: E731
+    lib = kernels.load()
+    if lib is not None and type_name in repack_kernel.FORMAT_CODES:
+        return _repack_in_c(lib, raw, type_name, rows, cols)
     chunk = max(1, (1 << 22) // cols)
     fields = ("packed", "hbits", "scale", "minimum", "super_scale")
     result: dict[str, torch.Tensor] = {}
@@ -171,3 +176,38 @@ def repack(
             result[name][r0:r1] = t
     packed, hbits, scale, minimum, super_scale = (result[name] for name in fields)
     return QuantizedTensor(bits, group, packed, hbits, scale, minimum, super_scale, type_name)
+
+
+def _repack_in_c(
+    lib: kernels.Library,
+    raw: Callable[[int, int], torch.Tensor],
+    type_name: str,
+    rows: int,
+    cols: int,
+) -> QuantizedTensor:
+    """`repack` by the kernels' C code (csrc/gguf_repack.cpp: the same bytes), a chunk
+    of rows at a time straight into the result."""
+    _, _, _, bits, group = FORMATS[type_name]
+    integer = type_name.endswith("_K")
+    offsets = type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
+    fmt = torch.int8 if integer else torch.float16
+    hbits_cols = {5: cols // 8, 6: cols // 4}.get(bits, 0)
+
+    def rows_of(shape: tuple[int, ...], dtype: torch.dtype, present: bool = True) -> torch.Tensor:
+        if not present:
+            return torch.empty(0, dtype=dtype)  # the layout's convention for a missing part
+        return host_memory.zeroed((rows, *shape), dtype)
+
+    parts = (
+        rows_of((cols if bits == 8 else cols // 2,), torch.uint8),
+        rows_of((hbits_cols,), torch.uint8, hbits_cols > 0),
+        rows_of((cols // group,), fmt),
+        rows_of((cols // group,), fmt, offsets),
+        rows_of((2 if offsets else 1, cols // 256), torch.float16, integer),
+    )
+    chunk = max(1, (1 << 24) // cols)
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        outs = tuple(t[r0:r1] if t.numel() else t for t in parts)
+        repack_kernel.gguf_repack(lib, raw(r0, r1).contiguous(), type_name, cols, outs)  # type: ignore[arg-type]
+    return QuantizedTensor(bits, group, *parts, type_name)
