@@ -19,8 +19,8 @@ from sluice.core.quantized_tensor import (
     pack,
     unpack_values,
 )
-from sluice.loader import load_model
 from sluice.kernels import repack as repack_kernel
+from sluice.loader import load_model
 from sluice.loader.gguf_blocks import FORMATS, repack
 
 # Byte offsets of each block's float16 scale fields (set to sane values in random
