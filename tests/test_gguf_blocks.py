@@ -88,6 +88,16 @@ def test_the_c_repack_writes_the_torch_paths_bytes(
     assert (got.bits, got.group, got.source) == (want.bits, want.group, want.source)
 
 
+def test_the_c_repack_refuses_rows_of_the_wrong_size(kernel_level: str) -> None:
+    # It reads exactly a row's blocks: a short read (a file whose tensor table lies)
+    # is refused, not read past.
+    def short(r0: int, r1: int) -> torch.Tensor:
+        return torch.zeros((r1 - r0) * 144 - 1, dtype=torch.uint8)
+
+    with pytest.raises(ValueError, match="144 bytes"):
+        repack(short, "Q4_K", 2, 256)
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("bits,group", [(b, g) for b in (4, 5, 6, 8) for g in (32, 16)])
 def test_pack_round_trips_and_widening_is_exact(bits: int, group: int, symmetric: bool) -> None:

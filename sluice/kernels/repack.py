@@ -1,9 +1,11 @@
 """Binding of the GGUF block repack (csrc/gguf_repack.cpp): a GGUF tensor's raw blocks
 written into the qblock layout (sluice/core/quantized_tensor.py) in one pass, byte for
-byte what sluice/loader/gguf_blocks.py's torch path writes, at memory speed instead of
-that path's ~100 MB/s (most of a 7B file's load)."""
+byte what sluice/loader/gguf_blocks.py's torch path writes, in a fraction of that
+path's time (which was most of a 7B file's load)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -24,7 +26,7 @@ def gguf_repack(
     raw: torch.Tensor,
     type_name: str,
     cols: int,
-    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    outputs: Sequence[torch.Tensor],
 ) -> None:
     """raw (uint8, contiguous: rows of blocks of `type_name`) into `outputs`: packed,
     hbits, scale, minimum and super_scale rows, each contiguous, preallocated in the
@@ -32,6 +34,8 @@ def gguf_repack(
     no such part)."""
     if type_name not in FORMAT_CODES:
         raise ValueError(f"no repack for {type_name}")
+    if len(outputs) != 5:
+        raise ValueError("outputs: packed, hbits, scale, minimum and super_scale")
     packed = outputs[0]
     if raw.dtype != torch.uint8 or not raw.is_contiguous():
         raise ValueError("raw must be contiguous uint8")

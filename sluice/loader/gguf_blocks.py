@@ -187,9 +187,11 @@ def _repack_in_c(
 ) -> QuantizedTensor:
     """`repack` by the kernels' C code (csrc/gguf_repack.cpp: the same bytes), a chunk
     of rows at a time straight into the result."""
-    _, _, _, bits, group = FORMATS[type_name]
-    integer = type_name.endswith("_K")
-    offsets = type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
+    per_block, nbytes, decode, bits, group = FORMATS[type_name]
+    row_bytes = cols // per_block * nbytes
+    # Which parts the format has, as its decoder says: offsets, integer scales.
+    _, _, offset, mult = decode(torch.zeros(1, nbytes, dtype=torch.uint8))
+    offsets, integer = offset is not None, mult is not None
     fmt = torch.int8 if integer else torch.float16
     hbits_cols = {5: cols // 8, 6: cols // 4}.get(bits, 0)
 
@@ -208,6 +210,9 @@ def _repack_in_c(
     chunk = max(1, (1 << 24) // cols)
     for r0 in range(0, rows, chunk):
         r1 = min(rows, r0 + chunk)
-        outs = tuple(t[r0:r1] if t.numel() else t for t in parts)
-        repack_kernel.gguf_repack(lib, raw(r0, r1).contiguous(), type_name, cols, outs)  # type: ignore[arg-type]
+        block_rows = raw(r0, r1).contiguous()
+        if block_rows.numel() != (r1 - r0) * row_bytes:  # the C code reads exactly this
+            raise ValueError(f"{type_name} rows of {cols} values must be {row_bytes} bytes each")
+        outs = [t[r0:r1] if t.numel() else t for t in parts]
+        repack_kernel.gguf_repack(lib, block_rows, type_name, cols, outs)
     return QuantizedTensor(bits, group, *parts, type_name)
