@@ -52,11 +52,6 @@ def gemma_path() -> Path:
 
 @pytest.fixture(scope="module")
 def hf_gemma(gemma_path: Path) -> tuple[Any, Any]:
-    return load_transformers(gemma_path)
-
-
-def load_transformers(gemma_path: Path) -> tuple[Any, Any]:
-    """transformers' model (fp32) and tokenizer from the GGUF file."""
     return transformers_from_gguf(gemma_path)
 
 
@@ -210,6 +205,6 @@ if __name__ == "__main__":  # python -m tests.test_gemma3: record transformers' 
     from sluice.loader.resolve import resolve_model_path
 
     model_path = resolve_model_path(MODEL)
-    data = record(load_transformers(model_path), model_path)
+    data = record(transformers_from_gguf(model_path), model_path)
     REFERENCE.write_text(json.dumps(data) + "\n")
     print(f"wrote {REFERENCE}", file=sys.stderr)

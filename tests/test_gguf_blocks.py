@@ -76,8 +76,9 @@ def test_the_c_repack_writes_the_torch_paths_bytes(
     from sluice.loader import gguf_blocks
 
     assert kernels.load() is not None and type_name in repack_kernel.FORMAT_CODES
-    rows, cols = 37, 768  # rows past a chunk's multiple; three 256-value super-blocks
+    rows, cols = 37, 768  # three 256-value super-blocks a row
     raw = torch.from_numpy(random_blocks(type_name, rows, cols, seed=3))
+    monkeypatch.setattr(gguf_blocks, "C_CHUNK_VALUES", 16 * cols)  # chunks 16, 16, 5 rows
     got = repack(raw, type_name, rows, cols)
     monkeypatch.setattr(gguf_blocks.kernels, "load", lambda: None)
     want = repack(raw, type_name, rows, cols)

@@ -178,6 +178,10 @@ def repack(
     return QuantizedTensor(bits, group, packed, hbits, scale, minimum, super_scale, type_name)
 
 
+# Values the C repack takes per call (a chunk of rows: a few MB of file read at a time).
+C_CHUNK_VALUES = 1 << 24
+
+
 def _repack_in_c(
     lib: kernels.Library,
     raw: Callable[[int, int], torch.Tensor],
@@ -207,7 +211,7 @@ def _repack_in_c(
         rows_of((cols // group,), fmt, offsets),
         rows_of((2 if offsets else 1, cols // 256), torch.float16, integer),
     )
-    chunk = max(1, (1 << 24) // cols)
+    chunk = max(1, C_CHUNK_VALUES // cols)
     for r0 in range(0, rows, chunk):
         r1 = min(rows, r0 + chunk)
         block_rows = raw(r0, r1).contiguous()
