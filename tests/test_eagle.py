@@ -142,12 +142,12 @@ def test_prefix_cache_hits_and_preemption() -> None:
     with the request's and is rebuilt from the recomputed features)."""
     llm = _engine(
         speculative_method="eagle",
+        speculative_draft_cost=0.0,  # draft at every decode step, any batch
         enable_prefix_caching=True,
         kv_cache_memory=12 * 30 * 2 * 3 * 16 * 64 * 4 / 2**30,  # ~12 blocks of 16 tokens
         block_size=16,
     )
     assert llm.engine.speculator is not None
-    llm.engine.speculator.costs = ALWAYS
     ps = chat(llm, PROMPTS)
     long = SamplingParams(temperature=0, max_tokens=64, min_tokens=64)  # ~7 blocks each
     ref = without_speculation(llm, ps, long)
@@ -223,14 +223,13 @@ def test_errors_name_speculative_model(tmp_path: Path) -> None:
 def test_default_dtype_runs_the_head_on_block_kernels() -> None:
     """In the default dtype the target's weights stay block-quantized and so do the
     head's projections (8 bits, 32 a scale): drafts still pass."""
-    llm = LLM(speculative_method="eagle", max_num_batched_tokens=64)
+    llm = LLM(speculative_method="eagle", speculative_draft_cost=0.0, max_num_batched_tokens=64)
     draft = llm.engine.draft
     assert isinstance(draft, EagleProposer)
     if llm.engine.quantization == "gguf":
         fc = draft.runner.model.fc.method
         assert isinstance(fc, BlockQuantized) and fc.weight is not None and fc.weight.bits == 8
     assert llm.engine.speculator is not None
-    llm.engine.speculator.costs = ALWAYS
     ps = chat(llm, PROMPTS[:2])
     llm.generate(ps, greedy(48), use_tqdm=False)
     stats = llm.stats()

@@ -522,6 +522,7 @@ def test_speculation_and_constraints_run_through_the_adapter(
         enable_lora=True,
         speculative_method="ngram",
         num_speculative_tokens=3,
+        speculative_draft_cost=0.05,  # the seam, not the measured cost model
     )
     prompts = chat_ids * 2
     loras = [adapter("sql"), adapter("caps")] * 2

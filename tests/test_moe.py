@@ -208,17 +208,19 @@ def test_the_engine_features_compose_with_experts(tmp_path: Path, smollm2_path: 
     speculation is lossless against int8 KV alone (the second time a prompt is asked,
     the drafts are the first answer's, and verified), a pool too small for the batch
     preempts and recomputes to the same tokens, and a choice constraint holds."""
-    from sluice.engine.speculative.step_costs import StepCosts
-
     build("mixtral", tmp_path, smollm2_path)  # head size 32, as int8 KV needs
     batch = prompts((30, 30, 30, 30))
     base = engine(tmp_path, kv_cache_dtype="int8", enable_prefix_caching=False)
     want = [o.outputs[0].token_ids for o in base.generate(batch, GREEDY, use_tqdm=False)]
     per_block = 0.02 / base.stats()["kv_total_blocks"]  # GiB
     del base
-    spec = engine(tmp_path, kv_cache_dtype="int8", speculative_method="suffix")
+    spec = engine(
+        tmp_path,
+        kv_cache_dtype="int8",
+        speculative_method="suffix",
+        speculative_draft_cost=0.0,  # verify every draft
+    )
     assert spec.engine.speculator is not None
-    spec.engine.speculator.costs = StepCosts.uniform(0.0, max_rows=16)  # verify every draft
     for _ in range(2):
         got = [o.outputs[0].token_ids for o in spec.generate(batch, GREEDY, use_tqdm=False)]
         assert got == want

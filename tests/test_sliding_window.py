@@ -19,7 +19,6 @@ import transformers
 from sluice import LLM, SamplingParams
 from sluice.engine.kv_connector.disk_tier import disk_tier
 from sluice.engine.prefix_cache import extend_block_hashes
-from sluice.engine.speculative.step_costs import StepCosts
 from sluice.loader import tokenizer_from_gguf
 
 WINDOW = 16
@@ -199,6 +198,9 @@ def test_speculative_decoding_matches_transformers(
         block_size=4,
         speculative_method="ngram",
         num_speculative_tokens=4,
+        # Verify every draft: step costs measured on a busy machine can make one draft a
+        # step the best plan, and a one-token draft here is always the wrong last one.
+        speculative_draft_cost=0.0,
     )
     ids = prompts()[2]
     ref = reference(model, ids, 60)
@@ -213,9 +215,6 @@ def test_speculative_decoding_matches_transformers(
 
     assert llm.engine.speculator is not None
     monkeypatch.setattr(llm.engine.speculator.proposer, "propose", propose)
-    # Verify every draft: step costs measured on a busy machine can make one draft a
-    # step the best plan, and a one-token draft here is always the wrong last one.
-    llm.engine.speculator.costs = StepCosts.uniform(0.0, max_rows=16)
     sp = SamplingParams(temperature=0, max_tokens=60, min_tokens=60)
     out = llm.generate([ids], sp, use_tqdm=False)[0]
     stats = llm.engine.stats()

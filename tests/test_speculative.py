@@ -54,12 +54,17 @@ def greedy(n: int, **kw: Any) -> SamplingParams:
 
 
 def speculating(**options: Any) -> LLM:
-    """An fp32 engine with n-gram drafts whose batches of up to 8 decode rows speculate:
-    these tests are about the seam, which must hold for any batch, not about the cost
-    model (whose measured table may let only a single decode row speculate)."""
-    llm = LLM(dtype="float32", speculative_method="ngram", num_speculative_tokens=4, **options)
+    """An fp32 engine with n-gram drafts whose batches of any size speculate: these
+    tests are about the seam, which must hold for any batch, not about the cost model
+    (whose measured table may let only a single decode row speculate)."""
+    llm = LLM(
+        dtype="float32",
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+        speculative_draft_cost=0.05,
+        **options,
+    )
     assert llm.engine.speculator is not None
-    llm.engine.speculator.costs = StepCosts.uniform(0.05, max_rows=8)
     return llm
 
 
@@ -508,6 +513,32 @@ def test_engine_measures_its_step_costs() -> None:
     assert stats["num_steps"] == stats["prefix_cache_queried_tokens"] == 0
 
 
+def test_a_given_draft_cost_replaces_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """speculative_draft_cost: a flat table for every batch up to max_num_seqs, and
+    nothing measured or read from the cache."""
+    from sluice.engine.speculative import methods
+
+    def refuse(*args: Any) -> StepCosts:
+        raise AssertionError("the step costs were measured or read")
+
+    monkeypatch.setattr(methods, "load_or_measure", refuse)
+    llm = LLM(
+        dtype="float32",
+        speculative_method="ngram",
+        speculative_draft_cost=0.25,
+        max_num_seqs=6,
+        kv_cache_memory=0.05,
+    )
+    assert llm.engine.speculator is not None
+    costs = llm.engine.speculator.costs
+    assert costs.max_rows == 6 and costs.cost(6, 4) == pytest.approx(2.0)
+    assert best_num_drafts(0.9, 4, costs) > 0
+    for bad in (-0.1, float("nan"), float("inf"), True, "0.1"):
+        with pytest.raises(ConfigError) as err:
+            EngineConfig(speculative_draft_cost=bad)  # type: ignore[arg-type]
+        assert err.value.param == "speculative_draft_cost"
+
+
 # ---- the surface -----------------------------------------------------------------------
 
 
@@ -521,6 +552,8 @@ def test_options_and_flags(command: list[str], method: str) -> None:
     )
     cfg = engine_config(args)
     assert (cfg.speculative_method, cfg.num_speculative_tokens) == (method, 6)
+    args = build_parser().parse_args([*command, "--speculative-draft-cost", "0.1"])
+    assert engine_config(args).speculative_draft_cost == 0.1
     with pytest.raises(ConfigError) as err:
         EngineConfig(speculative_method="medusa")  # type: ignore[arg-type]
     assert err.value.param == "speculative_method"

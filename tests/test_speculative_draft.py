@@ -410,13 +410,13 @@ def test_a_restricted_head_on_tied_quantized_weights(monkeypatch: pytest.MonkeyP
     llm = LLM(
         speculative_model="smollm2-135m",
         speculative_draft_vocab_size=8192,
+        speculative_draft_cost=0.0,
         kv_cache_memory=0.1,
         max_model_len=256,
         enable_prefix_caching=False,
     )
     eng = llm.engine
     assert eng.speculator is not None and eng.draft is not None
-    eng.speculator.costs = ALWAYS
     model = eng.draft.runner.model
     assert model.lm_head.out_features == 8192  # SmolLM2's added tokens are ids 0..16
     assert model.embed_tokens.quantized is not None
@@ -459,13 +459,12 @@ def test_qwen_pair_greedy_equals_no_speculation(target: str) -> None:
         dtype="float32",
         speculative_model="qwen2.5-coder-0.5b",
         num_speculative_tokens=4,
+        speculative_draft_cost=0.0,
         kv_cache_memory=0.25,
         max_model_len=256,
         enable_prefix_caching=False,
     )
-    spec = llm.engine.speculator
-    assert spec is not None
-    spec.costs = ALWAYS
+    assert llm.engine.speculator is not None
     ref = without_speculation(llm, [EDIT_PROMPT], greedy(24))
     got = token_ids(llm, [EDIT_PROMPT], greedy(24))
     assert got == ref

@@ -17,7 +17,7 @@ from test_speculative import OTHER, REPEATS, assert_all_free, greedy, token_ids
 
 from sluice import LLM, SamplingParams
 from sluice.core.request import Request
-from sluice.engine.speculative import StepCosts, SuffixProposer
+from sluice.engine.speculative import SuffixProposer
 from sluice.engine.speculative.anchor_index import AnchorIndex, pack, unpack
 from sluice.engine.speculative.suffix import (
     MAX_MATCH,
@@ -33,19 +33,17 @@ STORY = "Once upon a time, in a small village by the sea, there lived an old fis
 
 @pytest.fixture(scope="module")
 def suffix() -> LLM:
-    """fp32, suffix drafts, batches of up to 8 decode rows speculate (as in
-    test_speculative: the seam must hold for any batch, whatever the cost model says)."""
+    """fp32, suffix drafts, batches of any size speculate (as in test_speculative: the
+    seam must hold for any batch, whatever the measured cost model would say)."""
     llm = LLM(
         dtype="float32",
         speculative_method="suffix",
         num_speculative_tokens=4,
         kv_cache_memory=0.25,
         max_num_batched_tokens=64,
+        speculative_draft_cost=0.05,
     )
     assert llm.engine.speculator is not None
-    # The measured table decides nothing here (timed on a busy machine it can forbid
-    # every draft); `max_decode_rows`, which this set before, no longer existed.
-    llm.engine.speculator.costs = StepCosts.uniform(0.05, max_rows=8)
     return llm
 
 

@@ -27,7 +27,7 @@ from sluice.engine.speculative.proposer import Proposer
 from sluice.engine.speculative.shadow import ShadowProposer
 from sluice.engine.speculative.source import DraftBuild, DraftLoad, DraftSource
 from sluice.engine.speculative.speculator import Speculator
-from sluice.engine.speculative.step_costs import StepCostMeasurement, load_or_measure
+from sluice.engine.speculative.step_costs import StepCostMeasurement, StepCosts, load_or_measure
 from sluice.engine.speculative.suffix import SuffixProposer
 from sluice.runner.factory import RunnerOptions
 from sluice.runner.model_runner import ModelRunner
@@ -75,12 +75,16 @@ def build_speculator(
     max_model_len: int,
 ) -> Speculator:
     """The speculator, with the step-cost table of this model and drafter on this
-    machine (measured once, then read from the cache)."""
+    machine (measured once, then read from the cache), or the flat one the config
+    gives (speculative_draft_cost)."""
+    k = config.num_speculative_tokens
+    if config.speculative_draft_cost is not None:
+        costs = StepCosts.uniform(config.speculative_draft_cost, config.max_num_seqs, k)
+        return Speculator(proposer, k, max_model_len, costs)
     runner, kv, sampler = target
     drafter = (proposer.runner, proposer.kv) if isinstance(proposer, ShadowProposer) else None
-    measurement = StepCostMeasurement(runner, kv, sampler, config.num_speculative_tokens, drafter)
-    costs = load_or_measure(cost_key, measurement)
-    return Speculator(proposer, config.num_speculative_tokens, max_model_len, costs)
+    measurement = StepCostMeasurement(runner, kv, sampler, k, drafter)
+    return Speculator(proposer, k, max_model_len, load_or_measure(cost_key, measurement))
 
 
 def step_cost_key(

@@ -26,7 +26,8 @@ start-up, the way vLLM's users are told to tune their schedule by hand:
   prefix cache as they were; it takes about a second for the bundled model and tens
   of seconds for a 1.5B one, hence the cache: `cache_dir()/step_costs/<key>.json`,
   keyed by the model file, dtype, weight format, kernel build, threads, device and
-  the versions of sluice and torch. Delete the file to measure again.
+  the versions of sluice and torch. Delete the file to measure again, or give
+  `speculative_draft_cost` to plan with a flat cost and measure nothing.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ class StepCosts:
 
     @classmethod
     def uniform(cls, per_draft: float, max_rows: int, max_drafts: int = 8) -> StepCosts:
-        """Every draft costs `per_draft` of a step, at any batch (for tests)."""
+        """Every draft costs `per_draft` of a step, at any batch: config.speculative_draft_cost,
+        and tests."""
         row = tuple(1.0 + per_draft * k for k in range(max_drafts + 1))
         return cls(tuple(row for _ in range(max_rows)))
 
