@@ -188,7 +188,7 @@ def test_gemma3_gguf_config_and_weights(tmp_path: Path) -> None:
     assert c.hidden_act == "gelu_pytorch_tanh" and c.final_logit_softcapping is None
     assert c.vocab_size == 32 and c.name == "tiny"
 
-    entries = gguf_loader.tensor_entries(meta.reader)
+    entries = gguf_loader.tensor_entries(meta)
     tensors = gguf_loader.tensors_from_gguf(path, entries, c, keep_quantized=False)
     hf_names = {
         "token_embd.weight": "model.embed_tokens.weight",

@@ -1,5 +1,5 @@
 """GGUF and safetensors files are untrusted input: each hostile variant ends in one
-ModelFileError that names the file and its defect, before the `gguf` reader believes
+ModelFileError that names the file and its defect, before the loader believes
 any count or offset; random byte flips, header lengths and truncations (hypothesis) end
 the same way, never in numpy's, gguf's or safetensors' internals, a crash or a hang.
 `make fuzz` runs the random part far longer."""
@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -116,6 +118,80 @@ def test_hostile_files_name_their_defect(
         load_gguf_header(path)
 
 
+def _reference_fields(path: Path) -> tuple[dict[str, Any], list[Any]]:
+    """Every key's value and the tensors as the `gguf` library's reader gives them."""
+    reader = gguf.GGUFReader(path)
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    return fields, reader.tensors
+
+
+def assert_reads_as_the_gguf_library(path: Path) -> None:
+    meta = GGUFMetadata.of(path)
+    fields, tensors = _reference_fields(path)
+    assert meta.keys() == list(fields)
+    for key, want in fields.items():
+        got = meta.get(key)
+        if key == "t.nested":  # the library's contents() flattens nested arrays
+            assert got == [[1, 2], [3]] and want == [1, 2, 3]
+            continue
+        assert type(got) is type(want) and got == want, key
+    assert [t.name for t in meta.tensors] == [t.name for t in tensors]
+    for ours, theirs in zip(meta.tensors, tensors, strict=True):
+        assert ours.tensor_type == theirs.tensor_type
+        assert ours.shape == tuple(int(d) for d in theirs.shape)
+        assert (ours.data_offset, ours.n_bytes) == (theirs.data_offset, theirs.n_bytes)
+        data = meta.tensor_data(ours)
+        assert data.dtype == theirs.data.dtype and data.shape == theirs.data.shape
+        assert np.array_equal(data.view(np.uint8), np.asarray(theirs.data).view(np.uint8))
+
+
+def test_the_header_reader_reads_what_the_gguf_library_reads(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """The loader's reader (gguf_check's walk, values decoded on demand) against the
+    `gguf` library's: the bundled model, and a file with every value type, nested
+    arrays and tensors of plain and block types."""
+    assert_reads_as_the_gguf_library(smollm2_path)
+    path = tmp_path / "types.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    for name, add, value in [("u8", writer.add_uint8, 200), ("i8", writer.add_int8, -3),
+                             ("u16", writer.add_uint16, 60_000), ("i16", writer.add_int16, -2),
+                             ("u32", writer.add_uint32, 4_000_000_000),
+                             ("i32", writer.add_int32, -70_000), ("f32", writer.add_float32, 0.1),
+                             ("u64", writer.add_uint64, 1 << 60), ("i64", writer.add_int64, -5),
+                             ("f64", writer.add_float64, 0.1), ("yes", writer.add_bool, True),
+                             ("text", writer.add_string, "héllo ▁ 😀")]:  # fmt: skip
+        add(f"t.{name}", value)
+    writer.add_array("t.ints", [1, -2, 3])
+    writer.add_array("t.floats", [0.5, 1e-30])
+    writer.add_array("t.texts", ["a", "", "ü"])
+    writer.add_array("t.bools", [True, False])
+    writer.add_array("t.nested", [[1, 2], [3]])
+    writer.add_array("t.empty", [])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("f32", rng.standard_normal((3, 32), dtype=np.float32))
+    writer.add_tensor("f16", rng.standard_normal((2, 64)).astype(np.float16))
+    q8 = rng.integers(0, 255, (2, 2 * 34), dtype=np.uint8)  # 2 rows of two Q8_0 blocks
+    writer.add_tensor("q8", q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_reads_as_the_gguf_library(path)
+    assert GGUFMetadata.of(path).tensor_data(GGUFMetadata.of(path).tensors[2]).shape == (2, 68)
+
+
+def test_a_value_that_is_not_utf8_names_its_key(tmp_path: Path) -> None:
+    kvs = [("general.architecture", STRING, "llama"),
+           ("tokenizer.ggml.tokens", ARRAY, (STRING, [b"a", b"\xff\xfe"]))]  # fmt: skip
+    path = tmp_path / "bad-text.gguf"
+    path.write_bytes(build(kvs))
+    meta = GGUFMetadata.of(path)  # the structure is sound
+    assert meta.get("general.architecture") == "llama"
+    with pytest.raises(ModelFileError, match=r"'tokenizer\.ggml\.tokens'\[1\] is not UTF-8"):
+        meta.get("tokenizer.ggml.tokens")
+
+
 def test_the_bundled_model_truncated_anywhere(smollm2_path: Path, tmp_path: Path) -> None:
     raw = smollm2_path.read_bytes()
     assert check_gguf_data(raw, "ok")  # the real file passes
@@ -159,7 +235,7 @@ def test_random_flips_and_cuts_end_in_model_file_error(
         path.write_bytes(data)
         try:
             meta = GGUFMetadata.of(path)
-            for key in list(meta.reader.fields):
+            for key in meta.keys():
                 meta.get(key)
         except ModelFileError:
             pass  # the documented error: what the check let through, the reader refused

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from sluice import settings
@@ -33,6 +33,7 @@ from sluice.core.errors import ModelFileError
 from sluice.core.quantized_tensor import Weight
 
 from . import gguf_blocks
+from .gguf_check import GGUFTensor
 from .gguf_metadata import GGUFMetadata
 from .gguf_tokenizer import tokenizer_from_gguf
 from .tokenizer import Tokenizer
@@ -51,7 +52,7 @@ def config_from_gguf(meta: GGUFMetadata, name: str = "model") -> ModelConfig:
     keys = GGUFKeys(meta, str(name_in_file))
     hidden = int(keys.require("embedding_length"))
     heads = int(keys.require("attention.head_count"))
-    tensor_names = {t.name: t for t in meta.reader.tensors}
+    tensor_names = meta.tensor_named
     head_count_kv = keys.get("attention.head_count_kv")
     key_length = keys.get("attention.key_length")
     head_dim = int(key_length) if key_length is not None else hidden // heads
@@ -68,8 +69,8 @@ def config_from_gguf(meta: GGUFMetadata, name: str = "model") -> ModelConfig:
         rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         rms_norm_eps=float(keys.get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(keys.get("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_freq_factors(tensor_names, rotary_dim)
-        or _longrope(keys, tensor_names, rotary_dim)
+        rope_scaling=_rope_freq_factors(meta, rotary_dim)
+        or _longrope(keys, meta, rotary_dim)
         or _rope_scaling(keys),
         max_position_embeddings=int(keys.get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
@@ -79,7 +80,7 @@ def config_from_gguf(meta: GGUFMetadata, name: str = "model") -> ModelConfig:
     return ModelConfig(architecture=spec.name, **fields)
 
 
-def _vocab_size(meta: GGUFMetadata, tensor_names: dict[str, Any]) -> int:
+def _vocab_size(meta: GGUFMetadata, tensor_names: dict[str, GGUFTensor]) -> int:
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens else 0
     embd = tensor_names.get("token_embd.weight")
@@ -93,21 +94,21 @@ def _vocab_size(meta: GGUFMetadata, tensor_names: dict[str, Any]) -> int:
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def _rope_freq_factors(tensor_names: dict[str, Any], rotary_dim: int) -> dict[str, Any] | None:
+def _rope_freq_factors(meta: GGUFMetadata, rotary_dim: int) -> dict[str, Any] | None:
     """Llama 3.x rope scaling as llama.cpp's converter writes it: no scaling keys, but a
     `rope_freqs.weight` tensor of one factor per rotary pair that divides that pair's
     frequency (llama.cpp's freq_factors). The factors are read as stored, so any
     scaling the converter baked in is reproduced exactly."""
-    if ROPE_FREQS not in tensor_names:
+    if ROPE_FREQS not in meta.tensor_named:
         return None
-    factors = _pair_factors(tensor_names, ROPE_FREQS, rotary_dim)
+    factors = _pair_factors(meta, ROPE_FREQS, rotary_dim)
     return {"rope_type": "freq_factors", "factors": factors}
 
 
-def _pair_factors(tensor_names: dict[str, Any], name: str, rotary_dim: int) -> list[float]:
+def _pair_factors(meta: GGUFMetadata, name: str, rotary_dim: int) -> list[float]:
     """A tensor of one rope factor per rotary pair: F32, rotary_dim / 2 finite positive
     values, else an error naming it."""
-    tensor = tensor_names[name]
+    tensor = meta.tensor_named[name]
     shape = tuple(int(d) for d in tensor.shape)
     pairs = rotary_dim // 2
     if tensor.tensor_type.name != "F32" or shape != (pairs,):
@@ -115,7 +116,7 @@ def _pair_factors(tensor_names: dict[str, Any], name: str, rotary_dim: int) -> l
             f"{name} must be F32 of {pairs} values (one per rotary pair of {rotary_dim} "
             f"rotary dims); the file has {tensor.tensor_type.name} {list(shape)}"
         )
-    factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+    factors = np.asarray(meta.tensor_data(tensor), dtype=np.float32).reshape(-1)
     if factors.size != pairs or not bool(np.all(np.isfinite(factors) & (factors > 0))):
         raise ValueError(f"{name} holds a factor that is not a finite positive number")
     return [float(f) for f in factors]
@@ -126,10 +127,9 @@ def _pair_factors(tensor_names: dict[str, Any], name: str, rotary_dim: int) -> l
 ROPE_FACTORS = {"short": "rope_factors_short.weight", "long": "rope_factors_long.weight"}
 
 
-def _longrope(
-    keys: GGUFKeys, tensor_names: dict[str, Any], rotary_dim: int
-) -> dict[str, Any] | None:
+def _longrope(keys: GGUFKeys, meta: GGUFMetadata, rotary_dim: int) -> dict[str, Any] | None:
     """layers/rotary.py's longrope scaling from a GGUF, or None where it has none."""
+    tensor_names = meta.tensor_named
     if not any(name in tensor_names for name in ROPE_FACTORS.values()):
         return None
     missing = [n for n in ROPE_FACTORS.values() if n not in tensor_names]
@@ -139,10 +139,7 @@ def _longrope(
     context = int(keys.get("context_length", original))
     return {
         "rope_type": "longrope",
-        **{
-            f"{k}_factor": _pair_factors(tensor_names, n, rotary_dim)
-            for k, n in ROPE_FACTORS.items()
-        },
+        **{f"{k}_factor": _pair_factors(meta, n, rotary_dim) for k, n in ROPE_FACTORS.items()},
         "original_max_position_embeddings": original,
         "factor": context / original,
         "attention_factor": keys.get("rope.scaling.attn_factor"),
@@ -173,7 +170,7 @@ class TensorEntry:
     part: int = 0  # which file of a split set (0 for a single file)
 
 
-def tensor_entries(reader: GGUFReader, part: int = 0) -> list[TensorEntry]:
+def tensor_entries(meta: GGUFMetadata, part: int = 0) -> list[TensorEntry]:
     # GGUF lists dims fastest-first (ne0 = columns); torch wants them reversed.
     return [
         TensorEntry(
@@ -184,7 +181,7 @@ def tensor_entries(reader: GGUFReader, part: int = 0) -> list[TensorEntry]:
             int(t.n_bytes),
             part,
         )
-        for t in reader.tensors
+        for t in meta.tensors
     ]
 
 
@@ -367,9 +364,9 @@ def _read_header(path: Path) -> Header:
     parts = gguf_parts(path)
     meta = GGUFMetadata.of(path)
     config = config_from_gguf(meta, name=_SPLIT_NAME.sub("", path.name).removesuffix(".gguf"))
-    entries = tensor_entries(meta.reader)
+    entries = tensor_entries(meta)
     for i, part in enumerate(parts[1:], start=1):
-        entries += tensor_entries(GGUFMetadata.of(part).reader, i)
+        entries += tensor_entries(GGUFMetadata.of(part), i)
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)

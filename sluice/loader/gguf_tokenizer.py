@@ -11,7 +11,6 @@ import os
 from typing import Any
 
 import tokenizers
-from gguf import GGUFReader
 
 from .gguf_metadata import GGUFMetadata
 from .tokenizer import EOG_TEXTS, Tokenizer
@@ -71,9 +70,9 @@ def _added_token(i: int, content: str, special: bool) -> dict[str, Any]:
     }
 
 
-def tokenizer_from_gguf(source: GGUFMetadata | GGUFReader | str | os.PathLike[str]) -> Tokenizer:
-    """Build from a GGUF file's `tokenizer.ggml.*` metadata (a path, a reader, or the
-    metadata `gguf_loader` already opened)."""
+def tokenizer_from_gguf(source: GGUFMetadata | str | os.PathLike[str]) -> Tokenizer:
+    """Build from a GGUF file's `tokenizer.ggml.*` metadata (a path, or the metadata
+    `gguf_loader` already opened)."""
     meta = GGUFMetadata.of(source)
     model = meta.get("tokenizer.ggml.model")
     tokens: list[str] = meta.get("tokenizer.ggml.tokens")

@@ -446,10 +446,11 @@ def _load_gguf(src: _Source) -> LoRAAdapter:
     if arch not in spec.gguf_names:
         raise src.error(f"made for a {arch!r} model; the base model is {spec.title}")
     tensors: dict[str, torch.Tensor] = {}
-    for t in meta.reader.tensors:
+    for t in meta.tensors:
         try:
-            data = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy
-            shape = [int(d) for d in reversed(t.shape.tolist())]
+            raw = meta.tensor_data(t)
+            data = np.array(dequantize(raw, t.tensor_type), dtype=np.float32)  # a copy
+            shape = [int(d) for d in reversed(t.shape)]
             tensors[t.name] = torch.from_numpy(data).reshape(shape)
         # gguf raises NotImplementedError for a block type it cannot dequantize, and
         # ValueError/TypeError/RuntimeError for data that does not fit the shape.
