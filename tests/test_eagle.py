@@ -14,7 +14,7 @@ another model, or a missing file, must be refused naming speculative_model.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -36,7 +36,6 @@ from sluice.runner.factory import RunnerOptions
 from sluice.runner.kv_layout import KVLayout
 
 HEAD = BUNDLED_DIR / "smollm2-135m.safetensors"
-ALWAYS = StepCosts.uniform(0.0, max_rows=16)  # draft at every decode step, any batch
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "Explain in two sentences why the sky is blue.",
@@ -50,13 +49,26 @@ def _engine(**kw: Any) -> LLM:
 
 @pytest.fixture(scope="module")
 def eagle() -> LLM:
-    llm = _engine(speculative_method="eagle", num_speculative_tokens=4)
-    spec = llm.engine.speculator
-    assert spec is not None and isinstance(llm.engine.draft, EagleProposer)
-    # Measured at start-up: drafting costs, and more of it costs more.
-    assert all(d[0] == 0 < d[1] and list(d) == sorted(d) for d in spec.costs.draft)
-    spec.costs = ALWAYS
+    # Draft at every decode step, any batch (the measured table: the test below).
+    llm = _engine(speculative_method="eagle", num_speculative_tokens=4, speculative_draft_cost=0)
+    assert llm.engine.speculator is not None and isinstance(llm.engine.draft, EagleProposer)
     return llm
+
+
+def test_the_heads_drafting_is_measured_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no cost given, the table is measured (in the default dtype: its steps are
+    the fast ones) and holds the head's drafting: it costs, and more of it costs more."""
+    from sluice.engine.speculative import methods
+
+    def measured(key: dict[str, object], measurement: Any) -> StepCosts:
+        return cast(StepCosts, measurement.run())  # never the cached table
+
+    monkeypatch.setattr(methods, "load_or_measure", measured)
+    llm = LLM(speculative_method="eagle", num_speculative_tokens=3, kv_cache_memory=0.05)
+    spec = llm.engine.speculator
+    assert spec is not None and 1 <= spec.costs.max_rows == len(spec.costs.draft)
+    assert all(d[0] == 0 < d[1] and list(d) == sorted(d) for d in spec.costs.draft)
+    assert_head_pool_free(llm)
 
 
 def chat(llm: LLM, texts: list[str]) -> list[list[int]]:
