@@ -146,6 +146,17 @@ class _Cursor:
         return n
 
 
+def _array_header(cur: _Cursor, vtype: int, what: str, depth: int) -> tuple[int, int]:
+    """The element type and count of an array value (anything else but the fixed-size
+    types and STRING is a defect), the count bounded by the bytes left."""
+    if vtype != _ARRAY:
+        raise cur.fail(f"{what} has value type {vtype}, which GGUF does not define (0-12)")
+    if depth >= MAX_ARRAY_DEPTH:
+        raise cur.fail(f"{what} nests arrays more than {MAX_ARRAY_DEPTH} deep")
+    etype = cur.u32(f"the element type of {what}")
+    return etype, cur.count(f"the element count of {what}", _SIZES.get(etype, 8))
+
+
 def _skip_value(cur: _Cursor, vtype: int, what: str, depth: int = 0) -> int | None:
     """Step over one value of type `vtype`; its integer value when it is an integer."""
     if vtype in _SIZES:
@@ -157,12 +168,7 @@ def _skip_value(cur: _Cursor, vtype: int, what: str, depth: int = 0) -> int | No
     if vtype == _STRING:
         cur.skip_string(what)
         return None
-    if vtype != _ARRAY:
-        raise cur.fail(f"{what} has value type {vtype}, which GGUF does not define (0-12)")
-    if depth >= MAX_ARRAY_DEPTH:
-        raise cur.fail(f"{what} nests arrays more than {MAX_ARRAY_DEPTH} deep")
-    etype = cur.u32(f"the element type of {what}")
-    n = cur.count(f"the element count of {what}", _SIZES.get(etype, 8))
+    etype, n = _array_header(cur, vtype, what, depth)
     if etype in _SIZES:  # fixed-size elements: one bounds check for all of them
         cur.need(n * _SIZES[etype], what)
         cur.pos += n * _SIZES[etype]
@@ -190,12 +196,7 @@ def _decode(cur: _Cursor, vtype: int, what: str, depth: int = 0) -> Any:
         return value
     if vtype == _STRING:
         return cur.string(what)
-    if vtype != _ARRAY:
-        raise cur.fail(f"{what} has value type {vtype}, which GGUF does not define (0-12)")
-    if depth >= MAX_ARRAY_DEPTH:
-        raise cur.fail(f"{what} nests arrays more than {MAX_ARRAY_DEPTH} deep")
-    etype = cur.u32(f"the element type of {what}")
-    n = cur.count(f"the element count of {what}", _SIZES.get(etype, 8))
+    etype, n = _array_header(cur, vtype, what, depth)
     if etype in _SIZES:
         return _decode_run(cur, etype, n, what)
     if etype == _STRING:
