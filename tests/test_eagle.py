@@ -14,7 +14,7 @@ another model, or a missing file, must be refused naming speculative_model.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +25,6 @@ from sluice.config import EngineConfig
 from sluice.core.errors import ConfigError
 from sluice.core.quantized_tensor import dequantize, quantize_8bit
 from sluice.core.request import Request
-from sluice.engine.speculative import StepCosts
 from sluice.engine.speculative.eagle import EagleProposer
 from sluice.engine.speculative.eagle_load import BUNDLED_DIR, head_metadata, load_eagle_head
 from sluice.engine.speculative.source import DraftBuild, DraftLoad
@@ -55,15 +54,10 @@ def eagle() -> LLM:
     return llm
 
 
-def test_the_heads_drafting_is_measured_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("step_costs_measured")
+def test_the_heads_drafting_is_measured_at_start_up() -> None:
     """With no cost given, the table is measured (in the default dtype: its steps are
     the fast ones) and holds the head's drafting: it costs, and more of it costs more."""
-    from sluice.engine.speculative import methods
-
-    def measured(key: dict[str, object], measurement: Any) -> StepCosts:
-        return cast(StepCosts, measurement.run())  # never the cached table
-
-    monkeypatch.setattr(methods, "load_or_measure", measured)
     llm = LLM(speculative_method="eagle", num_speculative_tokens=3, kv_cache_memory=0.05)
     spec = llm.engine.speculator
     assert spec is not None and 1 <= spec.costs.max_rows == len(spec.costs.draft)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
@@ -497,16 +497,11 @@ def test_step_costs_are_measured_once_and_cached(tmp_path: Any) -> None:
     assert fake.calls == 2
 
 
-def test_engine_measures_its_step_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("step_costs_measured")
+def test_engine_measures_its_step_costs() -> None:
     """The engine's table, measured at start-up (in the default dtype: its steps are the
     fast ones), has a row per measured batch size, each starting at 1 and never
     falling; the pool and the prefix cache are left as they were."""
-    from sluice.engine.speculative import methods
-
-    def measured(key: dict[str, object], measurement: Any) -> StepCosts:
-        return cast(StepCosts, measurement.run())  # never the cached table
-
-    monkeypatch.setattr(methods, "load_or_measure", measured)
     fresh = LLM(speculative_method="ngram", kv_cache_memory=0.05)
     costs = fresh.engine.speculator.costs  # type: ignore[union-attr]
     assert 1 <= costs.max_rows <= 4
