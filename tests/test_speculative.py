@@ -53,13 +53,13 @@ def greedy(n: int, **kw: Any) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, **kw)
 
 
-def speculating(**options: Any) -> LLM:
-    """An fp32 engine with n-gram drafts whose batches of any size speculate: these
+def speculating(method: str = "ngram", **options: Any) -> LLM:
+    """An fp32 engine with `method`'s drafts whose batches of any size speculate: these
     tests are about the seam, which must hold for any batch, not about the cost model
     (whose measured table may let only a single decode row speculate)."""
     llm = LLM(
         dtype="float32",
-        speculative_method="ngram",
+        speculative_method=method,
         num_speculative_tokens=4,
         speculative_draft_cost=0.05,
         **options,

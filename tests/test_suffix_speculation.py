@@ -13,7 +13,7 @@ import tracemalloc
 from collections.abc import Callable
 
 import pytest
-from test_speculative import OTHER, REPEATS, assert_all_free, greedy, token_ids
+from test_speculative import OTHER, REPEATS, assert_all_free, greedy, speculating, token_ids
 
 from sluice import LLM, SamplingParams
 from sluice.core.request import Request
@@ -33,18 +33,8 @@ STORY = "Once upon a time, in a small village by the sea, there lived an old fis
 
 @pytest.fixture(scope="module")
 def suffix() -> LLM:
-    """fp32, suffix drafts, batches of any size speculate (as in test_speculative: the
-    seam must hold for any batch, whatever the measured cost model would say)."""
-    llm = LLM(
-        dtype="float32",
-        speculative_method="suffix",
-        num_speculative_tokens=4,
-        kv_cache_memory=0.25,
-        max_num_batched_tokens=64,
-        speculative_draft_cost=0.05,
-    )
-    assert llm.engine.speculator is not None
-    return llm
+    """fp32, suffix drafts, batches of any size speculate (test_speculative's engine)."""
+    return speculating("suffix", kv_cache_memory=0.25, max_num_batched_tokens=64)
 
 
 def proposer_of(llm: LLM) -> SuffixProposer:

@@ -358,15 +358,17 @@ def read_gguf_header(data: mmap.mmap | bytes, path: str) -> GGUFHeader:
         GGUFTensor(name, qtype, tuple(dims), data_start + off, size)
         for name, qtype, dims, size, off in infos
     ]
-    spans = [TensorSpan(t.name, t.data_offset, t.data_offset + t.n_bytes) for t in tensors]
-    _check_spans(cur, spans, alignment, data_start)
+    _check_spans(cur, _spans(tensors), alignment, data_start)
     return GGUFHeader(fields, tensors)
+
+
+def _spans(tensors: list[GGUFTensor]) -> list[TensorSpan]:
+    return [TensorSpan(t.name, t.data_offset, t.data_offset + t.n_bytes) for t in tensors]
 
 
 def check_gguf_data(data: mmap.mmap | bytes, path: str) -> list[TensorSpan]:
     """Check a GGUF file's bytes (see the module's docstring); its tensors' spans."""
-    tensors = read_gguf_header(data, path).tensors
-    return [TensorSpan(t.name, t.data_offset, t.data_offset + t.n_bytes) for t in tensors]
+    return _spans(read_gguf_header(data, path).tensors)
 
 
 def read_gguf_values(path: str | os.PathLike[str], keys: Collection[str]) -> dict[str, Any]:
@@ -374,21 +376,27 @@ def read_gguf_values(path: str | os.PathLike[str], keys: Collection[str]) -> dic
     and nothing else decoded (a listing of models reads two keys of each, not their
     vocabularies). Missing keys are absent; a defect raises."""
     path = os.fspath(path)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+    with map_gguf(path) as data:
         cur = _Cursor(data, path)
         _, n_kv = _header_counts(cur)
         _, fields = _metadata(cur, n_kv)
         return {k: decode_value(data, path, fields[k], k) for k in keys if k in fields}
 
 
-def check_gguf(path: str | os.PathLike[str]) -> list[TensorSpan]:
-    """Check the GGUF file at `path` before any reader trusts it; ModelFileError if not."""
-    path = os.fspath(path)
+def map_gguf(path: str) -> mmap.mmap:
+    """The file at `path` mapped read-only; ModelFileError where it is empty or cannot
+    be read."""
     try:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size == 0:
                 raise ModelFileError(path, "the file is empty")
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                return check_gguf_data(data, path)
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as exc:
         raise ModelFileError(path, f"cannot be read: {exc.strerror or exc}") from None
+
+
+def check_gguf(path: str | os.PathLike[str]) -> list[TensorSpan]:
+    """Check the GGUF file at `path` before any reader trusts it; ModelFileError if not."""
+    path = os.fspath(path)
+    with map_gguf(path) as data:
+        return check_gguf_data(data, path)

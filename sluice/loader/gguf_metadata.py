@@ -15,8 +15,13 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from sluice.core.errors import ModelFileError
-from sluice.loader.gguf_check import GGUFHeader, GGUFTensor, decode_value, read_gguf_header
+from sluice.loader.gguf_check import (
+    GGUFHeader,
+    GGUFTensor,
+    decode_value,
+    map_gguf,
+    read_gguf_header,
+)
 
 # Tensor types whose data are plain numbers; the rest are blocks, read as bytes.
 _PLAIN_DTYPES = {
@@ -46,13 +51,7 @@ class GGUFMetadata:
         if isinstance(source, GGUFMetadata):
             return source
         path = os.fspath(source)
-        try:
-            with open(path, "rb") as f:
-                if os.fstat(f.fileno()).st_size == 0:
-                    raise ModelFileError(path, "the file is empty")
-                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except OSError as exc:
-            raise ModelFileError(path, f"cannot be read: {exc.strerror or exc}") from None
+        data = map_gguf(path)
         return cls(path, data, read_gguf_header(data, path))
 
     @property
