@@ -261,6 +261,11 @@ void gather(const int64_t* rows, int count, int bits, int group, const QbWeight&
 
 }  // namespace
 
+namespace sluice {
+SLUICE_QBLOCK_INSTANCES(, float)
+SLUICE_QBLOCK_INSTANCES(, uint16_t)
+}  // namespace sluice
+
 extern "C" {
 
 // Activation rows one pass of the int8-activation matmul serves (each weight is read

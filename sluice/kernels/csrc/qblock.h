@@ -847,6 +847,19 @@ void qblock_experts(const QBlockActivations& xa, int K, int bits, int group, con
                                                  skip_from)))
 }
 
+// One compiled copy of each entry point that several files call: qblock.cpp defines
+// the instances (SLUICE_QBLOCK_INSTANCES(, T)) and the others (decode_stack.cpp) link
+// to them instead of compiling their own. Those copies were most of decode_stack.cpp's
+// object and of its compile time (about 40 of its 56 s at the avx512 level).
+#define SLUICE_QBLOCK_INSTANCES(prefix, T)                                                    \
+  prefix template void qblock_rows<T>(const QBlockActivations&, int, int, int, int,           \
+                                      const QbWeight&, int, T*);                              \
+  prefix template void qblock_experts<T>(const QBlockActivations&, int, int, int,             \
+                                         const QbWeight&, int, int, const int64_t*,           \
+                                         const int64_t*, T*, int);
+SLUICE_QBLOCK_INSTANCES(extern, float)
+SLUICE_QBLOCK_INSTANCES(extern, uint16_t)
+
 // qblock_expert_weight for the runtime format.
 inline QbWeight qblock_expert_weight(const QbWeight& w, int K, int bits, int group,
                                      int64_t first_row) {

@@ -17,6 +17,11 @@ void gemm(const T* x, int M, int K, int bits, int group, const sluice::QbWeight&
 
 }  // namespace
 
+namespace sluice {
+SLUICE_QBLOCK_GEMM_INSTANCES(, float)
+SLUICE_QBLOCK_GEMM_INSTANCES(, uint16_t)
+}  // namespace sluice
+
 extern "C" {
 
 // y [M, N] = x @ W.T for many rows of x (fp32 or bf16, bf16 flag), x quantized to int8

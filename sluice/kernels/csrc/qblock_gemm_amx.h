@@ -265,4 +265,11 @@ void qblock_gemm_on(bool tiles, const T* x, int M, int K, int bits, int group,
   qblock_gemm(x, M, K, bits, group, w, N, y, a);
 }
 
+// One compiled copy, in qblock_gemm.cpp (as SLUICE_QBLOCK_INSTANCES, qblock.h).
+#define SLUICE_QBLOCK_GEMM_INSTANCES(prefix, T)                                          \
+  prefix template void qblock_gemm_on<T>(bool, const T*, int, int, int, int,             \
+                                         const QbWeight&, int, T*, GemmActivations&);
+SLUICE_QBLOCK_GEMM_INSTANCES(extern, float)
+SLUICE_QBLOCK_GEMM_INSTANCES(extern, uint16_t)
+
 }  // namespace sluice
