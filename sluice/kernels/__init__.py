@@ -134,8 +134,8 @@ def _compiler_pool() -> ThreadPoolExecutor:
 
 def _compile(cxx: str, flags: list[str], tmp: Path, so: Path) -> str | None:
     """Each source to an object on the compiler pool (qblock.cpp, which holds the one
-    copy of the qblock entry points that decode_stack.cpp calls too, takes ~40 s of one
-    core at avx512, the rest seconds; the largest files start first), then one link.
+    copy of the qblock entry points that decode_stack.cpp calls too, is the longest at
+    avx512, the rest seconds; the largest files start first), then one link.
     Returns the compiler's messages on failure."""
     sources = sorted(_SOURCES, key=lambda src: -src.stat().st_size)
     objects = [tmp / f"{src.stem}.o" for src in sources]

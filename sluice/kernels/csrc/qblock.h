@@ -737,22 +737,45 @@ SLUICE_INLINE void qb_store(T* y, int N, int64_t n, const float* out) {
   }
 }
 
+// The rows a pass writes: fp32, or bf16 (uint16_t). A run-time choice, made once a
+// weight row beside that row's K loop, so one compiled pass serves both types: its
+// instances were a third of the build (11 formats x 12 row counts x 2 types).
+struct QbOut {
+  void* y;
+  bool bf16;
+
+  // The same rows from row r0 of N values on.
+  QbOut from_row(int64_t r0, int N) const {
+    return {static_cast<char*>(y) + r0 * N * (bf16 ? 2 : 4), bf16};
+  }
+};
+inline QbOut qb_out(float* y) { return {y, false}; }
+inline QbOut qb_out(uint16_t* y) { return {y, true}; }
+
+template <int R>
+SLUICE_INLINE void qb_store(const QbOut& y, int N, int64_t n, const float* out) {
+  if (y.bf16)
+    qb_store<uint16_t, R>(static_cast<uint16_t*>(y.y), N, n, out);
+  else
+    qb_store<float, R>(static_cast<float*>(y.y), N, n, out);
+}
+
 // Rows r0 .. r0 + R (R <= kQbRowBlock) of y: every weight row times all R rows, in one
 // orphaned `omp for`. `wait` false leaves out the barrier at the end (every thread must
 // pass the same), where no thread reads what another writes before the region's end:
 // the experts' groups write disjoint rows of y.
-template <int BITS, int G, bool IQ, int R, typename T>
-void qb_rows_pass(const QBlockActivations& xa, int r0, int K, const QbWeight& wt, int N, T* y,
-                  bool wait = true) {
+template <int BITS, int G, bool IQ, int R>
+void qb_rows_pass(const QBlockActivations& xa, int r0, int K, const QbWeight& wt, int N,
+                  QbOut y, bool wait = true) {
   const QbActRows<R> a = qb_act_rows<G, R>(xa, r0, K);
-  y += static_cast<int64_t>(r0) * N;
+  y = y.from_row(r0, N);
   SidePrefetch queue = side_prefetch_queue;
 #pragma omp for schedule(static) nowait
   for (int n = 0; n < N; ++n) {
     float out[R];
     side_prefetch_step(queue);
     qb_dot_row<BITS, G, IQ, R, true>(wt.row<BITS, G, IQ>(K, n), a, K, out);
-    qb_store<T, R>(y, N, n, out);
+    qb_store<R>(y, N, n, out);
   }
   side_prefetch_queue = queue;
   if (wait) {
@@ -766,9 +789,9 @@ void qb_rows_pass(const QBlockActivations& xa, int r0, int K, const QbWeight& wt
 // Rows first .. first + M of xa and y (the experts' matmul runs a group of rows at a
 // time, each in the passes a call of its M rows alone would make: the same results);
 // `wait` false: no barrier after the passes (see qb_rows_pass).
-template <int BITS, int G, bool IQ, typename T>
-void qblock_rows_t(const QBlockActivations& xa, int M, int K, const QbWeight& wt, int N, T* y,
-                   int first = 0, bool wait = true) {
+template <int BITS, int G, bool IQ>
+void qblock_rows_t(const QBlockActivations& xa, int M, int K, const QbWeight& wt, int N,
+                   QbOut y, int first = 0, bool wait = true) {
   const int passes = (M + kQbRowBlock - 1) / kQbRowBlock;
   const int per_pass = (M + passes - 1) / passes;  // as even as they go: 16 rows as 8 + 8
   for (int r0 = 0; r0 < M; r0 += per_pass)
@@ -803,7 +826,7 @@ void qblock_rows_t(const QBlockActivations& xa, int M, int K, const QbWeight& wt
 template <typename T>
 void qblock_rows(const QBlockActivations& xa, int M, int K, int bits, int group,
                  const QbWeight& wt, int N, T* y) {
-  SLUICE_QB_DISPATCH(bits, group, wt.s != nullptr, (qblock_rows_t<B, G, IQ>(xa, M, K, wt, N, y)))
+  SLUICE_QB_DISPATCH(bits, group, wt.s != nullptr, (qblock_rows_t<B, G, IQ>(xa, M, K, wt, N, qb_out(y))))
 }
 
 // Expert e's weight in one stacked from experts of N rows each: rows e * N .. (e + 1) * N,
@@ -825,9 +848,9 @@ QbWeight qblock_expert_weight(const QbWeight& w, int K, int64_t first_row) {
 // that reads y next passes one.
 // skip_from > 0: groups of that many rows or more are left out (the decode stack's
 // experts that take the int8 GEMM).
-template <int BITS, int G, bool IQ, typename T>
+template <int BITS, int G, bool IQ>
 void qblock_experts_t(const QBlockActivations& xa, int K, const QbWeight& w, int N,
-                      int num_groups, const int64_t* start, const int64_t* expert, T* y,
+                      int num_groups, const int64_t* start, const int64_t* expert, QbOut y,
                       int skip_from = 0) {
   for (int j = 0; j < num_groups; ++j) {
     const int r0 = static_cast<int>(start[j]), rows = static_cast<int>(start[j + 1] - start[j]);
@@ -843,8 +866,8 @@ void qblock_experts(const QBlockActivations& xa, int K, int bits, int group, con
                     int N, int num_groups, const int64_t* start, const int64_t* expert, T* y,
                     int skip_from = 0) {
   SLUICE_QB_DISPATCH(bits, group, w.s != nullptr,
-                     (qblock_experts_t<B, G, IQ>(xa, K, w, N, num_groups, start, expert, y,
-                                                 skip_from)))
+                     (qblock_experts_t<B, G, IQ>(xa, K, w, N, num_groups, start, expert,
+                                                 qb_out(y), skip_from)))
 }
 
 // One compiled copy of each entry point that several files call: qblock.cpp defines
