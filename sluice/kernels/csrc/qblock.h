@@ -738,8 +738,9 @@ SLUICE_INLINE void qb_store(T* y, int N, int64_t n, const float* out) {
 }
 
 // The rows a pass writes: fp32, or bf16 (uint16_t). A run-time choice, made once a
-// weight row beside that row's K loop, so one compiled pass serves both types: its
-// instances were a third of the build (11 formats x 12 row counts x 2 types).
+// weight row beside that row's K loop, so one compiled pass serves both types: the
+// pass's instances (11 formats x 12 row counts, once per type) were half of
+// qblock.cpp's object, the build's largest.
 struct QbOut {
   void* y;
   bool bf16;
@@ -826,7 +827,8 @@ void qblock_rows_t(const QBlockActivations& xa, int M, int K, const QbWeight& wt
 template <typename T>
 void qblock_rows(const QBlockActivations& xa, int M, int K, int bits, int group,
                  const QbWeight& wt, int N, T* y) {
-  SLUICE_QB_DISPATCH(bits, group, wt.s != nullptr, (qblock_rows_t<B, G, IQ>(xa, M, K, wt, N, qb_out(y))))
+  SLUICE_QB_DISPATCH(bits, group, wt.s != nullptr,
+                     (qblock_rows_t<B, G, IQ>(xa, M, K, wt, N, qb_out(y))))
 }
 
 // Expert e's weight in one stacked from experts of N rows each: rows e * N .. (e + 1) * N,
