@@ -166,11 +166,8 @@ void head_first_level(bool tiles, const T* x, const sluice::QBlockActivations& x
                       int bits, int group, const QbWeight& w, int N, float* coarse,
                       sluice::GemmActivations& ga) {
 #if defined(SLUICE_AMX)
-  if (tiles) {
-    SLUICE_QB_DISPATCH(bits, group, w.s != nullptr,
-                       (sluice::qblock_gemm_amx_t<B, G, IQ, T, float>(x, M, K, w, N, coarse, ga)))
-    return;
-  }
+  if (tiles)
+    return sluice::qblock_gemm_amx(x, M, K, bits, group, w, N, sluice::qb_out(coarse), ga);
 #else
   (void)tiles, (void)x, (void)ga;
 #endif

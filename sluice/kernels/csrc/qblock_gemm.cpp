@@ -20,6 +20,10 @@ void gemm(const T* x, int M, int K, int bits, int group, const sluice::QbWeight&
 namespace sluice {
 SLUICE_QBLOCK_GEMM_INSTANCES(, float)
 SLUICE_QBLOCK_GEMM_INSTANCES(, uint16_t)
+#if defined(SLUICE_AMX)
+SLUICE_QBLOCK_GEMM_AMX_INSTANCES(, float)
+SLUICE_QBLOCK_GEMM_AMX_INSTANCES(, uint16_t)
+#endif
 }  // namespace sluice
 
 extern "C" {

@@ -201,15 +201,21 @@ SLUICE_AMX_INT8_FN SLUICE_INLINE void amx_int8_block(AmxInt8Chunk& c, const Gemm
   }
 }
 
-// y [M, N] = x @ W.T on the tiles (every thread of a parallel region calls this; blocks
-// of 16 weight rows are shared out, each thread unpacking its own). y in x's type, or
-// fp32 (the output head's first level: sluice/kernels/csrc/qblock.cpp).
-template <int BITS, int G, bool IQ, typename T, typename Y = T>
-SLUICE_AMX_INT8_FN void qblock_gemm_amx_t(const T* x, int M, int K, const QbWeight& wt, int N,
-                                          Y* y, GemmActivations& a) {
+// Output row r's `live` values of a block of sums (acc: [16 columns][16 rows]).
+template <typename Y>
+SLUICE_INLINE void amx_int8_store(Y* yr, const float* ar, int r, int live) {
+  for (int i = 0; i < live; ++i) yr[i] = round_to(yr + i, ar[i * kTileLanes + r % kTileLanes]);
+}
+
+// y [M, N] = x @ W.T on the tiles, x's M rows quantized into `a` (gemm_quantize; every
+// thread of a parallel region calls this; blocks of 16 weight rows are shared out,
+// each thread unpacking its own). y fp32 or bf16, chosen where each block is stored
+// (QbOut): the format's instances serve both types, as the block kernel's do.
+template <int BITS, int G, bool IQ>
+SLUICE_AMX_INT8_FN void qblock_gemm_amx_t(int M, int K, const QbWeight& wt, int N, QbOut y,
+                                          GemmActivations& a) {
   constexpr int span = IQ ? kQbSuper : 32;
   const bool sym = wt.m == nullptr;
-  gemm_quantize(x, M, K, span, G, static_cast<int>(qb_implied_m<BITS>), sym, a);
   amx_int8_rows(M, K, sym, a);
   amx_int8_calls.fetch_add(1, std::memory_order_relaxed);
   _tile_loadconfig(G == 16 ? &kAmxInt8Config16 : &kAmxInt8Config32);
@@ -238,11 +244,27 @@ SLUICE_AMX_INT8_FN void qblock_gemm_amx_t(const T* x, int M, int K, const QbWeig
     }
     for (int r = 0; r < M; ++r) {
       const float* ar = acc.data() + static_cast<int64_t>(r / kTileLanes) * kTileWRows * kTileLanes;
-      Y* yr = y + static_cast<int64_t>(r) * N + n0;
-      for (int i = 0; i < live; ++i) yr[i] = round_to(yr + i, ar[i * kTileLanes + r % kTileLanes]);
+      const int64_t at = static_cast<int64_t>(r) * N + n0;
+      if (y.bf16)
+        amx_int8_store(static_cast<uint16_t*>(y.y) + at, ar, r, live);
+      else
+        amx_int8_store(static_cast<float*>(y.y) + at, ar, r, live);
     }
   }
   _tile_release();
+}
+// y [M, N] = x @ W.T on the tiles for the runtime format, x quantized first (every
+// thread of a parallel region calls this). The format's instances of the tile loop do
+// not depend on x's type either: one copy, in qblock_gemm.cpp, for the GEMM and the
+// output head (qblock.cpp).
+template <typename T>
+void qblock_gemm_amx(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N,
+                     QbOut y, GemmActivations& a) {
+  const bool iq = w.s != nullptr;
+  int implied = 0;
+  SLUICE_QB_DISPATCH(bits, group, iq, (implied = static_cast<int>(qb_implied_m<B>)))
+  gemm_quantize(x, M, K, iq ? kQbSuper : 32, group, implied, w.m == nullptr, a);
+  SLUICE_QB_DISPATCH(bits, group, iq, (qblock_gemm_amx_t<B, G, IQ>(M, K, w, N, y, a)))
 }
 #endif  // SLUICE_AMX
 
@@ -254,11 +276,7 @@ template <typename T>
 void qblock_gemm_on(bool tiles, const T* x, int M, int K, int bits, int group,
                     const QbWeight& w, int N, T* y, GemmActivations& a) {
 #if defined(SLUICE_AMX)
-  if (tiles) {
-    SLUICE_QB_DISPATCH(bits, group, w.s != nullptr,
-                       (qblock_gemm_amx_t<B, G, IQ>(x, M, K, w, N, y, a)))
-    return;
-  }
+  if (tiles) return qblock_gemm_amx(x, M, K, bits, group, w, N, qb_out(y), a);
 #else
   (void)tiles;
 #endif
@@ -271,5 +289,12 @@ void qblock_gemm_on(bool tiles, const T* x, int M, int K, int bits, int group,
                                          const QbWeight&, int, T*, GemmActivations&);
 SLUICE_QBLOCK_GEMM_INSTANCES(extern, float)
 SLUICE_QBLOCK_GEMM_INSTANCES(extern, uint16_t)
+#if defined(SLUICE_AMX)
+#define SLUICE_QBLOCK_GEMM_AMX_INSTANCES(prefix, T)                                      \
+  prefix template void qblock_gemm_amx<T>(const T*, int, int, int, int, const QbWeight&,  \
+                                          int, QbOut, GemmActivations&);
+SLUICE_QBLOCK_GEMM_AMX_INSTANCES(extern, float)
+SLUICE_QBLOCK_GEMM_AMX_INSTANCES(extern, uint16_t)
+#endif
 
 }  // namespace sluice
