@@ -323,15 +323,30 @@ void gemm_rows(const GemmPanel& panel, const GemmActivations& a, int r0, int K,
 }
 #endif
 
-// y [M, N] = x @ W.T (every thread of a parallel region calls this; the panels are
-// shared out, each thread unpacking its own).
-template <int BITS, int G, bool IQ, typename T>
-void qblock_gemm_t(const T* x, int M, int K, const QbWeight& wt, int N, T* y,
-                   GemmActivations& a) {
+// x's M rows into `a` as the GEMMs of the runtime format read them (every thread of a
+// parallel region calls this): a scale per 256 values for integer scales, per 32 else.
+template <typename T>
+void gemm_quantize_for(const T* x, int M, int K, int bits, int group, const QbWeight& w,
+                       GemmActivations& a) {
+  const int implied = -(1 << (bits - 1));  // qb_implied_m<bits>
+  gemm_quantize(x, M, K, w.s != nullptr ? kQbSuper : 32, group, implied, w.m == nullptr, a);
+}
+
+// `cols` values of an output row, rounded to its type.
+template <typename Y>
+SLUICE_INLINE void gemm_store(Y* yr, const float* v, int cols) {
+  for (int c = 0; c < cols; ++c) yr[c] = round_to(yr + c, v[c]);
+}
+
+// y [M, N] = x @ W.T, x's M rows quantized into `a` (gemm_quantize_for; every thread of
+// a parallel region calls this; the panels are shared out, each thread unpacking its
+// own). y fp32 or bf16, chosen per stored row (QbOut): the format's instances serve
+// every input and output type.
+template <int BITS, int G, bool IQ>
+void qblock_gemm_t(int M, int K, const QbWeight& wt, int N, QbOut y, GemmActivations& a) {
   constexpr int span = IQ ? kQbSuper : 32;
   constexpr int kSpanGroups = span / G;
   const bool sym = wt.m == nullptr;
-  gemm_quantize(x, M, K, span, G, static_cast<int>(qb_implied_m<BITS>), sym, a);
   GemmPanel panel;
   alignas(64) float out[kGemmRows][kGemmCols];
 #pragma omp for schedule(dynamic, 1)
@@ -347,18 +362,24 @@ void qblock_gemm_t(const T* x, int M, int K, const QbWeight& wt, int N, T* y,
           gemm_rows<G, kSpanGroups, false, R>(panel, a, r0, K, out);
       });
       for (int r = 0; r < rows; ++r) {
-        T* yr = y + static_cast<int64_t>(r0 + r) * N + n0;
-        for (int c = 0; c < cols; ++c) yr[c] = round_to(yr + c, out[r][c]);
+        const int64_t at = static_cast<int64_t>(r0 + r) * N + n0;
+        if (y.bf16)
+          gemm_store(static_cast<uint16_t*>(y.y) + at, out[r], cols);
+        else
+          gemm_store(static_cast<float*>(y.y) + at, out[r], cols);
       }
     }
   }
 }
 
-// qblock_gemm_t for the runtime format (every thread of a parallel region calls it).
+// qblock_gemm_t for the runtime format, x quantized first (every thread of a parallel
+// region calls it).
 template <typename T>
 void qblock_gemm(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N, T* y,
                  GemmActivations& a) {
-  SLUICE_QB_DISPATCH(bits, group, w.s != nullptr, (qblock_gemm_t<B, G, IQ>(x, M, K, w, N, y, a)))
+  gemm_quantize_for(x, M, K, bits, group, w, a);
+  SLUICE_QB_DISPATCH(bits, group, w.s != nullptr,
+                     (qblock_gemm_t<B, G, IQ>(M, K, w, N, qb_out(y), a)))
 }
 
 }  // namespace sluice

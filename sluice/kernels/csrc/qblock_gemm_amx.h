@@ -207,7 +207,7 @@ SLUICE_INLINE void amx_int8_store(Y* yr, const float* ar, int r, int live) {
   for (int i = 0; i < live; ++i) yr[i] = round_to(yr + i, ar[i * kTileLanes + r % kTileLanes]);
 }
 
-// y [M, N] = x @ W.T on the tiles, x's M rows quantized into `a` (gemm_quantize; every
+// y [M, N] = x @ W.T on the tiles, x's M rows quantized into `a` (gemm_quantize_for; every
 // thread of a parallel region calls this; blocks of 16 weight rows are shared out,
 // each thread unpacking its own). y fp32 or bf16, chosen where each block is stored
 // (QbOut): the format's instances serve both types, as the block kernel's do.
@@ -260,11 +260,9 @@ SLUICE_AMX_INT8_FN void qblock_gemm_amx_t(int M, int K, const QbWeight& wt, int 
 template <typename T>
 void qblock_gemm_amx(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N,
                      QbOut y, GemmActivations& a) {
-  const bool iq = w.s != nullptr;
-  int implied = 0;
-  SLUICE_QB_DISPATCH(bits, group, iq, (implied = static_cast<int>(qb_implied_m<B>)))
-  gemm_quantize(x, M, K, iq ? kQbSuper : 32, group, implied, w.m == nullptr, a);
-  SLUICE_QB_DISPATCH(bits, group, iq, (qblock_gemm_amx_t<B, G, IQ>(M, K, w, N, y, a)))
+  gemm_quantize_for(x, M, K, bits, group, w, a);
+  SLUICE_QB_DISPATCH(bits, group, w.s != nullptr,
+                     (qblock_gemm_amx_t<B, G, IQ>(M, K, w, N, y, a)))
 }
 #endif  // SLUICE_AMX
 
