@@ -749,16 +749,24 @@ struct QbOut {
   QbOut from_row(int64_t r0, int N) const {
     return {static_cast<char*>(y) + r0 * N * (bf16 ? 2 : 4), bf16};
   }
+
+  // f(p), p the typed pointer to value `at` (a stored run's start).
+  template <typename F>
+  SLUICE_INLINE void typed(int64_t at, F&& f) const {
+    if (bf16)
+      f(static_cast<uint16_t*>(y) + at);
+    else
+      f(static_cast<float*>(y) + at);
+  }
 };
 inline QbOut qb_out(float* y) { return {y, false}; }
 inline QbOut qb_out(uint16_t* y) { return {y, true}; }
 
 template <int R>
 SLUICE_INLINE void qb_store(const QbOut& y, int N, int64_t n, const float* out) {
-  if (y.bf16)
-    qb_store<uint16_t, R>(static_cast<uint16_t*>(y.y), N, n, out);
-  else
-    qb_store<float, R>(static_cast<float*>(y.y), N, n, out);
+  y.typed(0, [&](auto* yt) {
+    qb_store<std::remove_pointer_t<decltype(yt)>, R>(yt, N, n, out);
+  });
 }
 
 // Rows r0 .. r0 + R (R <= kQbRowBlock) of y: every weight row times all R rows, in one

@@ -332,12 +332,6 @@ void gemm_quantize_for(const T* x, int M, int K, int bits, int group, const QbWe
   gemm_quantize(x, M, K, w.s != nullptr ? kQbSuper : 32, group, implied, w.m == nullptr, a);
 }
 
-// `cols` values of an output row, rounded to its type.
-template <typename Y>
-SLUICE_INLINE void gemm_store(Y* yr, const float* v, int cols) {
-  for (int c = 0; c < cols; ++c) yr[c] = round_to(yr + c, v[c]);
-}
-
 // y [M, N] = x @ W.T, x's M rows quantized into `a` (gemm_quantize_for; every thread of
 // a parallel region calls this; the panels are shared out, each thread unpacking its
 // own). y fp32 or bf16, chosen per stored row (QbOut): the format's instances serve
@@ -362,11 +356,9 @@ void qblock_gemm_t(int M, int K, const QbWeight& wt, int N, QbOut y, GemmActivat
           gemm_rows<G, kSpanGroups, false, R>(panel, a, r0, K, out);
       });
       for (int r = 0; r < rows; ++r) {
-        const int64_t at = static_cast<int64_t>(r0 + r) * N + n0;
-        if (y.bf16)
-          gemm_store(static_cast<uint16_t*>(y.y) + at, out[r], cols);
-        else
-          gemm_store(static_cast<float*>(y.y) + at, out[r], cols);
+        y.typed(static_cast<int64_t>(r0 + r) * N + n0, [&](auto* yr) {
+          for (int c = 0; c < cols; ++c) yr[c] = round_to(yr + c, out[r][c]);
+        });
       }
     }
   }

@@ -201,12 +201,6 @@ SLUICE_AMX_INT8_FN SLUICE_INLINE void amx_int8_block(AmxInt8Chunk& c, const Gemm
   }
 }
 
-// Output row r's `live` values of a block of sums (acc: [16 columns][16 rows]).
-template <typename Y>
-SLUICE_INLINE void amx_int8_store(Y* yr, const float* ar, int r, int live) {
-  for (int i = 0; i < live; ++i) yr[i] = round_to(yr + i, ar[i * kTileLanes + r % kTileLanes]);
-}
-
 // y [M, N] = x @ W.T on the tiles, x's M rows quantized into `a` (gemm_quantize_for; every
 // thread of a parallel region calls this; blocks of 16 weight rows are shared out,
 // each thread unpacking its own). y fp32 or bf16, chosen where each block is stored
@@ -244,15 +238,15 @@ SLUICE_AMX_INT8_FN void qblock_gemm_amx_t(int M, int K, const QbWeight& wt, int 
     }
     for (int r = 0; r < M; ++r) {
       const float* ar = acc.data() + static_cast<int64_t>(r / kTileLanes) * kTileWRows * kTileLanes;
-      const int64_t at = static_cast<int64_t>(r) * N + n0;
-      if (y.bf16)
-        amx_int8_store(static_cast<uint16_t*>(y.y) + at, ar, r, live);
-      else
-        amx_int8_store(static_cast<float*>(y.y) + at, ar, r, live);
+      const int lane = r % kTileLanes;
+      y.typed(static_cast<int64_t>(r) * N + n0, [&](auto* yr) {
+        for (int i = 0; i < live; ++i) yr[i] = round_to(yr + i, ar[i * kTileLanes + lane]);
+      });
     }
   }
   _tile_release();
 }
+
 // y [M, N] = x @ W.T on the tiles for the runtime format, x quantized first (every
 // thread of a parallel region calls this). The format's instances of the tile loop do
 // not depend on x's type either: one copy, in qblock_gemm.cpp, for the GEMM and the
