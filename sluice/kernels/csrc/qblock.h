@@ -53,9 +53,11 @@ constexpr int64_t qb_hbits_row_bytes(int bits, int K) {
   return bits == 5 ? K / 8 : bits == 6 ? K / 4 : 0;
 }
 
-// The offset factor of a symmetric weight: m = qb_implied_m<BITS> * d.
+// The offset factor of a symmetric weight: m = qb_implied_m<BITS> * d (qb_implied for
+// a run-time bit count).
+constexpr int qb_implied(int bits) { return -(1 << (bits - 1)); }
 template <int BITS>
-constexpr float qb_implied_m = -static_cast<float>(1 << (BITS - 1));
+constexpr float qb_implied_m = static_cast<float>(qb_implied(BITS));
 
 // Values a super-block of integer scales covers, and its pairs.
 constexpr int kQbSuper = 256;

@@ -328,8 +328,8 @@ void gemm_rows(const GemmPanel& panel, const GemmActivations& a, int r0, int K,
 template <typename T>
 void gemm_quantize_for(const T* x, int M, int K, int bits, int group, const QbWeight& w,
                        GemmActivations& a) {
-  const int implied = -(1 << (bits - 1));  // qb_implied_m<bits>
-  gemm_quantize(x, M, K, w.s != nullptr ? kQbSuper : 32, group, implied, w.m == nullptr, a);
+  gemm_quantize(x, M, K, w.s != nullptr ? kQbSuper : 32, group, qb_implied(bits),
+                w.m == nullptr, a);
 }
 
 // y [M, N] = x @ W.T, x's M rows quantized into `a` (gemm_quantize_for; every thread of
