@@ -195,7 +195,9 @@ def assert_close(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, rel:
 def test_matmuls_match_the_reference(
     bits: int, group: int, symmetric: bool, integer: bool, dtype: torch.dtype, lib: kernels.Library
 ) -> None:
-    n, k = 24, columns(integer)
+    # 61 weight rows: one whole 32-row GEMM panel and one with 16 + 13 (the GEMM packs
+    # 16 rows at a time).
+    n, k = 61, columns(integer)
     w = random_weight(n, k, bits, group, 7 * bits + group, symmetric, integer)
     dense = w.dense().double()
     abs_w = dense.abs().t()

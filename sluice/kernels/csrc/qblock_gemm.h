@@ -25,9 +25,12 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+
 #include "dtype.h"
 #include "isa.h"
 #include "qblock.h"
+#include "side_prefetch.h"
 
 namespace sluice {
 
@@ -155,6 +158,98 @@ SLUICE_INLINE void gemm_transpose16(__m512i* v) {
 }
 #endif
 
+// 4- and 6-bit pairs of 16 weight rows straight into the panel's order, their packed
+// bytes transposed before they are unpacked: a pair's 32 bytes are 8 dwords a row, and
+// dword e's low nibbles are 4 consecutive K values (natural k4 step e, or 4 + e for
+// e >= 4: the pair order's runs), its high nibbles the values 32 positions on (step 4 +
+// e, or 8 + e). An 8-dword transpose of raw bytes and a mask or shift a step is a third
+// of the work of unpacking each row to 64 bytes and transposing 16 dwords (this packing
+// was 28% of a 16-stream step, 2 cores of Zen 4). 6 bits' 16 high-bit bytes are 4
+// dwords a row, each byte's bit pair j the run-j value's bits 4-5 (qblock.h).
+#if defined(SLUICE_ISA_AVX512)
+// t[e] lane i = row i's dword e (e < 8) of its 32 bytes at src + i * stride; rows past
+// `live` zero.
+SLUICE_INLINE void gemm_transpose16x8(const uint8_t* src, int64_t stride, int live, __m512i* t) {
+  __m512i z[8];
+  for (int k = 0; k < 8; ++k) {
+    // Halves rows k' and k' + 4 (k' = k, or k + 4 past 3): the 128-bit lanes of the last
+    // shuffle then come out in row order.
+    const int a = k < 4 ? k : k + 4, b = a + 4;
+    const __m256i lo = a < live ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + a * stride))
+                                : _mm256_setzero_si256();
+    const __m256i hi = b < live ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + b * stride))
+                                : _mm256_setzero_si256();
+    z[k] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+  __m512i s[8];
+  for (int k = 0; k < 8; k += 4) {  // an 8 x 8 transpose in each 256-bit half, to 128 bits
+    const __m512i a = _mm512_unpacklo_epi32(z[k], z[k + 1]);
+    const __m512i b = _mm512_unpackhi_epi32(z[k], z[k + 1]);
+    const __m512i c = _mm512_unpacklo_epi32(z[k + 2], z[k + 3]);
+    const __m512i d = _mm512_unpackhi_epi32(z[k + 2], z[k + 3]);
+    s[k] = _mm512_unpacklo_epi64(a, c);      // dwords 0 | 4 of four rows
+    s[k + 1] = _mm512_unpackhi_epi64(a, c);  // 1 | 5
+    s[k + 2] = _mm512_unpacklo_epi64(b, d);  // 2 | 6
+    s[k + 3] = _mm512_unpackhi_epi64(b, d);  // 3 | 7
+  }
+  for (int e = 0; e < 4; ++e) {
+    t[e] = _mm512_shuffle_i32x4(s[e], s[4 + e], 0x88);
+    t[4 + e] = _mm512_shuffle_i32x4(s[e], s[4 + e], 0xDD);
+  }
+}
+
+// t[e] lane i = row i's dword e (e < 4) of its 16 bytes at src + i * stride; rows past
+// `live` zero.
+SLUICE_INLINE void gemm_transpose16x4(const uint8_t* src, int64_t stride, int live, __m512i* t) {
+  __m512i y[4];
+  for (int k = 0; k < 4; ++k) {  // 128-bit lane l: row k + 4l
+    __m512i v = _mm512_setzero_si512();
+    for (int l = 0; l < 4; ++l)
+      if (k + 4 * l < live)
+        v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (k + 4 * l) * stride)), l);
+    y[k] = v;
+  }
+  const __m512i a = _mm512_unpacklo_epi32(y[0], y[1]), b = _mm512_unpackhi_epi32(y[0], y[1]);
+  const __m512i c = _mm512_unpacklo_epi32(y[2], y[3]), d = _mm512_unpackhi_epi32(y[2], y[3]);
+  t[0] = _mm512_unpacklo_epi64(a, c);
+  t[1] = _mm512_unpackhi_epi64(a, c);
+  t[2] = _mm512_unpacklo_epi64(b, d);
+  t[3] = _mm512_unpackhi_epi64(b, d);
+}
+
+// Pair p of 16 rows (w[i], i < live; a weight's rows are evenly spaced) as the panel's
+// 16 k4 steps at dst (128 bytes apart).
+template <int BITS>
+SLUICE_INLINE void gemm_pack_pair_nibbles(const QbRow* w, int live, int p, uint8_t* dst) {
+  static_assert(BITS == 4 || BITS == 6);
+  if (p % 2 == 0)
+    for (int i = 0; i < live; ++i) qb_prefetch<BITS>(w[i], p);
+  const int64_t stride = live > 1 ? w[1].w - w[0].w : 0;
+  __m512i t[8];
+  gemm_transpose16x8(w[0].w + 32 * p, stride, live, t);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512i u[16];
+  for (int e = 0; e < 4; ++e) {
+    u[e] = _mm512_and_si512(t[e], low4);
+    u[4 + e] = _mm512_and_si512(_mm512_srli_epi16(t[e], 4), low4);
+    u[8 + e] = _mm512_and_si512(t[4 + e], low4);
+    u[12 + e] = _mm512_and_si512(_mm512_srli_epi16(t[4 + e], 4), low4);
+  }
+  if constexpr (BITS == 6) {
+    __m512i h[4];
+    gemm_transpose16x4(w[0].h + 16 * p, live > 1 ? w[1].h - w[0].h : 0, live, h);
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    for (int e = 0; e < 4; ++e) {  // run j's steps: e, 8 + e, 4 + e, 12 + e (j = 0..3)
+      u[e] = _mm512_ternarylogic_epi32(u[e], _mm512_slli_epi32(h[e], 4), bits45, 0xF8);
+      u[8 + e] = _mm512_ternarylogic_epi32(u[8 + e], _mm512_slli_epi32(h[e], 2), bits45, 0xF8);
+      u[4 + e] = _mm512_ternarylogic_epi32(u[4 + e], h[e], bits45, 0xF8);
+      u[12 + e] = _mm512_ternarylogic_epi32(u[12 + e], _mm512_srli_epi32(h[e], 2), bits45, 0xF8);
+    }
+  }
+  for (int s = 0; s < 16; ++s) _mm512_storeu_si512(dst + s * 128, u[s]);
+}
+#endif
+
 // Columns n0 .. n0 + 31 of the weight into `panel`.
 template <int BITS, int G, bool IQ>
 void gemm_pack(const QbWeight& wt, int K, int N, int n0, GemmPanel& panel) {
@@ -207,6 +302,17 @@ void gemm_pack(const QbWeight& wt, int K, int N, int n0, GemmPanel& panel) {
     // rows are 16 streams through memory, so each is prefetched ahead (reading them
     // pair by pair without it waited on memory; unpacking rows whole into a scratch and
     // transposing from there cost a round trip through L2).
+    if constexpr (BITS == 4 || BITS == 6) {
+      for (int p = 0; p < np; ++p) {
+        uint8_t* dst = panel.u.data() + (static_cast<int64_t>(16) * p * 2 + v) * 64;
+        if (live > 0) {
+          gemm_pack_pair_nibbles<BITS>(w, live, p, dst);
+        } else {
+          for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + j * 128, _mm512_setzero_si512());
+        }
+      }
+      continue;
+    }
     for (int p = 0; p < np; ++p) {
       __m512i rows[16];
       for (int i = 0; i < 16; ++i) {
@@ -238,7 +344,7 @@ void gemm_pack(const QbWeight& wt, int K, int N, int n0, GemmPanel& panel) {
 #if defined(SLUICE_ISA_AVX512)
 template <int G, int SPAN_GROUPS, bool SYM, int R>
 SLUICE_INLINE void gemm_rows(const GemmPanel& panel, const GemmActivations& a, int r0, int K,
-                             float (*out)[kGemmCols]) {
+                             float (*out)[kGemmCols], SidePrefetch& ahead) {
   __m512 total[R][2];
   SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
   const int8_t* x[R];
@@ -255,6 +361,7 @@ SLUICE_INLINE void gemm_rows(const GemmPanel& panel, const GemmActivations& a, i
         isum[r][0] = isum[r][1] = init;
       }
       const uint8_t* wp = panel.u.data() + static_cast<int64_t>(g) * (G / 4) * 128;
+      side_prefetch_step(ahead);
 #pragma GCC unroll 8
       for (int s = 0; s < G / 4; ++s) {
         const __m512i w0 = _mm512_loadu_si512(wp + 128 * s);
@@ -298,7 +405,7 @@ SLUICE_INLINE void gemm_rows(const GemmPanel& panel, const GemmActivations& a, i
 #else
 template <int G, int SPAN_GROUPS, bool SYM, int R>
 void gemm_rows(const GemmPanel& panel, const GemmActivations& a, int r0, int K,
-               float (*out)[kGemmCols]) {
+               float (*out)[kGemmCols], SidePrefetch&) {
   const int ng = K / G;
   for (int r = 0; r < R; ++r) {
     const int8_t* x = a.row(r0 + r);
@@ -336,6 +443,27 @@ void gemm_quantize_for(const T* x, int M, int K, int bits, int group, const QbWe
 // a parallel region calls this; the panels are shared out, each thread unpacking its
 // own). y fp32 or bf16, chosen per stored row (QbOut): the format's instances serve
 // every input and output type.
+// The panel from column n0 on, as it will be read: its scales now (a few lines a row),
+// its packed and high bits queued, a line per group step of the panel before it. The
+// packing reads a panel's 16-row halves as 16 streams at once, and started cold it
+// waited on memory most of its time (16 streams' steps, 2 cores of Zen 4); the queue
+// has it in L2 when the packing starts.
+template <int BITS, int G, bool IQ>
+SidePrefetch gemm_prefetch_panel(const QbWeight& wt, int K, int N, int n0) {
+  if (n0 >= N) return {};
+  const int64_t rows = std::min(kGemmCols, N - n0);
+  const int64_t scale_bytes = (K / G) * (IQ ? 1 : 2);  // a row's d (and m)
+  auto lines = [](const void* p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 2);
+  };
+  const QbRow r = wt.row<BITS, G, IQ>(K, n0);
+  lines(r.d, rows * scale_bytes);
+  if (r.m) lines(r.m, rows * scale_bytes);
+  if (IQ) lines(r.sd, rows * (K / kQbSuper) * (r.m ? 2 : 1) * 2);
+  return side_prefetch_runs(r.w, rows * qb_row_bytes(BITS, K), r.h,
+                            rows * qb_hbits_row_bytes(BITS, K));
+}
+
 template <int BITS, int G, bool IQ>
 void qblock_gemm_t(int M, int K, const QbWeight& wt, int N, QbOut y, GemmActivations& a) {
   constexpr int span = IQ ? kQbSuper : 32;
@@ -343,17 +471,20 @@ void qblock_gemm_t(int M, int K, const QbWeight& wt, int N, QbOut y, GemmActivat
   const bool sym = wt.m == nullptr;
   GemmPanel panel;
   alignas(64) float out[kGemmRows][kGemmCols];
-#pragma omp for schedule(dynamic, 1)
+  // Panels dealt round-robin, so a thread knows its next one (gemm_prefetch_panel).
+  const int stride = kGemmCols * omp_get_num_threads();
+#pragma omp for schedule(static, 1)
   for (int n0 = 0; n0 < N; n0 += kGemmCols) {
     gemm_pack<BITS, G, IQ>(wt, K, N, n0, panel);
+    SidePrefetch ahead = gemm_prefetch_panel<BITS, G, IQ>(wt, K, N, n0 + stride);
     const int cols = std::min(kGemmCols, N - n0);
     for (int r0 = 0; r0 < M; r0 += kGemmRows) {
       const int rows = std::min(kGemmRows, M - r0);
       qb_with_rows<kGemmRows>(rows, [&](auto R) {
         if (sym)
-          gemm_rows<G, kSpanGroups, true, R>(panel, a, r0, K, out);
+          gemm_rows<G, kSpanGroups, true, R>(panel, a, r0, K, out, ahead);
         else
-          gemm_rows<G, kSpanGroups, false, R>(panel, a, r0, K, out);
+          gemm_rows<G, kSpanGroups, false, R>(panel, a, r0, K, out, ahead);
       });
       for (int r = 0; r < rows; ++r) {
         y.typed(static_cast<int64_t>(r0 + r) * N + n0, [&](auto* yr) {

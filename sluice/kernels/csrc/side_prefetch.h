@@ -26,13 +26,18 @@ struct SidePrefetch {
 
 inline thread_local SidePrefetch side_prefetch_queue{};
 
-// Queue the two runs (a run of 0 bytes: none), replacing what was queued.
+// A queue of the two runs (a run of 0 bytes: none).
+inline SidePrefetch side_prefetch_runs(const void* first, int64_t first_bytes, const void* second,
+                                       int64_t second_bytes) {
+  const bool one = first_bytes > 0;
+  return {static_cast<const char*>(one ? first : second), one ? first_bytes : second_bytes,
+          static_cast<const char*>(second), one ? second_bytes : 0};
+}
+
+// Queue the two runs, replacing what was queued.
 inline void side_prefetch_set(const void* first, int64_t first_bytes, const void* second,
                               int64_t second_bytes) {
-  const bool one = first_bytes > 0;
-  side_prefetch_queue = {static_cast<const char*>(one ? first : second),
-                         one ? first_bytes : second_bytes, static_cast<const char*>(second),
-                         one ? second_bytes : 0};
+  side_prefetch_queue = side_prefetch_runs(first, first_bytes, second, second_bytes);
 }
 
 inline void side_prefetch_clear() { side_prefetch_queue = {}; }
