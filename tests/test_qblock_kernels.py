@@ -345,6 +345,30 @@ def test_head_matmul_is_the_residual_one_for_every_token_that_may_be_picked(
 
 
 @pytest.mark.parametrize(("bits", "group", "symmetric", "integer"), CASES)
+def test_head_with_the_gemms_first_level_keeps_candidates_two_level_and_the_rest_the_gemms(
+    bits: int, group: int, symmetric: bool, integer: bool, lib: kernels.Library
+) -> None:
+    # With its first level from the int8 GEMM (VNNI at avx512, portable loops below),
+    # every logit is bit for bit the two-level one or that GEMM's; the pick and every
+    # token that could round to it are two-level; a row's logits do not depend on the
+    # batch.
+    n, k = 3000, columns(integer)
+    w = random_weight(n, k, bits, group, 7 * bits + group, symmetric, integer)
+    weight = (*w.rows(0, n), bits, group)
+    row_norm = head_row_norms(lib, *weight)
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    got = qblock.qblock_matmul_head(lib, x, *weight, row_norm, first_level="gemm")
+    two = qblock.qblock_matmul_residual(lib, x, *weight)
+    one = qblock.qblock_gemm(lib, x, *weight)
+    assert_two_level_where_it_may_be_picked(got, two, one)
+    for rows in (1, 16):
+        part = qblock.qblock_matmul_head(lib, x[:rows], *weight, row_norm, first_level="gemm")
+        assert torch.equal(part, got[:rows])
+    with pytest.raises(ValueError, match="first_level"):
+        qblock.qblock_matmul_head(lib, x, *weight, row_norm, first_level="tile")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("bits", "group", "symmetric", "integer"), CASES)
 def test_head_on_amx_tiles_keeps_candidates_two_level_and_the_rest_the_gemms(
     bits: int, group: int, symmetric: bool, integer: bool
 ) -> None:
@@ -361,13 +385,13 @@ def test_head_on_amx_tiles_keeps_candidates_two_level_and_the_rest_the_gemms(
         row_norm = head_row_norms(lib, *weight)
         x = torch.randn(17, k, generator=torch.Generator().manual_seed(5)).bfloat16()
         before = qblock.amx_int8_calls(lib)
-        got = qblock.qblock_matmul_head(lib, x, *weight, row_norm, tiles=True)
+        got = qblock.qblock_matmul_head(lib, x, *weight, row_norm, first_level="tiles")
         assert qblock.amx_int8_calls(lib) > before
         two = qblock.qblock_matmul_residual(lib, x, *weight)
         one = qblock.qblock_gemm(lib, x, *weight, tiles=True)
         assert_two_level_where_it_may_be_picked(got, two, one)
         for rows in (1, 16):
-            part = qblock.qblock_matmul_head(lib, x[:rows], *weight, row_norm, tiles=True)
+            part = qblock.qblock_matmul_head(lib, x[:rows], *weight, row_norm, first_level="tiles")
             assert torch.equal(part, got[:rows])
 
 
@@ -427,14 +451,21 @@ def test_bad_formats_and_shapes_are_refused(kernel_level: str) -> None:
 
 @pytest.mark.parametrize(("type_name", "block_rows"), [("Q4_K", 32), ("Q4_0", 16)])
 def test_few_rows_take_the_block_kernel_up_to_the_crossover(
-    type_name: str, block_rows: int, kernel_level: str
+    type_name: str, block_rows: int, kernel_level: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A GGUF linear runs M rows on the block kernel (int8 activations, bit for bit the
     kernel's output) below dense_min_rows and on dequantized tiles + GEMM from there:
-    32 rows for the K-quants' integer scales, 16 for fp16 scales (avx2 and avx512), the
-    output head's as its format's (at avx512; at avx2 always the block kernel)."""
+    32 rows for the K-quants' integer scales, 16 for fp16 scales (avx2 and avx512). The
+    output head stays on its kernel at avx2, and at avx512 without AMX tiles, where its
+    first level takes the VNNI GEMM from HEAD_GEMM_MIN_ROWS; elsewhere its crossover is
+    its format's."""
     from sluice.core.quantized_tensor import dequantize
-    from sluice.layers.block_quant import BlockQuantized, dense_min_rows
+    from sluice.layers.block_quant import (
+        HEAD_GEMM_MIN_ROWS,
+        BlockQuantized,
+        dense_min_rows,
+        head_first_level,
+    )
     from sluice.layers.linear import Linear
     from sluice.loader.gguf_blocks import repack
     from tests.test_gguf_blocks import random_blocks
@@ -449,11 +480,24 @@ def test_few_rows_take_the_block_kernel_up_to_the_crossover(
     layer.method.load_quantized(layer, weight)
     head = Linear(512, 64, bias=False, method=BlockQuantized(output_head=True))
     head.method.load_quantized(head, weight)
-    # The head's crossover is its format's, but at avx2 it never leaves its kernel.
-    assert head.method.dense_min_rows == (sys.maxsize if kernel_level == "avx2" else block_rows)
+    gemm_head = kernel_level in HEAD_GEMM_MIN_ROWS and not kernels.tiles()
+    head_stays = kernel_level == "avx2" or gemm_head
+    assert head.method.dense_min_rows == (sys.maxsize if head_stays else block_rows)
     gen = torch.Generator().manual_seed(0)
     lib = kernels.load()
     assert lib is not None
+    firsts: list[str] = []
+    head_kernel = qblock.qblock_matmul_head
+    monkeypatch.setattr(
+        qblock,
+        "qblock_matmul_head",
+        lambda *a, **kw: firsts.append(kw.get("first_level", "blocks")) or head_kernel(*a, **kw),
+    )
+    if gemm_head:
+        gemm_from = HEAD_GEMM_MIN_ROWS[kernel_level]
+        for rows in (gemm_from - 1, gemm_from):
+            head(torch.randn(rows, 512, generator=gen))
+        assert firsts == ["blocks", "gemm"]
     for rows in (block_rows - 1, block_rows):
         x = torch.randn(rows, 512, generator=gen)
         y = layer(x)
@@ -466,11 +510,11 @@ def test_few_rows_take_the_block_kernel_up_to_the_crossover(
             assert not torch.equal(y, on_blocks)
         row_norm = head.method.row_norm
         assert row_norm is not None
-        on_head_kernel = qblock.qblock_matmul_head(
-            lib, x, *weight.parts(), weight.bits, weight.group, row_norm
-        )
-        head_on_blocks = rows < block_rows or kernel_level == "avx2"
-        assert torch.equal(head(x), on_head_kernel) == head_on_blocks
+        on_head_kernel = head_kernel(
+            lib, x, *weight.parts(), weight.bits, weight.group, row_norm,
+            first_level=head_first_level(lib, rows),
+        )  # fmt: skip
+        assert torch.equal(head(x), on_head_kernel) == (rows < block_rows or head_stays)
 
 
 @pytest.mark.parametrize("int8_prompts", [False, True])
@@ -514,7 +558,8 @@ def test_many_bf16_rows_take_the_amx_kernel_at_the_amx_level(int8_prompts: bool)
 def test_the_int8_gemm_and_the_heads_first_level_take_amx_int8_tiles_at_the_amx_level() -> None:
     """At the amx level a linear with int8 prompts runs its GEMM rows (GEMM_MIN_ROWS up
     to AMX_AFTER_GEMM_MIN_ROWS) on the int8 tiles, and the output head its rows from
-    HEAD_TILES_MIN_ROWS below its dense crossover; a forced avx512 level never does."""
+    HEAD_TILES_MIN_ROWS below its dense crossover; a forced avx512 level never does (the
+    head's rows take the VNNI GEMM there)."""
     from sluice.layers.block_quant import (
         AMX_AFTER_GEMM_MIN_ROWS,
         GEMM_MIN_ROWS,
@@ -549,8 +594,9 @@ def test_the_int8_gemm_and_the_heads_first_level_take_amx_int8_tiles_at_the_amx_
                 on_tiles = qblock.amx_int8_calls(lib) > before
                 assert on_tiles == (expected and level == "amx"), (level, rows)
             args = (*weight.parts(), weight.bits, weight.group)
+            first = "tiles" if level == "amx" else "gemm"
             assert torch.equal(y, qblock.qblock_matmul_head(lib, x, *args, head.method.row_norm,
-                                                            tiles=level == "amx"))  # fmt: skip
+                                                            first_level=first))  # fmt: skip
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])

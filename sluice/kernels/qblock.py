@@ -12,6 +12,8 @@ so row slices of the five tensors are weights too (sluice/core/quantized_tensor.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
 from sluice.core.quantized_tensor import INTEGER_SCALE_LAYOUTS, SUPER
@@ -28,6 +30,10 @@ from sluice.kernels._ffi import (
 
 # The formats the kernels take: (bits, group); with integer scales, INTEGER_SCALE_LAYOUTS.
 FORMATS = frozenset({(b, g) for b in (4, 5, 6, 8) for g in (32, 16)})
+# Where the output head's first int8 level comes from: the block kernel, the int8 GEMM,
+# or that GEMM on AMX-INT8 tiles; in the order of csrc/qblock.cpp's HeadFirstLevel.
+HeadFirstLevel = Literal["blocks", "gemm", "tiles"]
+HEAD_FIRST_LEVELS: tuple[HeadFirstLevel, ...] = get_args(HeadFirstLevel)
 
 _ROW_BLOCK = c_function("sluice_qblock_row_block", INT)
 # (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, y)
@@ -290,16 +296,17 @@ def qblock_matmul_head(
     bits: int,
     group: int,
     row_norm: torch.Tensor,  # [N] fp32: each weight row's L2 norm, rounded up
-    tiles: bool = False,
+    first_level: HeadFirstLevel = "blocks",
 ) -> torch.Tensor:
     """The output head: qblock_matmul_residual's value, bit for bit, for every token
     whose logit may be the row's largest (its one-level value plus the bound
     row_norm[n] * |residual| reaches the best lower bound of any token), and for the rest
     qblock_matmul's. Greedy picks and the logits near the top are those of the two
     levels; the second level costs a dot product per such token instead of a second
-    kernel row per position. `tiles`: the one level from qblock_gemm on AMX-INT8 tiles
-    (the rest take its values; where has_amx(lib) and the process holds the tile
-    state), the candidates unchanged."""
+    kernel row per position. `first_level`: where the one level comes from
+    (HEAD_FIRST_LEVELS: the block kernel, qblock_gemm, or qblock_gemm on AMX-INT8 tiles
+    where has_amx(lib) and the process holds the tile state); the rest take its values,
+    the candidates are the same either way."""
     n = packed.shape[0]
     if (
         row_norm.shape != (n,)
@@ -308,7 +315,10 @@ def qblock_matmul_head(
     ):
         raise ValueError(f"row_norm must be contiguous float32 [{n}]")
     weight = (packed, hbits, scale, minimum, super_scale, bits, group)
-    return _matmul(_MATMUL_HEAD, lib, x, *weight, extra=(ptr(row_norm), int(tiles)))
+    if first_level not in HEAD_FIRST_LEVELS:
+        raise ValueError(f"first_level must be one of {HEAD_FIRST_LEVELS}, got {first_level!r}")
+    first = HEAD_FIRST_LEVELS.index(first_level)
+    return _matmul(_MATMUL_HEAD, lib, x, *weight, extra=(ptr(row_norm), first))
 
 
 def _check_expert_groups(

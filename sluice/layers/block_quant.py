@@ -101,12 +101,29 @@ INT8_PROMPTS_ON_BLOCKS = frozenset({"avx2"})
 # keeps prompts' other layers on the GEMM (above) does not bind it.
 HEAD_ON_BLOCKS = frozenset({"avx2"})
 # Rows from which the output head's first int8 level comes from the int8 GEMM on AMX-INT8
-# tiles (kernels.tiles(); qblock_matmul_head's `tiles`), below its dense crossover. On
+# tiles (kernels.tiles(); qblock_matmul_head's first_level "tiles"), below its dense
+# crossover. On
 # Qwen2.5-Coder-1.5B's Q6_K head (151936 x 1536) the two took 22.5 against 15.4 ms at 8
 # rows, even at 12, 25.2 against 32.5 at 14, 26.3 against 35.5 at 16 and 40.5 against
 # 51.5 at 24 (2 cores of an AMX Xeon, ad hoc, alternating): a tile block costs the same
 # for 1 row as for 16.
 HEAD_TILES_MIN_ROWS = 13
+# ... and from the VNNI int8 GEMM, at the levels that have it (INT8_GEMM_LEVELS) where
+# the tiles are not held. There the head then stays on its kernel at every row count.
+# On Qwen2.5-Coder-1.5B's Q6_K head (151936 x 1536) the head with that first level
+# against the block kernel's took 27.0 / 25.8 ms at 12 rows, 29.0 / 32.5 at 14, 29.2 /
+# 31.1 at 16 and 35.6 / 47.1 at 24, and against the dense path 52.0 / 73.2 at 32, 101 /
+# 116 at 64 and 179 / 191 at 128 (2 cores of Zen 4, ad hoc, alternating).
+HEAD_GEMM_MIN_ROWS = {"avx512": 14}
+
+
+def head_first_level(lib: Library, rows: int) -> qblock.HeadFirstLevel:
+    """Where the output head's first int8 level comes from for `rows` rows on `lib`."""
+    if rows >= HEAD_TILES_MIN_ROWS and kernels.tiles(lib):
+        return "tiles"
+    if rows >= HEAD_GEMM_MIN_ROWS.get(kernels.variant(), sys.maxsize):
+        return "gemm"
+    return "blocks"
 
 
 def dense_min_rows(
@@ -116,9 +133,12 @@ def dense_min_rows(
     A layer taking `int8_prompts` (never the head) goes to the int8 GEMM from
     GEMM_MIN_ROWS where the level has it, and stays on the block kernel at an
     INT8_PROMPTS_ON_BLOCKS level; otherwise to dequantized tiles + GEMM from
-    DENSE_MIN_ROWS / DENSE_MIN_ROWS_INTEGER (never for a HEAD_ON_BLOCKS head)."""
+    DENSE_MIN_ROWS / DENSE_MIN_ROWS_INTEGER (never for a HEAD_ON_BLOCKS head, nor for a
+    head whose first level takes the VNNI GEMM: HEAD_GEMM_MIN_ROWS)."""
     level = kernels.variant()
     if output_head and level in HEAD_ON_BLOCKS:
+        return sys.maxsize
+    if output_head and level in HEAD_GEMM_MIN_ROWS and not kernels.tiles():
         return sys.maxsize
     if int8_prompts and not output_head:
         if level in INT8_GEMM_LEVELS:
@@ -291,8 +311,8 @@ def _linear(
         args = (x.contiguous(), *_kernel_args(w))
         if x.shape[0] < dense_min_rows:
             if row_norm is not None:
-                tiles = x.shape[0] >= HEAD_TILES_MIN_ROWS and kernels.tiles(lib)
-                return qblock.qblock_matmul_head(lib, *args, row_norm, tiles=tiles)
+                first = head_first_level(lib, x.shape[0])
+                return qblock.qblock_matmul_head(lib, *args, row_norm, first_level=first)
             return qblock.qblock_matmul(lib, *args)
         if x.dtype == torch.bfloat16 and kernels.tiles(lib):
             if not int8_gemm or x.shape[0] >= AMX_AFTER_GEMM_MIN_ROWS:

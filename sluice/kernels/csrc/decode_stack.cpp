@@ -237,7 +237,8 @@ void linear(const Shape& s, const int64_t* layer, Field packed,
   const int64_t format = layer[packed + 5];
   if (on_gemm(s, layer, packed, M))
     sluice::qblock_gemm_on(s.gemm_tiles, x, M, K, static_cast<int>(format / 100),
-                           static_cast<int>(format % 100), qb_weight(layer, packed), N, y, ga);
+                           static_cast<int>(format % 100), qb_weight(layer, packed), N,
+                           sluice::qb_out(y), ga);
   else if (format == kFormatInt4)
     sluice::q4_rows(xa, M, K, q, at<uint16_t>(layer, Field(packed + 2)),
                     at<uint16_t>(layer, Field(packed + 3)), N, y);
@@ -346,7 +347,7 @@ void experts(const Shape& s, const int64_t* L, Field packed, const sluice::QBloc
     if (rows >= many)
       sluice::qblock_gemm_on(s.gemm_tiles, x + r0 * K, static_cast<int>(rows), K, bits, group,
                              sluice::qblock_expert_weight(w, K, bits, group, m.expert[j] * N),
-                             N, y + r0 * N, ga);
+                             N, sluice::qb_out(y + r0 * N), ga);
   }
   sluice::qblock_experts(xa, K, bits, group, w, N, m.groups, m.start.data(), m.expert.data(), y,
                          /*skip_from=*/many);

@@ -107,7 +107,7 @@ void prefetch_row(const QbWeight& w, int K, int n) {
 // weight row n's), so a token whose coarse logit plus that bound stays under
 // cutoff[r] (the best lower bound of any token, less two bf16 steps of the largest
 // magnitude) can neither be the pick nor round to the pick's value. first: where
-// coarse came from the tiles (not the block kernel), the first level's activations,
+// coarse came from the int8 GEMM (not the block kernel), the first level's activations,
 // whose block-kernel product a candidate's logit takes instead (a second dot product),
 // so candidates stay bit for bit the two-level kernel's.
 template <int BITS, int G, bool IQ, typename T>
@@ -158,19 +158,19 @@ std::vector<float> residual_norm(const sluice::QBlockActivations& rest, int M, i
   return s;
 }
 
-// The first level's logits of every token into coarse: the block kernel on xw, or with
-// `tiles` the int8 GEMM on AMX-INT8 tiles on x (the same int8 values, summed in another
-// order; every thread of a parallel region calls this).
+// Where the head's first level comes from (sluice_qblock_matmul_head's `first`).
+enum HeadFirstLevel { kHeadBlocks = 0, kHeadGemm = 1, kHeadTiles = 2 };
+
+// The first level's logits of every token into coarse: the block kernel on xw, or the
+// int8 GEMM on x (the same int8 values, summed in another order), on AMX-INT8 tiles for
+// kHeadTiles where this library has them (every thread of a parallel region calls this).
 template <typename T>
-void head_first_level(bool tiles, const T* x, const sluice::QBlockActivations& xw, int M, int K,
+void head_first_level(int first, const T* x, const sluice::QBlockActivations& xw, int M, int K,
                       int bits, int group, const QbWeight& w, int N, float* coarse,
                       sluice::GemmActivations& ga) {
-#if defined(SLUICE_AMX)
-  if (tiles)
-    return sluice::qblock_gemm_amx(x, M, K, bits, group, w, N, sluice::qb_out(coarse), ga);
-#else
-  (void)tiles, (void)x, (void)ga;
-#endif
+  if (first != kHeadBlocks)
+    return sluice::qblock_gemm_on(first == kHeadTiles, x, M, K, bits, group, w, N,
+                                  sluice::qb_out(coarse), ga);
   sluice::qblock_rows(xw, M, K, bits, group, w, N, coarse);
 }
 
@@ -178,11 +178,11 @@ void head_first_level(bool tiles, const T* x, const sluice::QBlockActivations& x
 // pick (bit for bit), the first level's for the rest. The second level then costs a
 // dot product per candidate (~500 of Qwen's 151,936 tokens, a few thousand at most)
 // instead of a kernel row per position: the head reads its weights once for up to 12
-// positions, not 6. tiles: the first level on AMX-INT8 tiles (where the library has
-// them), and candidates' first level again on the block kernel.
+// positions, not 6. first: the first level from the int8 GEMM (head_first_level), and
+// then candidates' first level again on the block kernel.
 template <typename T>
 void matmul_head(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N,
-                 const float* rnorm, bool tiles, T* y) {
+                 const float* rnorm, int first, T* y) {
   const bool integer = w.s != nullptr;
   sluice::QBlockActivations xw, xr;  // the first level (as qblock_matmul's), the second
   xw.quantize(x, M, K, group, integer);
@@ -192,13 +192,10 @@ void matmul_head(const T* x, int M, int K, int bits, int group, const QbWeight& 
   const std::vector<float> s = residual_norm(xr, M, K);
   std::vector<float> coarse(static_cast<size_t>(M) * N);
   std::vector<float> lo(M, -INFINITY), hi(M, -INFINITY), cutoff(M);
-  sluice::GemmActivations ga;  // the tiles' rows (shared: one thread sizes it)
-#if !defined(SLUICE_AMX)
-  tiles = false;
-#endif
+  sluice::GemmActivations ga;  // the GEMM's rows (shared: one thread sizes it)
 #pragma omp parallel
   {
-    head_first_level(tiles, x, xw, M, K, bits, group, w, N, coarse.data(), ga);
+    head_first_level(first, x, xw, M, K, bits, group, w, N, coarse.data(), ga);
     std::vector<float> lo_t(M, -INFINITY), hi_t(M, -INFINITY);  // this thread's
 #pragma omp for schedule(static) nowait
     for (int n0 = 0; n0 < N; n0 += kHeadTile) {
@@ -224,7 +221,7 @@ void matmul_head(const T* x, int M, int K, int bits, int group, const QbWeight& 
     for (int r = 0; r < M; ++r)  // less two bf16 steps: 2 * 2**-7 of the magnitude
       cutoff[r] = lo[r] - std::ldexp(std::max(std::abs(lo[r]), std::abs(hi[r])), -6) - 1e-3f;
     SLUICE_QB_DISPATCH(bits, group, integer,
-                       (head_refine_t<B, G, IQ>(coarse.data(), xr, tiles ? &xw : nullptr, M,
+                       (head_refine_t<B, G, IQ>(coarse.data(), xr, first != kHeadBlocks ? &xw : nullptr, M,
                                                 K, w, N, rnorm, s.data(), cutoff.data(), y)))
   }
 }
@@ -318,18 +315,18 @@ void sluice_qblock_matmul_residual(const void* x, int bf16, int M, int K, int bi
 // The output head: as sluice_qblock_matmul_residual for every logit that may be the
 // greedy pick, one int8 level for the rest; row_norm [N]: each weight row's L2 norm
 // (rounded up).
-// tiles: that one level from the int8 GEMM on AMX-INT8 tiles where this library has
-// them (the caller holds the tile state), the block kernel's otherwise.
+// first: that one level from the block kernel (0), the int8 GEMM (1), or the int8 GEMM
+// on AMX-INT8 tiles where this library has them (2; the caller holds the tile state).
 void sluice_qblock_matmul_head(const void* x, int bf16, int M, int K, int bits, int group,
                                const uint8_t* packed, const uint8_t* hbits, const void* d,
                                const void* m, const uint16_t* s, int N, const float* row_norm,
-                               int tiles, void* y) {
+                               int first, void* y) {
   const QbWeight w{packed, hbits, d, m, s};
   if (bf16)
-    matmul_head(static_cast<const uint16_t*>(x), M, K, bits, group, w, N, row_norm, tiles != 0,
+    matmul_head(static_cast<const uint16_t*>(x), M, K, bits, group, w, N, row_norm, first,
                 static_cast<uint16_t*>(y));
   else
-    matmul_head(static_cast<const float*>(x), M, K, bits, group, w, N, row_norm, tiles != 0,
+    matmul_head(static_cast<const float*>(x), M, K, bits, group, w, N, row_norm, first,
                 static_cast<float*>(y));
 }
 

@@ -12,7 +12,7 @@ void gemm(const T* x, int M, int K, int bits, int group, const sluice::QbWeight&
           bool tiles, T* y) {
   sluice::GemmActivations a;  // shared: one thread sizes it, all fill their rows
 #pragma omp parallel
-  sluice::qblock_gemm_on(tiles, x, M, K, bits, group, w, N, y, a);
+  sluice::qblock_gemm_on(tiles, x, M, K, bits, group, w, N, sluice::qb_out(y), a);
 }
 
 }  // namespace

@@ -496,13 +496,13 @@ void qblock_gemm_t(int M, int K, const QbWeight& wt, int N, QbOut y, GemmActivat
 }
 
 // qblock_gemm_t for the runtime format, x quantized first (every thread of a parallel
-// region calls it).
+// region calls it); y fp32 or bf16 whatever x is (the output head's first level is fp32).
 template <typename T>
-void qblock_gemm(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N, T* y,
+void qblock_gemm(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N, QbOut y,
                  GemmActivations& a) {
   gemm_quantize_for(x, M, K, bits, group, w, a);
   SLUICE_QB_DISPATCH(bits, group, w.s != nullptr,
-                     (qblock_gemm_t<B, G, IQ>(M, K, w, N, qb_out(y), a)))
+                     (qblock_gemm_t<B, G, IQ>(M, K, w, N, y, a)))
 }
 
 }  // namespace sluice

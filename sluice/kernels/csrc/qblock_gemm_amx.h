@@ -266,9 +266,9 @@ void qblock_gemm_amx(const T* x, int M, int K, int bits, int group, const QbWeig
 // calls this).
 template <typename T>
 void qblock_gemm_on(bool tiles, const T* x, int M, int K, int bits, int group,
-                    const QbWeight& w, int N, T* y, GemmActivations& a) {
+                    const QbWeight& w, int N, QbOut y, GemmActivations& a) {
 #if defined(SLUICE_AMX)
-  if (tiles) return qblock_gemm_amx(x, M, K, bits, group, w, N, qb_out(y), a);
+  if (tiles) return qblock_gemm_amx(x, M, K, bits, group, w, N, y, a);
 #else
   (void)tiles;
 #endif
@@ -278,7 +278,7 @@ void qblock_gemm_on(bool tiles, const T* x, int M, int K, int bits, int group,
 // One compiled copy, in qblock_gemm.cpp (as SLUICE_QBLOCK_INSTANCES, qblock.h).
 #define SLUICE_QBLOCK_GEMM_INSTANCES(prefix, T)                                          \
   prefix template void qblock_gemm_on<T>(bool, const T*, int, int, int, int,             \
-                                         const QbWeight&, int, T*, GemmActivations&);
+                                         const QbWeight&, int, QbOut, GemmActivations&);
 SLUICE_QBLOCK_GEMM_INSTANCES(extern, float)
 SLUICE_QBLOCK_GEMM_INSTANCES(extern, uint16_t)
 #if defined(SLUICE_AMX)
