@@ -361,9 +361,9 @@ SLUICE_INLINE void gemm_rows(const GemmPanel& panel, const GemmActivations& a, i
         isum[r][0] = isum[r][1] = init;
       }
       const uint8_t* wp = panel.u.data() + static_cast<int64_t>(g) * (G / 4) * 128;
-      side_prefetch_step(ahead);
 #pragma GCC unroll 8
       for (int s = 0; s < G / 4; ++s) {
+        side_prefetch_step(ahead);
         const __m512i w0 = _mm512_loadu_si512(wp + 128 * s);
         const __m512i w1 = _mm512_loadu_si512(wp + 128 * s + 64);
         SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
@@ -444,7 +444,8 @@ void gemm_quantize_for(const T* x, int M, int K, int bits, int group, const QbWe
 // own). y fp32 or bf16, chosen per stored row (QbOut): the format's instances serve
 // every input and output type.
 // The panel from column n0 on, as it will be read: its scales now (a few lines a row),
-// its packed and high bits queued, a line per group step of the panel before it. The
+// its packed and high bits queued, a line per k4 step of the panel before it (a line a
+// group left a third to half of a 16-row step's next panel unfetched). The
 // packing reads a panel's 16-row halves as 16 streams at once, and started cold it
 // waited on memory most of its time (16 streams' steps, 2 cores of Zen 4); the queue
 // has it in L2 when the packing starts.
