@@ -163,9 +163,10 @@ SLUICE_INLINE void gemm_transpose16(__m512i* v) {
 // dword e's low nibbles are 4 consecutive K values (natural k4 step e, or 4 + e for
 // e >= 4: the pair order's runs), its high nibbles the values 32 positions on (step 4 +
 // e, or 8 + e). An 8-dword transpose of raw bytes and a mask or shift a step is a third
-// of the work of unpacking each row to 64 bytes and transposing 16 dwords (this packing
-// was 28% of a 16-stream step, 2 cores of Zen 4). 6 bits' 16 high-bit bytes are 4
-// dwords a row, each byte's bit pair j the run-j value's bits 4-5 (qblock.h).
+// of the shuffles of unpacking each row to 64 bytes and transposing 16 dwords (timed
+// alone, before gemm_prefetch_panel, a 16-stream step did not move beyond the noise:
+// the packing waited on memory). 6 bits' 16 high-bit bytes are 4 dwords a row, each
+// byte's bit pair j the run-j value's bits 4-5 (qblock.h).
 #if defined(SLUICE_ISA_AVX512)
 // t[e] lane i = row i's dword e (e < 8) of its 32 bytes at src + i * stride; rows past
 // `live` zero.
