@@ -136,9 +136,8 @@ def dense_min_rows(
     DENSE_MIN_ROWS / DENSE_MIN_ROWS_INTEGER (never for a HEAD_ON_BLOCKS head, nor for a
     head whose first level takes the VNNI GEMM: HEAD_GEMM_MIN_ROWS)."""
     level = kernels.variant()
-    if output_head and level in HEAD_ON_BLOCKS:
-        return sys.maxsize
-    if output_head and level in HEAD_GEMM_MIN_ROWS and not kernels.tiles():
+    gemm_head = level in HEAD_GEMM_MIN_ROWS and not kernels.tiles()
+    if output_head and (level in HEAD_ON_BLOCKS or gemm_head):
         return sys.maxsize
     if int8_prompts and not output_head:
         if level in INT8_GEMM_LEVELS:

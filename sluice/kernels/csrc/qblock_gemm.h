@@ -218,8 +218,8 @@ SLUICE_INLINE void gemm_transpose16x4(const uint8_t* src, int64_t stride, int li
   t[3] = _mm512_unpackhi_epi64(b, d);
 }
 
-// Pair p of 16 rows (w[i], i < live; a weight's rows are evenly spaced) as the panel's
-// 16 k4 steps at dst (128 bytes apart).
+// Pair p of 16 rows (w[i], i < live, none read past it; a weight's rows are evenly
+// spaced) as the panel's 16 k4 steps at dst (128 bytes apart).
 template <int BITS>
 SLUICE_INLINE void gemm_pack_pair_nibbles(const QbRow* w, int live, int p, uint8_t* dst) {
   static_assert(BITS == 4 || BITS == 6);
@@ -227,7 +227,7 @@ SLUICE_INLINE void gemm_pack_pair_nibbles(const QbRow* w, int live, int p, uint8
     for (int i = 0; i < live; ++i) qb_prefetch<BITS>(w[i], p);
   const int64_t stride = live > 1 ? w[1].w - w[0].w : 0;
   __m512i t[8];
-  gemm_transpose16x8(w[0].w + 32 * p, stride, live, t);
+  gemm_transpose16x8(live > 0 ? w[0].w + 32 * p : nullptr, stride, live, t);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512i u[16];
   for (int e = 0; e < 4; ++e) {
@@ -238,7 +238,8 @@ SLUICE_INLINE void gemm_pack_pair_nibbles(const QbRow* w, int live, int p, uint8
   }
   if constexpr (BITS == 6) {
     __m512i h[4];
-    gemm_transpose16x4(w[0].h + 16 * p, live > 1 ? w[1].h - w[0].h : 0, live, h);
+    gemm_transpose16x4(live > 0 ? w[0].h + 16 * p : nullptr, live > 1 ? w[1].h - w[0].h : 0,
+                       live, h);
     const __m512i bits45 = _mm512_set1_epi8(0x30);
     for (int e = 0; e < 4; ++e) {  // run j's steps: e, 8 + e, 4 + e, 12 + e (j = 0..3)
       u[e] = _mm512_ternarylogic_epi32(u[e], _mm512_slli_epi32(h[e], 4), bits45, 0xF8);
@@ -298,36 +299,27 @@ void gemm_pack(const QbWeight& wt, int K, int N, int n0, GemmPanel& panel) {
     QbRow w[16];
     for (int i = 0; i < live; ++i) w[i] = wt.row<BITS, G, IQ>(K, n0 + c0 + i);
 #if defined(SLUICE_ISA_AVX512)
-    // Pair p of the 16 rows, unpacked into registers and transposed there: k4 step
-    // 16p + j of vector v holds in lane i column c0 + i's values 4j .. 4j + 3. The 16
-    // rows are 16 streams through memory, so each is prefetched ahead (reading them
-    // pair by pair without it waited on memory; unpacking rows whole into a scratch and
-    // transposing from there cost a round trip through L2).
-    if constexpr (BITS == 4 || BITS == 6) {
-      for (int p = 0; p < np; ++p) {
-        uint8_t* dst = panel.u.data() + (static_cast<int64_t>(16) * p * 2 + v) * 64;
-        if (live > 0) {
-          gemm_pack_pair_nibbles<BITS>(w, live, p, dst);
-        } else {
-          for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + j * 128, _mm512_setzero_si512());
-        }
-      }
-      continue;
-    }
+    // Pair p of the 16 rows: k4 step 16p + j of vector v holds in lane i column c0 + i's
+    // values 4j .. 4j + 3. The 16 rows are 16 streams through memory, so each is
+    // prefetched ahead (reading them pair by pair without it waited on memory).
     for (int p = 0; p < np; ++p) {
-      __m512i rows[16];
-      for (int i = 0; i < 16; ++i) {
-        if (i < live) {
-          if (p % 2 == 0) qb_prefetch<BITS>(w[i], p);
-          const __m512i u = qb_unpack<BITS>(w[i], p);
-          rows[i] = _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0));  // natural order
-        } else {
-          rows[i] = _mm512_setzero_si512();
-        }
-      }
-      gemm_transpose16(rows);
       uint8_t* dst = panel.u.data() + (static_cast<int64_t>(16) * p * 2 + v) * 64;
-      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + j * 128, rows[j]);
+      if constexpr (BITS == 4 || BITS == 6) {
+        gemm_pack_pair_nibbles<BITS>(w, live, p, dst);
+      } else {  // unpacked into registers and transposed there (from a scratch: a trip via L2)
+        __m512i rows[16];
+        for (int i = 0; i < 16; ++i) {
+          if (i < live) {
+            if (p % 2 == 0) qb_prefetch<BITS>(w[i], p);
+            const __m512i u = qb_unpack<BITS>(w[i], p);
+            rows[i] = _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0));  // natural order
+          } else {
+            rows[i] = _mm512_setzero_si512();
+          }
+        }
+        gemm_transpose16(rows);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + j * 128, rows[j]);
+      }
     }
 #else
     alignas(64) uint8_t nat[16][64] = {};
