@@ -208,9 +208,10 @@ SLUICE_INLINE __m128 qb_pair_groups(const void* v, float mult, int p) {
 // drafts -10-15%; benchmarks/spec_cost.py).
 constexpr int kQbPrefetchBytes = 1024;
 template <int BITS>
+constexpr int kQbPairBytes = BITS == 8 ? 64 : 32;  // packed bytes a pair
+template <int BITS>
 SLUICE_INLINE void qb_prefetch(const QbRow& w, int p) {
-  constexpr int bytes = BITS == 8 ? 64 : 32;  // packed bytes a pair
-  const char* base = reinterpret_cast<const char*>(w.w) + bytes * p + kQbPrefetchBytes;
+  const char* base = reinterpret_cast<const char*>(w.w) + kQbPairBytes<BITS> * p + kQbPrefetchBytes;
   __builtin_prefetch(base);
   if constexpr (BITS == 8) __builtin_prefetch(base + 64);
   // 6 bits' second stream, 16 bytes a pair: as far ahead in pairs as the packed bytes.
@@ -228,8 +229,7 @@ constexpr int kQbFarPrefetchBytes = 8192;
 template <int BITS>
 SLUICE_INLINE void qb_stream_prefetch(const QbRow& w, int p) {
   qb_prefetch<BITS>(w, p);
-  constexpr int bytes = BITS == 8 ? 64 : 32;
-  const char* far = reinterpret_cast<const char*>(w.w) + bytes * p + kQbFarPrefetchBytes;
+  const char* far = reinterpret_cast<const char*>(w.w) + kQbPairBytes<BITS> * p + kQbFarPrefetchBytes;
   __builtin_prefetch(far, 0, 2);  // locality 2: prefetcht1, into L2
   if constexpr (BITS == 8) __builtin_prefetch(far + 64, 0, 2);
   if constexpr (BITS == 6) __builtin_prefetch(w.h + 16 * p + kQbFarPrefetchBytes / 2, 0, 2);
