@@ -102,11 +102,10 @@ INT8_PROMPTS_ON_BLOCKS = frozenset({"avx2"})
 HEAD_ON_BLOCKS = frozenset({"avx2"})
 # Rows from which the output head's first int8 level comes from the int8 GEMM on AMX-INT8
 # tiles (kernels.tiles(); qblock_matmul_head's first_level "tiles"), below its dense
-# crossover. On
-# Qwen2.5-Coder-1.5B's Q6_K head (151936 x 1536) the two took 22.5 against 15.4 ms at 8
-# rows, even at 12, 25.2 against 32.5 at 14, 26.3 against 35.5 at 16 and 40.5 against
-# 51.5 at 24 (2 cores of an AMX Xeon, ad hoc, alternating): a tile block costs the same
-# for 1 row as for 16.
+# crossover. On Qwen2.5-Coder-1.5B's Q6_K head (151936 x 1536) the two took 22.5 against
+# 15.4 ms at 8 rows, even at 12, 25.2 against 32.5 at 14, 26.3 against 35.5 at 16 and
+# 40.5 against 51.5 at 24 (2 cores of an AMX Xeon, ad hoc, alternating): a tile block
+# costs the same for 1 row as for 16.
 HEAD_TILES_MIN_ROWS = 13
 # ... and from the VNNI int8 GEMM, at the levels that have it (INT8_GEMM_LEVELS) where
 # the tiles are not held. There the head then stays on its kernel at every row count.

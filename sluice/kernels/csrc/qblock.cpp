@@ -220,9 +220,10 @@ void matmul_head(const T* x, int M, int K, int bits, int group, const QbWeight& 
 #pragma omp single
     for (int r = 0; r < M; ++r)  // less two bf16 steps: 2 * 2**-7 of the magnitude
       cutoff[r] = lo[r] - std::ldexp(std::max(std::abs(lo[r]), std::abs(hi[r])), -6) - 1e-3f;
+    const sluice::QBlockActivations* xfirst = first != kHeadBlocks ? &xw : nullptr;
     SLUICE_QB_DISPATCH(bits, group, integer,
-                       (head_refine_t<B, G, IQ>(coarse.data(), xr, first != kHeadBlocks ? &xw : nullptr, M,
-                                                K, w, N, rnorm, s.data(), cutoff.data(), y)))
+                       (head_refine_t<B, G, IQ>(coarse.data(), xr, xfirst, M, K, w, N, rnorm,
+                                                s.data(), cutoff.data(), y)))
   }
 }
 

@@ -120,7 +120,7 @@ struct GemmPanel {
 // are natural runs 0, 2, 1, 3: qblock.h).
 template <int BITS>
 void gemm_unpack_natural(const QbRow& w, int p, uint8_t* out) {
-  const uint8_t* b = w.w + (BITS == 8 ? 64 : 32) * p;
+  const uint8_t* b = w.w + kQbPairBytes<BITS> * p;
   for (int i = 0; i < 64; ++i) {  // i: pair position
     int v = BITS == 8 ? b[i] : i < 32 ? (b[i] & 0x0F) : (b[i - 32] >> 4);
     if (BITS == 5) v |= static_cast<int>((w.h[8 * p + i / 8] >> (i % 8)) & 1) << 4;
@@ -227,7 +227,7 @@ SLUICE_INLINE void gemm_pack_pair_nibbles(const QbRow* w, int live, int p, uint8
     for (int i = 0; i < live; ++i) qb_prefetch<BITS>(w[i], p);
   const int64_t stride = live > 1 ? w[1].w - w[0].w : 0;
   __m512i t[8];
-  gemm_transpose16x8(live > 0 ? w[0].w + 32 * p : nullptr, stride, live, t);
+  gemm_transpose16x8(live > 0 ? w[0].w + kQbPairBytes<BITS> * p : nullptr, stride, live, t);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512i u[16];
   for (int e = 0; e < 4; ++e) {
@@ -432,10 +432,6 @@ void gemm_quantize_for(const T* x, int M, int K, int bits, int group, const QbWe
                 w.m == nullptr, a);
 }
 
-// y [M, N] = x @ W.T, x's M rows quantized into `a` (gemm_quantize_for; every thread of
-// a parallel region calls this; the panels are shared out, each thread unpacking its
-// own). y fp32 or bf16, chosen per stored row (QbOut): the format's instances serve
-// every input and output type.
 // The panel from column n0 on, as it will be read: its scales now (a few lines a row),
 // its packed and high bits queued, a line per k4 step of the panel before it (a line a
 // group left a third to half of a 16-row step's next panel unfetched). The
@@ -458,6 +454,10 @@ SidePrefetch gemm_prefetch_panel(const QbWeight& wt, int K, int N, int n0) {
                             rows * qb_hbits_row_bytes(BITS, K));
 }
 
+// y [M, N] = x @ W.T, x's M rows quantized into `a` (gemm_quantize_for; every thread of
+// a parallel region calls this; the panels are shared out, each thread unpacking its
+// own). y fp32 or bf16, chosen per stored row (QbOut): the format's instances serve
+// every input and output type.
 template <int BITS, int G, bool IQ>
 void qblock_gemm_t(int M, int K, const QbWeight& wt, int N, QbOut y, GemmActivations& a) {
   constexpr int span = IQ ? kQbSuper : 32;
