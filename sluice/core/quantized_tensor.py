@@ -57,6 +57,10 @@ class QuantizedTensor:
     minimum: torch.Tensor  # as scale; empty when symmetric
     super_scale: torch.Tensor  # float16 [rows, 1 or 2, cols / 256]; empty for fp16 scales
     source: str = ""  # the file's type name (Q4_K, ...), for logs and stats
+    # The same tensors permuted into panels of 32 rows in the int8 GEMM's order
+    # (sluice/kernels/qpanel.py): only the qpanel kernels read them; row operations and
+    # the reference dequantization refuse.
+    panels: bool = False
 
     @property
     def symmetric(self) -> bool:
@@ -105,8 +109,15 @@ class QuantizedTensor:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())
 
+    def row_major(self) -> QuantizedTensor:
+        """self, checked to be in rows (not panels: sluice/kernels/qpanel.py)."""
+        if self.panels:
+            raise ValueError("this weight is stored in panels; only the qpanel kernels read it")
+        return self
+
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedTensor:
         """fn applied to every tensor along rows (empty ones stay empty)."""
+        self.row_major()
         packed, hbits, scale, minimum, sup = (fn(t) if t.numel() else t for t in self._tensors())
         return dataclasses.replace(
             self, packed=packed, hbits=hbits, scale=scale, minimum=minimum, super_scale=sup
@@ -123,6 +134,7 @@ class QuantizedTensor:
     def widened(self, bits: int, group: int) -> QuantizedTensor:
         """The same values in a layout of at least as many bits and as fine a group:
         exact (u is unchanged; a finer group repeats the scale and offset)."""
+        self.row_major()
         if bits < self.bits or group > self.group:
             raise ValueError(f"cannot widen {self.bits}/{self.group} to {bits}/{group}")
         if (bits, group) == (self.bits, self.group):
@@ -289,6 +301,7 @@ def quantize_8bit(w: torch.Tensor, group: int = 32) -> QuantizedTensor:
 
 def unpack_values(qt: QuantizedTensor) -> torch.Tensor:
     """The unsigned values u [N, K] (uint8) in natural order."""
+    qt.row_major()
     n, k = qt.shape
     if qt.bits == 8:
         return _from_positions(qt.packed.reshape(n, k // 64, 64))

@@ -17,7 +17,9 @@ Sources (csrc/): the kernels live in headers, each with a .cpp of C entry points
 paged_attention (decode attention over the block pool), q4_matmul and q8_matmul
 (4-bit and 8-bit weight x int8 activation matmuls for small batches), qblock (GGUF
 block-quantized weights kept quantized: matmuls, dequantization, embedding rows; its
-many-row GEMMs in qblock_gemm, int8 VNNI, and qblock_amx, bf16 AMX tiles) and
+many-row GEMMs in qblock_gemm, int8 VNNI, and qblock_amx, bf16 AMX tiles), qpanel
+(K-quant expert stacks stored in the int8 GEMM's panel order, one kernel for every
+row count) and
 fused_ops (RMSNorm with the residual add, rotary, SiLU-and-multiply), lora (each row's
 LoRA adapter product, gathered by its slot), gguf_repack (a GGUF file's blocks into
 the qblock layout, at load); kv_int8.h is the int8 KV cache's row format (quantized
@@ -26,7 +28,7 @@ decode_stack.cpp runs a whole Llama decoder stack on them in one call, for decod
 isa.h says which level a build is; every kernel has a path for each.
 SLUICE_CPU_KERNELS=0 turns them all off (torch's ops are used instead).
 
-Bindings: one Python module per kernel (matmul, qblock, attention, fused, lora,
+Bindings: one Python module per kernel (matmul, qblock, qpanel, attention, fused, lora,
 decode_stack, repack) declares its C functions' signatures next to wrappers that take and
 return tensors;
 `load()` applies them all (_ffi.py). ctypes and raw pointers stay inside this package:
@@ -54,7 +56,17 @@ from sluice import settings
 
 # The binding modules, one per kernel: importing them declares their C functions, which
 # `_build` applies to every library it loads.
-from sluice.kernels import attention, cpu, decode_stack, fused, lora, matmul, qblock, repack
+from sluice.kernels import (
+    attention,
+    cpu,
+    decode_stack,
+    fused,
+    lora,
+    matmul,
+    qblock,
+    qpanel,
+    repack,
+)
 from sluice.kernels._ffi import (
     STRING,
     Library,
@@ -81,6 +93,7 @@ __all__ = [
     "lora",
     "matmul",
     "qblock",
+    "qpanel",
     "release_freed_heap",
     "repack",
     "tiles",

@@ -56,6 +56,7 @@ Field: TypeAlias = torch.Tensor | int | None
 # A linear's format field (csrc/decode_stack_fields.h): which kernel reads its weight.
 FORMAT_INT4 = 4  # the int4 kernel (q4_matmul)
 FORMAT_INT8 = 8  # the per-channel int8 kernel (q8_matmul)
+FORMAT_PANELS = 10000  # added to a qblock format: an expert stack in panel order (qpanel)
 
 # The stack's qk_norm argument (csrc/decode_stack.cpp's QkNorm).
 QK_NORM_NONE = 0
@@ -63,9 +64,10 @@ QK_NORM_PER_HEAD = 1  # each q and k head (Qwen3)
 QK_NORM_WHOLE = 2  # the whole q and the whole k projection (OLMoE)
 
 
-def qblock_format(bits: int, group: int) -> int:
-    """The format field of a qblock weight (csrc/qblock.h)."""
-    return bits * 100 + group
+def qblock_format(bits: int, group: int, panels: bool = False) -> int:
+    """The format field of a qblock weight (csrc/qblock.h), or of one in panel order
+    (csrc/qpanel.h: expert stacks only)."""
+    return bits * 100 + group + (FORMAT_PANELS if panels else 0)
 
 
 def field_names(lib: Library) -> tuple[str, ...]:

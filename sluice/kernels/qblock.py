@@ -308,11 +308,7 @@ def qblock_matmul_head(
     where has_amx(lib) and the process holds the tile state); the rest take its values,
     the candidates are the same either way."""
     n = packed.shape[0]
-    if (
-        row_norm.shape != (n,)
-        or row_norm.dtype != torch.float32
-        or not row_norm.is_contiguous()
-    ):
+    if row_norm.shape != (n,) or row_norm.dtype != torch.float32 or not row_norm.is_contiguous():
         raise ValueError(f"row_norm must be contiguous float32 [{n}]")
     weight = (packed, hbits, scale, minimum, super_scale, bits, group)
     if first_level not in HEAD_FIRST_LEVELS:

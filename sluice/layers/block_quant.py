@@ -93,6 +93,12 @@ AMX_AFTER_GEMM_MIN_ROWS = 128
 # ad hoc). An AVX2 build of the GEMM (maddubs + madd) was no faster than the block
 # kernel at 512 rows (0.88-1.18x its time) and slower below, so there is none.
 INT8_PROMPTS_ON_BLOCKS = frozenset({"avx2"})
+# Levels where a Mixture-of-Experts stack that takes the int8 GEMM is kept in panel
+# order (sluice/kernels/qpanel.py) and runs on the panel kernel at every row count: it
+# does one vpdpbusd per 64 products and row where the block kernel does two multiplies,
+# and packs no panels a step as the GEMM does. Not the amx level, whose GEMM runs on
+# AMX-INT8 tiles from the row-major layout (panels there are unmeasured).
+PANEL_LEVELS = frozenset({"avx512"})
 # Levels whose output head stays on its kernel at every row count. At avx2 the dense
 # path dequantizes the whole vocabulary to fp32 a step and multiplies in fp32: the
 # two-level head kernel took 0.24-0.56x its time at 16-128 rows on Qwen2.5-Coder-1.5B's
@@ -339,6 +345,17 @@ def quantized_linear(
     block kernel below `dense_min_rows` rows, from there the int8 GEMM where
     `int8_gemm`, else dequantized tiles and a GEMM."""
     return _linear(lib, w, x, None, dense_min_rows, int8_gemm)
+
+
+def panels_for(lib: Library | None, int8_prompts: bool) -> bool:
+    """Whether Mixture-of-Experts stacks that can be are stored in panel order
+    (sluice/kernels/qpanel.py): where their many rows take the int8 GEMM, at a level in
+    PANEL_LEVELS; the panel kernel then computes the GEMM's sums at every row count."""
+    return (
+        lib is not None
+        and int8_gemm_for(lib, int8_prompts)
+        and kernels.built_level(lib) in PANEL_LEVELS
+    )
 
 
 def int8_gemm_for(lib: Library | None, int8_prompts: bool) -> bool:

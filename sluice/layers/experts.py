@@ -7,7 +7,10 @@ quantization as one QuantizedTensor of E * out rows (expert e is rows e * out ..
 one matmul gives an expert's both). Dense weights (a safetensors checkpoint, or a
 device without our kernels) are [E, out, in] tensors.
 
-With our kernels, the experts that got fewer rows than the block kernel's crossover
+At a level in block_quant.PANEL_LEVELS, a stack whose many rows take the int8 GEMM is
+kept in panel order (sluice/kernels/qpanel.py, where its format has one) and every
+row count runs on the panel kernel: the GEMM's sums, one call a step for all experts.
+Otherwise, with our kernels, the experts that got fewer rows than the block kernel's crossover
 (`dense_min_rows` of sluice/layers/block_quant.py) run in one grouped kernel call
 (csrc/qblock.cpp's sluice_qblock_matmul_experts: activations quantized once, each
 chosen expert's blocks read once for all its rows); an expert with more rows (a
@@ -24,11 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.core.quantized_tensor import QuantizedTensor, Weight, concat_rows, dequantize
-from sluice.kernels import Library, qblock
+from sluice.kernels import Library, qblock, qpanel
 from sluice.layers.block_quant import (
     cpu_kernels,
     dense_min_rows,
     int8_gemm_for,
+    panels_for,
     quantized_linear,
 )
 
@@ -101,10 +105,11 @@ class Experts(nn.Module):
             assert isinstance(gate, QuantizedTensor) and isinstance(up, QuantizedTensor)
             assert isinstance(down, QuantizedTensor)
             both = concat_rows([gate, up])  # [gate of every expert; up of every expert]
-            self.gate_up_weight = both.rows(_interleave(e, i))
-            self.down_weight = down
             self.lib = cpu_kernels(torch.empty(0, dtype=dtype))
             self.int8_gemm = int8_gemm_for(self.lib, int8_prompts)
+            panels = panels_for(self.lib, int8_prompts)
+            self.gate_up_weight = _stored(self.lib, both.rows(_interleave(e, i)), 2 * i, panels)
+            self.down_weight = _stored(self.lib, down, h, panels)
             if self.lib is not None:
                 self.gate_up_dense_rows = dense_min_rows(
                     self.gate_up_weight, int8_prompts=int8_prompts
@@ -141,6 +146,14 @@ class Experts(nn.Module):
         for e, lo, hi in groups.spans:
             y[lo:hi] = F.linear(x[lo:hi], w[e])
         return y
+
+
+def _stored(lib: Library | None, w: QuantizedTensor, rows: int, panels: bool) -> QuantizedTensor:
+    """A stack as the experts keep it: in panel order where `panels` and its format and
+    each expert's `rows` allow (csrc/qpanel.h), else as it came."""
+    if lib is None or not panels or rows % qpanel.PANEL_ROWS or not qpanel.can_panel(w):
+        return w
+    return qpanel.to_panels(lib, w)
 
 
 def _check_shape(name: str, w: Weight, shape: tuple[int, int, int]) -> None:
@@ -183,6 +196,9 @@ def _quantized(
     kernels, where few_rows is 0) the int8 GEMM where `int8_gemm`, else dequantized
     tiles and a GEMM."""
     spans = groups.spans
+    if w.panels:  # every row count on the panel kernel (never without our kernels)
+        assert lib is not None
+        return qpanel.qpanel_experts(lib, x, w, num_experts, groups.start, groups.expert)
     if lib is not None and all(hi - lo < few_rows for _, lo, hi in spans):
         # Every chosen expert has few rows (a decode step, a few streams): one call.
         args = (w.bits, w.group, num_experts, groups.start, groups.expert)

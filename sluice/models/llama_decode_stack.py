@@ -48,7 +48,9 @@ STACK_MAX_ROWS = 3
 # is a prompt's, which the paged kernel does not take anyway.
 STACK_GEMM_MAX_ROWS = 32
 QBLOCK_FORMATS = frozenset(
-    decode_stack.qblock_format(bits, group) for bits, group in qblock.FORMATS
+    decode_stack.qblock_format(bits, group, panels)
+    for bits, group in qblock.FORMATS
+    for panels in (False, True)
 )
 
 # A layer's row of the stack's table: field name (csrc/decode_stack_fields.h) -> tensor,
@@ -138,7 +140,7 @@ def _expert_fields(name: str, w: object) -> tuple[int, Fields] | None:
         return None
     names = [f"{name}_{field}" for field in ("packed", "hbits", "scale", "min", "super")]
     fields: Fields = {n: t if t.numel() else None for n, t in zip(names, parts, strict=True)}
-    fmt = decode_stack.qblock_format(w.bits, w.group)
+    fmt = decode_stack.qblock_format(w.bits, w.group, w.panels)
     fields[f"{name}_format"] = fmt
     for part in ("a", "bt", "ranks", "scale"):  # experts are not adapted
         fields[f"{name}_lora_{part}"] = None

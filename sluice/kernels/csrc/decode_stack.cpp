@@ -36,6 +36,7 @@
 #include "q8_matmul.h"
 #include "qblock.h"
 #include "qblock_gemm_amx.h"
+#include "qpanel.h"
 #include "side_prefetch.h"
 
 namespace {
@@ -69,8 +70,9 @@ static_assert(kQkvLoraBt == kQkvLoraA + 1 && kOLoraBt == kOLoraA + 1 &&
               "LoRA fields");
 
 // A linear's format field (decode_stack_fields.h): the int4 kernel, the per-channel
-// int8 kernel, or qblock's bits * 100 + group.
-constexpr int64_t kFormatInt4 = 4, kFormatInt8 = 8;
+// int8 kernel, or qblock's bits * 100 + group, plus kFormatPanels for an expert stack
+// stored in panel order (qpanel.h).
+constexpr int64_t kFormatInt4 = 4, kFormatInt8 = 8, kFormatPanels = 10000;
 
 #define SLUICE_FIELD_NAME(suffix, name) #name,
 constexpr const char* kFieldNames[] = {SLUICE_DECODE_STACK_FIELDS(SLUICE_FIELD_NAME)};
@@ -336,9 +338,17 @@ template <typename T>
 void experts(const Shape& s, const int64_t* L, Field packed, const sluice::QBlockActivations& xa,
              const T* x, sluice::GemmActivations& ga, const MoeScratch<T>& m, int K, int N,
              T* y) {
-  const int64_t format = L[packed + 5];
+  const int64_t format = L[packed + 5] % kFormatPanels;
   const int bits = static_cast<int>(format / 100), group = static_cast<int>(format % 100);
   const sluice::QbWeight w = qb_weight(L, packed);
+  if (L[packed + 5] >= kFormatPanels) {  // every group on the panels, at any row count
+    const int rows = static_cast<int>(m.start[m.groups]);
+    sluice::gemm_quantize(x, rows, K, sluice::kQbSuper, group, sluice::qb_implied(bits),
+                          w.m == nullptr, ga);
+    sluice::qpanel_experts(ga, K, bits, group, w, N, m.groups, m.start.data(),
+                           m.expert.data(), sluice::qb_out(y));
+    return;
+  }
   // An expert with as many rows as a linear takes the GEMM from does so, as eager's
   // experts do (sluice/layers/experts.py); the rest share the grouped kernel.
   const int many = s.gemm_min_rows;
@@ -390,13 +400,13 @@ void moe(const Shape& s, const int64_t* L, int M, const T* x, T* out, MoeScratch
     for (int i = 0; i < pairs; ++i)
       std::memcpy(m.xs.data() + static_cast<int64_t>(i) * H,
                   x + static_cast<int64_t>(m.order[i] / k) * H, H * sizeof(T));
-    quantize_for(xa, L, kGateUpPacked, m.xs.data(), pairs, H);
+    if (L[kGateUpPacked + 5] < kFormatPanels) quantize_for(xa, L, kGateUpPacked, m.xs.data(), pairs, H);
   }
   experts(s, L, kGateUpPacked, xa, m.xs.data(), ga, m, H, 2 * I, m.gate_up.data());
 #pragma omp single
   {
     sluice::silu_and_mul(m.gate_up.data(), m.act.data(), pairs, I);
-    quantize_for(xa, L, kDownPacked, m.act.data(), pairs, I);
+    if (L[kDownPacked + 5] < kFormatPanels) quantize_for(xa, L, kDownPacked, m.act.data(), pairs, I);
   }
   experts(s, L, kDownPacked, xa, m.act.data(), ga, m, I, H, m.y.data());
 #pragma omp single

@@ -1,0 +1,347 @@
+// A K-quant weight kept in the int8 GEMM's panel order (qblock_gemm.h) instead of
+// row-major blocks: the GEMM unpacks 32 weight rows into vpdpbusd's order on every
+// call (a third of a 16-row step, 8% of a 64-row one), and the block kernel, which
+// keeps one weight row in a vector's lanes, spends two multiplies per 64 values and
+// activation row (maddubs, then the group scales). Stored in panel order, a step of any
+// number of rows broadcasts each activation row's 4 bytes against 16 weight rows' 4
+// values (one vpdpbusd per 64 products), applies each group's scale once per 16
+// columns, and unpacks nothing but nibbles (a mask or a shift). Its sums are the
+// GEMM's, in the GEMM's order, so a row's result is the same whatever the batch and
+// equal to qblock_gemm's on the row-major weight.
+//
+// Layout of a weight of N rows (a multiple of 32: kQpCols) by K (a multiple of 256),
+// integer scales only (Q4_K: 4 bits, groups of 32, offsets; Q6_K: 6 bits, groups of 16,
+// symmetric), panel P holding rows 32P .. 32P + 31, its parts contiguous:
+//   packed [panels][K/64 pairs][2 halves][8][16 rows][4 bytes]: vector i of a half is 16
+//     rows' natural k4 steps 2i (low nibbles) and 2i + 1 (high nibbles) of the pair;
+//   hbits (6 bits) [panels][K/64][2][4][16][4]: vector j's bit pair q holds bits 4-5 of
+//     step 4j + q;
+//   d, m [panels][K/G][32] int8: group scales and offsets (m null: symmetric);
+//   s [panels][K/256][32] fp16 multipliers of d, then (offsets) [K/256][32] of m.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include <omp.h>
+
+#include "qblock_gemm.h"
+
+namespace sluice {
+
+constexpr int kQpCols = kGemmCols;  // weight rows of a panel
+
+// Bytes of one panel's parts.
+constexpr int64_t qp_packed_bytes(int K) { return static_cast<int64_t>(K) * kQpCols / 2; }
+constexpr int64_t qp_hbits_bytes(int bits, int K) {
+  return bits == 6 ? static_cast<int64_t>(K) * kQpCols / 4 : 0;
+}
+
+// One panel's pointers.
+struct QpPanel {
+  const uint8_t* w;
+  const uint8_t* h;
+  const int8_t* d;
+  const int8_t* m;
+  const uint16_t* sd;
+  const uint16_t* sm;
+};
+
+template <int BITS, int G>
+SLUICE_INLINE QpPanel qp_panel(const QbWeight& wt, int K, int64_t panel) {
+  const int64_t groups = (K / G) * kQpCols, supers = (K / kQbSuper) * kQpCols;
+  const bool offsets = wt.m != nullptr;
+  const uint16_t* sd = wt.s + panel * supers * (offsets ? 2 : 1);
+  return {wt.packed + panel * qp_packed_bytes(K),
+          BITS == 6 ? wt.hbits + panel * qp_hbits_bytes(BITS, K) : nullptr,
+          static_cast<const int8_t*>(wt.d) + panel * groups,
+          offsets ? static_cast<const int8_t*>(wt.m) + panel * groups : nullptr, sd,
+          offsets ? sd + supers : nullptr};
+}
+
+// Expert e's weight in one stacked from experts of N rows each (N a multiple of 32).
+template <int BITS, int G>
+QbWeight qp_expert_weight(const QbWeight& w, int K, int64_t first_row) {
+  const QpPanel p = qp_panel<BITS, G>(w, K, first_row / kQpCols);
+  return {p.w, p.h, p.d, p.m, p.sd};
+}
+
+// Rows n0 .. n0 + 31 of the row-major weight `src` (rows past N zero) as panel `panel`
+// of `dst` (the layout above), through the GEMM's own unpacking (gemm_pack).
+template <int BITS, int G>
+void qp_repack_panel(const QbWeight& src, int K, int N, int n0, GemmPanel& scratch,
+                     const QbWeight& dst, int64_t panel) {
+  static_assert(BITS == 4 || BITS == 6);
+  gemm_pack<BITS, G, true>(src, K, N, n0, scratch);
+  const QpPanel out = qp_panel<BITS, G>(dst, K, panel);
+  uint8_t* w = const_cast<uint8_t*>(out.w);
+  uint8_t* h = const_cast<uint8_t*>(out.h);
+  // scratch.u: [K/4 steps][2 halves][16 lanes][4 bytes], the values whole.
+  auto u = [&](int step, int half, int i) { return scratch.u[(static_cast<int64_t>(step) * 2 + half) * 64 + i]; };
+  for (int p = 0; p < K / 64; ++p)
+    for (int half = 0; half < 2; ++half) {
+      for (int v = 0; v < 8; ++v)
+        for (int i = 0; i < 64; ++i)
+          w[((static_cast<int64_t>(p) * 2 + half) * 8 + v) * 64 + i] = static_cast<uint8_t>(
+              (u(16 * p + 2 * v, half, i) & 0x0F) | (u(16 * p + 2 * v + 1, half, i) & 0x0F) << 4);
+      if constexpr (BITS == 6)
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < 64; ++i) {
+            int bits45 = 0;
+            for (int q = 0; q < 4; ++q) bits45 |= ((u(16 * p + 4 * j + q, half, i) >> 4) & 3) << (2 * q);
+            h[((static_cast<int64_t>(p) * 2 + half) * 4 + j) * 64 + i] = static_cast<uint8_t>(bits45);
+          }
+    }
+  int8_t* d = const_cast<int8_t*>(out.d);
+  int8_t* m = const_cast<int8_t*>(out.m);
+  uint16_t* sd = const_cast<uint16_t*>(out.sd);
+  uint16_t* sm = const_cast<uint16_t*>(out.sm);
+  const int groups = K / G, supers = K / kQbSuper;
+  for (int c = 0; c < kQpCols; ++c) {
+    const bool live = n0 + c < N;
+    const QbRow r = live ? src.row<BITS, G, true>(K, n0 + c) : QbRow{};
+    for (int g = 0; g < groups; ++g) {
+      d[g * kQpCols + c] = live ? static_cast<const int8_t*>(r.d)[g] : 0;
+      if (m) m[g * kQpCols + c] = live ? static_cast<const int8_t*>(r.m)[g] : 0;
+    }
+    for (int s = 0; s < supers; ++s) {
+      sd[s * kQpCols + c] = live ? r.sd[s] : 0;
+      if (sm) sm[s * kQpCols + c] = live ? r.sm[s] : 0;
+    }
+  }
+}
+
+#if defined(SLUICE_ISA_AVX512)
+// A panel read from memory (its first block of rows; the others find it in L1 or L2):
+// each step's lines 1 KB ahead into L1 and 8 KB ahead into L2, as the block kernel's
+// row passes prefetch theirs (qb_stream_prefetch); the high bits at half the distance.
+// Without it a one-row step read experts that were not in the cache at half the
+// bandwidth the block kernel reaches.
+template <int BITS>
+SLUICE_INLINE void qp_stream_prefetch(const uint8_t* vp, const uint8_t* hp) {
+  for (const int half : {0, 512}) {
+    __builtin_prefetch(vp + half + kQbPrefetchBytes, 0, 3);
+    __builtin_prefetch(vp + half + kQbFarPrefetchBytes, 0, 2);
+  }
+  if constexpr (BITS == 6)
+    for (const int half : {0, 256}) {
+      __builtin_prefetch(hp + half + kQbPrefetchBytes / 2, 0, 3);
+      __builtin_prefetch(hp + half + kQbFarPrefetchBytes / 2, 0, 2);
+    }
+}
+
+// out[r][c] for activation rows r0 .. r0 + R and the panel's 32 columns: gemm_rows'
+// arithmetic, the weight read from the panel instead of a packed copy.
+template <int BITS, int G, bool SYM, int R>
+SLUICE_INLINE void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, int K,
+                           float (*out)[kQpCols], bool ahead) {
+  constexpr int kSpanGroups = kQbSuper / G;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  const int ng = K / G;
+  __m512 total[R][2];
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
+  const int8_t* x[R];
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) x[r] = a.row(r0 + r);
+  for (int s0 = 0; s0 < K / kQbSuper; ++s0) {
+    const auto* sd = reinterpret_cast<const __m256i*>(w.sd + s0 * kQpCols);
+    const __m512 sd0 = _mm512_cvtph_ps(_mm256_loadu_si256(sd)), sd1 = _mm512_cvtph_ps(_mm256_loadu_si256(sd + 1));
+    __m512 sm0 = sd0, sm1 = sd1;
+    if constexpr (!SYM) {
+      const auto* sm = reinterpret_cast<const __m256i*>(w.sm + s0 * kQpCols);
+      sm0 = _mm512_cvtph_ps(_mm256_loadu_si256(sm));
+      sm1 = _mm512_cvtph_ps(_mm256_loadu_si256(sm + 1));
+    }
+    __m512 span[R][2];
+    for (int gi = 0; gi < kSpanGroups; ++gi) {
+      const int g = s0 * kSpanGroups + gi;
+      __m512i isum[R][2];
+      SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+        const __m512i init = SYM ? _mm512_set1_epi32(a.qinit[static_cast<int64_t>(r0 + r) * ng + g])
+                                 : _mm512_setzero_si512();
+        isum[r][0] = isum[r][1] = init;
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < G / 8; ++i) {  // two k4 steps a vector
+        const int step = g * (G / 4) + 2 * i, p = step / 16, in_pair = step % 16;
+        const uint8_t* vp = w.w + (static_cast<int64_t>(p) * 16 + in_pair / 2) * 64;
+        if (ahead) qp_stream_prefetch<BITS>(vp, w.h + (static_cast<int64_t>(p) * 8 + in_pair / 4) * 64);
+        const __m512i b0 = _mm512_loadu_si512(vp), b1 = _mm512_loadu_si512(vp + 512);
+        __m512i lo0 = _mm512_and_si512(b0, low4), lo1 = _mm512_and_si512(b1, low4);
+        __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), low4);
+        __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), low4);
+        if constexpr (BITS == 6) {  // steps 4j + q, q = 0 or 2 (lo) and q + 1 (hi)
+          const uint8_t* hp = w.h + (static_cast<int64_t>(p) * 8 + in_pair / 4) * 64;
+          const __m512i h0 = _mm512_loadu_si512(hp), h1 = _mm512_loadu_si512(hp + 256);
+          if (in_pair % 4 == 0) {
+            lo0 = _mm512_ternarylogic_epi32(lo0, _mm512_slli_epi32(h0, 4), bits45, 0xF8);
+            lo1 = _mm512_ternarylogic_epi32(lo1, _mm512_slli_epi32(h1, 4), bits45, 0xF8);
+            hi0 = _mm512_ternarylogic_epi32(hi0, _mm512_slli_epi32(h0, 2), bits45, 0xF8);
+            hi1 = _mm512_ternarylogic_epi32(hi1, _mm512_slli_epi32(h1, 2), bits45, 0xF8);
+          } else {
+            lo0 = _mm512_ternarylogic_epi32(lo0, h0, bits45, 0xF8);
+            lo1 = _mm512_ternarylogic_epi32(lo1, h1, bits45, 0xF8);
+            hi0 = _mm512_ternarylogic_epi32(hi0, _mm512_srli_epi32(h0, 2), bits45, 0xF8);
+            hi1 = _mm512_ternarylogic_epi32(hi1, _mm512_srli_epi32(h1, 2), bits45, 0xF8);
+          }
+        }
+        SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+          int32_t four[2];
+          std::memcpy(four, x[r] + 4 * step, 8);
+          const __m512i xa = _mm512_set1_epi32(four[0]), xb = _mm512_set1_epi32(four[1]);
+          isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], lo0, xa);
+          isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], lo1, xa);
+          isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], hi0, xb);
+          isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], hi1, xb);
+        }
+      }
+      const auto* dg = reinterpret_cast<const __m128i*>(w.d + static_cast<int64_t>(g) * kQpCols);
+      if (ahead) {  // the scales' streams: 32 bytes a group each
+        __builtin_prefetch(reinterpret_cast<const char*>(dg) + kQbFarPrefetchBytes / 8, 0, 2);
+        if constexpr (!SYM) __builtin_prefetch(w.m + static_cast<int64_t>(g) * kQpCols + kQbFarPrefetchBytes / 8, 0, 2);
+      }
+      const __m512 d0 = qb_keep(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(dg))), sd0));
+      const __m512 d1 = qb_keep(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(dg + 1))), sd1));
+      SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+        const __m512 s0 = _mm512_cvtepi32_ps(isum[r][0]), s1 = _mm512_cvtepi32_ps(isum[r][1]);
+        span[r][0] = gi == 0 ? _mm512_mul_ps(s0, d0) : _mm512_fmadd_ps(s0, d0, span[r][0]);
+        span[r][1] = gi == 0 ? _mm512_mul_ps(s1, d1) : _mm512_fmadd_ps(s1, d1, span[r][1]);
+      }
+      if constexpr (!SYM) {
+        const auto* mg = reinterpret_cast<const __m128i*>(w.m + static_cast<int64_t>(g) * kQpCols);
+        const __m512 m0 = qb_keep(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(mg))), sm0));
+        const __m512 m1 = qb_keep(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(mg + 1))), sm1));
+        SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+          const __m512 qs = _mm512_set1_ps(a.qsum[static_cast<int64_t>(r0 + r) * ng + g]);
+          span[r][0] = _mm512_fmadd_ps(m0, qs, span[r][0]);
+          span[r][1] = _mm512_fmadd_ps(m1, qs, span[r][1]);
+        }
+      }
+    }
+    SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(a.dx[static_cast<int64_t>(r0 + r) * a.spans + s0]);
+      total[r][0] = _mm512_fmadd_ps(span[r][0], dx, total[r][0]);
+      total[r][1] = _mm512_fmadd_ps(span[r][1], dx, total[r][1]);
+    }
+  }
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out[r], total[r][0]);
+    _mm512_storeu_ps(out[r] + 16, total[r][1]);
+  }
+}
+#else
+// Column c's value at k of the panel.
+template <int BITS>
+inline int qp_value(const QpPanel& w, int c, int k) {
+  const int step = k / 4, p = step / 16, in_pair = step % 16, half = c / 16;
+  const int64_t lane = (c % 16) * 4 + k % 4;
+  const uint8_t b = w.w[((static_cast<int64_t>(p) * 2 + half) * 8 + in_pair / 2) * 64 + lane];
+  int v = in_pair % 2 ? b >> 4 : b & 0x0F;
+  if (BITS == 6) v |= ((w.h[((static_cast<int64_t>(p) * 2 + half) * 4 + in_pair / 4) * 64 + lane] >> (2 * (in_pair % 4))) & 3) << 4;
+  return v;
+}
+
+// The portable gemm_rows' arithmetic on the panel.
+template <int BITS, int G, bool SYM, int R>
+void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, int K, float (*out)[kQpCols],
+             bool) {
+  constexpr int kSpanGroups = kQbSuper / G;
+  const int ng = K / G;
+  for (int r = 0; r < R; ++r) {
+    const int8_t* x = a.row(r0 + r);
+    const int64_t gr = static_cast<int64_t>(r0 + r) * ng;
+    for (int c = 0; c < kQpCols; ++c) {
+      float total = 0.f;
+      for (int g0 = 0; g0 < ng; g0 += kSpanGroups) {
+        const int s0 = g0 / kSpanGroups;
+        float span = 0.f;
+        for (int g = g0; g < g0 + kSpanGroups; ++g) {
+          int32_t s = SYM ? a.qinit[gr + g] : 0;
+          for (int k = g * G; k < (g + 1) * G; ++k) s += qp_value<BITS>(w, c, k) * x[k];
+          const float d = qb_half(w.sd[s0 * kQpCols + c]) * static_cast<float>(w.d[g * kQpCols + c]);
+          span += static_cast<float>(s) * d;
+          if (!SYM)
+            span += qb_half(w.sm[s0 * kQpCols + c]) * static_cast<float>(w.m[g * kQpCols + c]) * a.qsum[gr + g];
+        }
+        total += span * a.dx[static_cast<int64_t>(r0 + r) * a.spans + s0];
+      }
+      out[r][c] = total;
+    }
+  }
+}
+#endif
+
+// y rows first .. first + M (N values each) = a's rows first .. first + M times the
+// panel weight; the panels are shared out by an orphaned `omp for` (every thread of a
+// parallel region calls this; `wait` false: no barrier at its end).
+template <int BITS, int G>
+void qpanel_rows_t(const GemmActivations& a, int M, int K, const QbWeight& wt, int N, QbOut y,
+                   int first = 0, bool wait = true) {
+  const bool sym = wt.m == nullptr;
+  const int panels = (N + kQpCols - 1) / kQpCols;
+  alignas(64) float out[kGemmRows][kQpCols];
+  auto body = [&](int p) {
+    const QpPanel w = qp_panel<BITS, G>(wt, K, p);
+    const int n0 = p * kQpCols, cols = std::min(kQpCols, N - n0);
+    for (int r0 = 0; r0 < M; r0 += kGemmRows) {
+      const int rows = std::min(kGemmRows, M - r0);
+      qb_with_rows<kGemmRows>(rows, [&](auto R) {
+        if (sym)
+          qp_rows<BITS, G, true, R>(w, a, first + r0, K, out, r0 == 0);
+        else
+          qp_rows<BITS, G, false, R>(w, a, first + r0, K, out, r0 == 0);
+      });
+      for (int r = 0; r < rows; ++r)
+        y.typed(static_cast<int64_t>(first + r0 + r) * N + n0, [&](auto* yr) {
+          for (int c = 0; c < cols; ++c) yr[c] = round_to(yr + c, out[r][c]);
+        });
+    }
+  };
+  if (wait) {
+#pragma omp for schedule(static)
+    for (int p = 0; p < panels; ++p) body(p);
+  } else {
+#pragma omp for schedule(static) nowait
+    for (int p = 0; p < panels; ++p) body(p);
+  }
+}
+
+// The panel formats: Q4_K (4 bits, groups of 32) and Q6_K (6 bits, groups of 16).
+#define SLUICE_QP_DISPATCH(bits, group, call)                          \
+  switch ((bits) * 100 + (group)) {                                    \
+    case 432: { constexpr int B = 4, G = 32; call; } break;            \
+    case 616: { constexpr int B = 6, G = 16; call; } break;            \
+    default: break; /* the bindings reject other formats */            \
+  }
+
+inline bool qp_format(int bits, int group) {
+  return (bits == 4 && group == 32) || (bits == 6 && group == 16);
+}
+
+// y [M, N] = x @ W.T on the panel weight (every thread of a parallel region calls it;
+// x quantized into `a` first, as qblock_gemm quantizes it).
+template <typename T>
+void qpanel_matmul(const T* x, int M, int K, int bits, int group, const QbWeight& w, int N,
+                   QbOut y, GemmActivations& a) {
+  gemm_quantize(x, M, K, kQbSuper, group, qb_implied(bits), w.m == nullptr, a);
+  SLUICE_QP_DISPATCH(bits, group, (qpanel_rows_t<B, G>(a, M, K, w, N, y)))
+}
+
+// Stacked experts of N rows each (a multiple of 32) in panel order: group j's rows
+// start[j] .. start[j + 1] of `a` (quantized) and y times expert[j]'s weight, the
+// groups' panels shared out without barriers between them; barrier at the end.
+inline void qpanel_experts(const GemmActivations& a, int K, int bits, int group,
+                           const QbWeight& w, int N, int num_groups, const int64_t* start,
+                           const int64_t* expert, QbOut y) {
+  SLUICE_QP_DISPATCH(bits, group, ({
+                       for (int j = 0; j < num_groups; ++j) {
+                         const int r0 = static_cast<int>(start[j]);
+                         const int rows = static_cast<int>(start[j + 1] - start[j]);
+                         if (rows == 0) continue;
+                         const QbWeight we = qp_expert_weight<B, G>(w, K, expert[j] * N);
+                         qpanel_rows_t<B, G>(a, rows, K, we, N, y, r0, /*wait=*/false);
+                       }
+                     }))
+#pragma omp barrier
+}
+
+}  // namespace sluice

@@ -1,0 +1,125 @@
+"""Bindings of the panel-order K-quant weights (csrc/qpanel.cpp, layout in csrc/qpanel.h).
+
+A Q4_K or Q6_K weight (integer scales) whose rows come in whole panels of 32 can be
+stored in the order the int8 GEMM multiplies (`to_panels`): its five tensors keep their
+shapes and hold the same values, permuted panel by panel, so it costs what the
+row-major layout does. On it one kernel serves every row count: a step of one row and
+one of hundreds run the same sums (the int8 GEMM's: equal to `qblock.qblock_gemm` on
+the row-major weight), nothing is unpacked but nibbles, and a group's scale is applied
+once per 16 columns. Only these kernels read a panel weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from sluice.core.quantized_tensor import QuantizedTensor
+from sluice.kernels._ffi import INT, POINTER, Library, c_function, is_bf16, ptr
+from sluice.kernels.qblock import _activations, _check_expert_groups, _weight_args
+
+# (bits, group) of the formats with a panel layout: Q4_K and Q6_K's.
+FORMATS = frozenset({(4, 32), (6, 16)})
+PANEL_ROWS = 32  # weight rows of a panel
+
+# (bits, group, packed, hbits, d, m, s, K, N, out_packed, out_hbits, out_d, out_m, out_s)
+_REPACK = c_function(
+    "sluice_qpanel_repack",
+    INT,
+    *(INT, INT, POINTER, POINTER, POINTER, POINTER, POINTER, INT, INT),
+    *(POINTER, POINTER, POINTER, POINTER, POINTER),
+)
+# (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, y)
+_MATMUL = c_function(
+    "sluice_qpanel_matmul",
+    None,
+    *(POINTER, INT, INT, INT, INT, INT, POINTER, POINTER, POINTER, POINTER, POINTER, INT),
+    POINTER,
+)
+# (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, num_groups, group_start,
+#  group_expert, y)
+_EXPERTS = c_function(
+    "sluice_qpanel_experts",
+    None,
+    *(POINTER, INT, INT, INT, INT, INT, POINTER, POINTER, POINTER, POINTER, POINTER, INT),
+    *(INT, POINTER, POINTER, POINTER),
+)
+
+
+def can_panel(w: QuantizedTensor) -> bool:
+    """Whether `w` has a panel layout: Q4_K or Q6_K with integer scales, whole panels."""
+    rows, cols = w.shape
+    return (
+        not w.panels
+        and (w.bits, w.group) in FORMATS
+        and w.integer_scales
+        and rows % PANEL_ROWS == 0
+        and cols % 256 == 0
+    )
+
+
+def to_panels(lib: Library, w: QuantizedTensor) -> QuantizedTensor:
+    """w in panel order (new tensors of the same shapes; w is left as it was)."""
+    if not can_panel(w):
+        raise ValueError(
+            f"no panel layout for a {w.source or f'{w.bits}-bit/{w.group}'} weight of shape "
+            f"{w.shape} (Q4_K or Q6_K with integer scales, rows a multiple of {PANEL_ROWS})"
+        )
+    n, k, src = _weight_args(*w.parts(), w.bits, w.group)
+    out = [torch.empty_like(t) for t in w.parts()]
+
+    def p(t: torch.Tensor) -> int:
+        return ptr(t) if t.numel() else 0
+
+    if _REPACK(lib, w.bits, w.group, *src, k, n, *(p(t) for t in out)):
+        raise ValueError(f"the kernels have no panel layout for {w.bits} bits / {w.group}")
+    packed, hbits, scale, minimum, sup = out
+    return dataclasses.replace(
+        w, packed=packed, hbits=hbits, scale=scale, minimum=minimum, super_scale=sup, panels=True
+    )
+
+
+def _panel_args(w: QuantizedTensor) -> tuple[int, int, tuple[int, int, int, int, int]]:
+    if not w.panels:
+        raise ValueError("qpanel kernels take a weight in panel order (to_panels)")
+    return _weight_args(*w.parts(), w.bits, w.group)
+
+
+def qpanel_matmul(lib: Library, x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
+    """y [M, N] = x @ W.T in x's dtype (fp32 or bf16 [M, K]) for a panel weight, x
+    quantized to int8 per 256 values; any M, each row's sums the same."""
+    n, k, weight = _panel_args(w)
+    x = _activations(x, k)
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        _MATMUL(lib, ptr(x), is_bf16(x), m, k, w.bits, w.group, *weight, n, ptr(y))
+    return y
+
+
+def qpanel_experts(
+    lib: Library,
+    x: torch.Tensor,  # [M, K]: the (token, expert) pairs' rows, by group
+    w: QuantizedTensor,  # E experts' weights stacked, [E * N, K], in panel order
+    num_experts: int,
+    group_start: torch.Tensor,  # [G + 1] int64: group j is rows group_start[j] .. [j + 1]
+    group_expert: torch.Tensor,  # [G] int64: group j's expert
+) -> torch.Tensor:
+    """y [M, N]: each group's rows @ W_e.T (qblock.qblock_matmul_experts on panels), the
+    activations quantized once for all groups; only the named experts are read."""
+    rows, k, weight = _panel_args(w)
+    if num_experts < 1 or rows % num_experts or (rows // num_experts) % PANEL_ROWS:
+        raise ValueError(f"{rows} weight rows do not split into {num_experts} experts of panels")
+    n = rows // num_experts
+    x = _activations(x, k)
+    m = x.shape[0]
+    _check_expert_groups(group_start, group_expert, m, num_experts)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        _EXPERTS(
+            lib,
+            *(ptr(x), is_bf16(x), m, k, w.bits, w.group, *weight, n),
+            *(group_expert.numel(), ptr(group_start), ptr(group_expert), ptr(y)),
+        )
+    return y

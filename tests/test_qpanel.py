@@ -1,0 +1,139 @@
+"""K-quant weights in panel order (sluice/kernels/qpanel.py, csrc/qpanel.h): the panel
+kernel computes the int8 GEMM's sums bit for bit at every row count and every level,
+for Q4_K's and Q6_K's layouts, dense and as stacked experts; what has no panel layout
+is refused; and a Mixture-of-Experts model that takes int8 prompts keeps its expert
+stacks in panels at the levels that use them, the decode stack agreeing with eager."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import random_gguf
+from benchmarks.random_gguf import SHAPES, write_shaped
+from sluice import LLM, kernels
+from sluice.core.quantized_tensor import QuantizedTensor, dequantize
+from sluice.kernels import qblock, qpanel
+from sluice.layers.block_quant import PANEL_LEVELS
+from sluice.layers.experts import ExpertGroups
+from tests.test_decode_stack import assert_stack_runs_the_gemm_as_eager
+from tests.test_moe_gguf import VOCAB, tokenizer
+from tests.test_qblock_kernels import random_weight
+
+__all__ = ["tokenizer"]  # a fixture, used by name
+
+# OLMoE-1B-7B's shape reduced: 8 experts of 256, hidden 256.
+TINY_OLMOE = dataclasses.replace(
+    SHAPES["olmoe-1b-7b"], hidden=256, ffn=256, heads=4, kv_heads=4, vocab=VOCAB, experts=8
+)
+
+
+@pytest.fixture
+def lib(kernel_level: str) -> kernels.Library:
+    loaded = kernels.load()
+    assert loaded is not None and kernels.built_level(loaded) == kernel_level
+    return loaded
+
+
+def k_quant(n: int, k: int, bits: int, symmetric: bool, seed: int = 0) -> QuantizedTensor:
+    """A random weight in Q4_K's layout (4 bits, groups of 32, offsets) or Q6_K's (6
+    bits, groups of 16), either with or without stored offsets; integer scales."""
+    group = 32 if bits == 4 else 16
+    w = random_weight(n, k, bits, group, seed, symmetric=symmetric, integer=True)
+    return QuantizedTensor(bits, group, w.packed, w.hbits, w.d, w.m, w.s)
+
+
+FORMATS = [(4, False), (4, True), (6, True), (6, False)]
+
+
+@pytest.mark.parametrize(("bits", "symmetric"), FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panels_compute_the_int8_gemms_sums_at_every_row_count(
+    lib: kernels.Library, bits: int, symmetric: bool, dtype: torch.dtype
+) -> None:
+    # 96 rows: three panels (two threads, one with two); K of 768: three super-blocks.
+    w = k_quant(96, 768, bits, symmetric)
+    panels = qpanel.to_panels(lib, w)
+    assert panels.panels and not w.panels and panels.shape == w.shape
+    assert [t.shape for t in panels.parts()] == [t.shape for t in w.parts()]
+    gen = torch.Generator().manual_seed(1)
+    for m in (1, 2, 3, 4, 5, 9, 17):
+        x = torch.randn(m, 768, generator=gen).to(dtype)
+        got = qpanel.qpanel_matmul(lib, x, panels)
+        want = qblock.qblock_gemm(lib, x, *w.parts(), w.bits, w.group)
+        assert torch.equal(got, want), m
+    # ... and that is x @ W.T within the int8 activations' error.
+    x = torch.randn(4, 768, generator=gen)
+    exact = x @ dequantize(w).T
+    got = qpanel.qpanel_matmul(lib, x, panels)
+    assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+@pytest.mark.parametrize(("bits", "symmetric"), FORMATS[:3])
+def test_expert_panels_give_each_group_its_experts_product(
+    lib: kernels.Library, bits: int, symmetric: bool
+) -> None:
+    # 6 experts of 64 rows: one gets no rows, one a single row, one 13 (three row blocks
+    # and a partial one), the rest a few; each group's rows equal the GEMM on that expert.
+    e, n, k = 6, 64, 512
+    w = k_quant(e * n, k, bits, symmetric, seed=2)
+    panels = qpanel.to_panels(lib, w)
+    ids = torch.tensor([[1]] + [[3]] * 13 + [[4], [5], [4], [0], [5]])
+    groups = ExpertGroups.of(ids, e)
+    assert 2 not in groups.expert.tolist()
+    x = torch.randn(len(ids), k, generator=torch.Generator().manual_seed(3))[groups.order]
+    got = qpanel.qpanel_experts(lib, x, panels, e, groups.start, groups.expert)
+    for expert, lo, hi in groups.spans:
+        part = w.row_slice(expert * n, (expert + 1) * n)
+        want = qblock.qblock_gemm(lib, x[lo:hi], *part.parts(), w.bits, w.group)
+        assert torch.equal(got[lo:hi], want), expert
+
+
+def test_what_has_no_panel_layout_is_refused(lib: kernels.Library) -> None:
+    q5 = random_weight(64, 256, 5, 32, 0, integer=True)
+    q5k = QuantizedTensor(5, 32, q5.packed, q5.hbits, q5.d, q5.m, q5.s)
+    with pytest.raises(ValueError, match="no panel layout"):
+        qpanel.to_panels(lib, q5k)  # Q5_K
+    with pytest.raises(ValueError, match="no panel layout"):
+        qpanel.to_panels(lib, k_quant(48, 256, 4, False))  # rows not whole panels
+    f = random_weight(64, 256, 4, 32, 0)  # float16 scales
+    with pytest.raises(ValueError, match="no panel layout"):
+        qpanel.to_panels(lib, QuantizedTensor(4, 32, f.packed, f.hbits, f.d, f.m, f.s))
+    w = k_quant(64, 256, 4, False)
+    panels = qpanel.to_panels(lib, w)
+    with pytest.raises(ValueError, match="in panels"):
+        panels.row_slice(0, 32)  # rows of a panel weight are not its rows
+    with pytest.raises(ValueError, match="in panels"):
+        dequantize(panels)
+    with pytest.raises(ValueError, match="panel order"):
+        qpanel.qpanel_matmul(lib, torch.randn(1, 256), w)  # a row-major weight
+    with pytest.raises(ValueError, match="experts of panels"):
+        qpanel.qpanel_experts(
+            lib, torch.randn(1, 256), panels, 4, torch.tensor([0, 1]), torch.tensor([0])
+        )
+
+
+def test_a_moe_model_keeps_its_k_quant_experts_in_panels_where_the_level_uses_them(
+    tmp_path: Path, tokenizer: Path, kernel_level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Three layers of the OLMoE shape, reduced, in llama-quantize's Q4_K_M: the experts'
+    # gate/up Q4_K, down Q4_K in two layers and Q6_K in the third. With int8 prompts,
+    # at a level in PANEL_LEVELS every stack is in panels, and the decode stack (steps
+    # of up to 32 rows) gives eager's token ids and logprobs exactly.
+    monkeypatch.setattr(random_gguf, "SHAPES", {**SHAPES, "tiny-olmoe": TINY_OLMOE})
+    path = tmp_path / "olmoe.gguf"
+    write_shaped(path, "tiny-olmoe", layers=3, tokenizer_gguf=tokenizer)
+    llm = LLM(model=str(path), quantization="gguf", dtype="bfloat16", kv_cache_memory=0.02,
+              prompt_activations="int8")  # fmt: skip
+    stacks = [
+        w
+        for layer in llm.engine.runner.model.layers
+        for w in (layer.mlp.experts.gate_up_weight, layer.mlp.experts.down_weight)
+    ]
+    assert {(w.bits, w.group) for w in stacks} == {(4, 32), (6, 16)}
+    assert all(w.panels == (kernel_level in PANEL_LEVELS) for w in stacks)
+    del llm
+    assert_stack_runs_the_gemm_as_eager(path)
