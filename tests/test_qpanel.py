@@ -1,8 +1,8 @@
 """K-quant weights in panel order (sluice/kernels/qpanel.py, csrc/qpanel.h): the panel
 kernel computes the int8 GEMM's sums bit for bit at every row count and every level,
 for Q4_K's and Q6_K's layouts, dense and as stacked experts; what has no panel layout
-is refused; and a Mixture-of-Experts model that takes int8 prompts keeps its expert
-stacks in panels at the levels that use them, the decode stack agreeing with eager."""
+is refused; and a model that takes int8 prompts keeps its linears and expert stacks
+in panels at the levels that use them, the decode stack agreeing with eager."""
 
 from __future__ import annotations
 
@@ -25,10 +25,6 @@ from tests.test_qblock_kernels import random_weight
 
 __all__ = ["tokenizer"]  # a fixture, used by name
 
-# OLMoE-1B-7B's shape reduced: 8 experts of 256, hidden 256.
-TINY_OLMOE = dataclasses.replace(
-    SHAPES["olmoe-1b-7b"], hidden=256, ffn=256, heads=4, kv_heads=4, vocab=VOCAB, experts=8
-)
 
 
 @pytest.fixture
@@ -60,7 +56,7 @@ def test_panels_compute_the_int8_gemms_sums_at_every_row_count(
     assert panels.panels and not w.panels and panels.shape == w.shape
     assert [t.shape for t in panels.parts()] == [t.shape for t in w.parts()]
     gen = torch.Generator().manual_seed(1)
-    for m in (1, 2, 3, 4, 5, 9, 17):
+    for m in (1, 2, 3, 4, 5, 9, 17, 39, 40, 45):  # from 40 on, each panel unpacked once
         x = torch.randn(m, 768, generator=gen).to(dtype)
         got = qpanel.qpanel_matmul(lib, x, panels)
         want = qblock.qblock_gemm(lib, x, *w.parts(), w.bits, w.group)
@@ -77,11 +73,12 @@ def test_expert_panels_give_each_group_its_experts_product(
     lib: kernels.Library, bits: int, symmetric: bool
 ) -> None:
     # 6 experts of 64 rows: one gets no rows, one a single row, one 13 (three row blocks
-    # and a partial one), the rest a few; each group's rows equal the GEMM on that expert.
+    # and a partial one), one 41 (its panels unpacked once), the rest a few; each group's
+    # rows equal the GEMM on that expert.
     e, n, k = 6, 64, 512
     w = k_quant(e * n, k, bits, symmetric, seed=2)
     panels = qpanel.to_panels(lib, w)
-    ids = torch.tensor([[1]] + [[3]] * 13 + [[4], [5], [4], [0], [5]])
+    ids = torch.tensor([[1]] + [[3]] * 13 + [[4], [5], [4]] + [[0]] * 41 + [[5]])
     groups = ExpertGroups.of(ids, e)
     assert 2 not in groups.expert.tolist()
     x = torch.randn(len(ids), k, generator=torch.Generator().manual_seed(3))[groups.order]
@@ -116,24 +113,45 @@ def test_what_has_no_panel_layout_is_refused(lib: kernels.Library) -> None:
         )
 
 
-def test_a_moe_model_keeps_its_k_quant_experts_in_panels_where_the_level_uses_them(
-    tmp_path: Path, tokenizer: Path, kernel_level: str, monkeypatch: pytest.MonkeyPatch
+# OLMoE-1B-7B's and Llama-3.1-8B's shapes reduced (vocabulary, widths, experts).
+TINY = {
+    "tiny-olmoe": dataclasses.replace(
+        SHAPES["olmoe-1b-7b"], hidden=256, ffn=256, heads=4, kv_heads=4, vocab=VOCAB, experts=8
+    ),
+    "tiny-llama": dataclasses.replace(
+        SHAPES["llama-3.1-8b"], hidden=256, ffn=512, heads=4, kv_heads=2, vocab=VOCAB
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(TINY))
+def test_a_model_keeps_its_k_quants_in_panels_where_the_level_uses_them(
+    shape: str, tmp_path: Path, tokenizer: Path, kernel_level: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Three layers of the OLMoE shape, reduced, in llama-quantize's Q4_K_M: the experts'
-    # gate/up Q4_K, down Q4_K in two layers and Q6_K in the third. With int8 prompts,
-    # at a level in PANEL_LEVELS every stack is in panels, and the decode stack (steps
-    # of up to 32 rows) gives eager's token ids and logprobs exactly.
-    monkeypatch.setattr(random_gguf, "SHAPES", {**SHAPES, "tiny-olmoe": TINY_OLMOE})
-    path = tmp_path / "olmoe.gguf"
-    write_shaped(path, "tiny-olmoe", layers=3, tokenizer_gguf=tokenizer)
+    # Three layers of the shape in llama-quantize's Q4_K_M: Q4_K, with Q6_K for attn_v
+    # (the fused qkv widened to it) and ffn_down in one layer, and for the head. With
+    # int8 prompts, at a level in PANEL_LEVELS every Q4_K and Q6_K linear but the head,
+    # and every such expert stack, is in panels, and the decode stack (steps of up to 32 rows) gives
+    # eager's token ids and logprobs exactly.
+    monkeypatch.setattr(random_gguf, "SHAPES", {**SHAPES, **TINY})
+    path = tmp_path / f"{shape}.gguf"
+    write_shaped(path, shape, layers=3, tokenizer_gguf=tokenizer)
     llm = LLM(model=str(path), quantization="gguf", dtype="bfloat16", kv_cache_memory=0.02,
               prompt_activations="int8")  # fmt: skip
-    stacks = [
-        w
-        for layer in llm.engine.runner.model.layers
-        for w in (layer.mlp.experts.gate_up_weight, layer.mlp.experts.down_weight)
-    ]
-    assert {(w.bits, w.group) for w in stacks} == {(4, 32), (6, 16)}
-    assert all(w.panels == (kernel_level in PANEL_LEVELS) for w in stacks)
+    model = llm.engine.runner.model
+    weights = []
+    for layer in model.layers:
+        linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+        if llm.engine.model_config.is_moe:
+            experts = layer.mlp.experts
+            weights += [experts.gate_up_weight, experts.down_weight]
+        else:
+            linears += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        weights += [linear.method.weight for linear in linears]
+    k_quants = {id(w) for w in weights if (w.bits, w.group) in qpanel.FORMATS and w.integer_scales}
+    assert {(w.bits, w.group) for w in weights if id(w) in k_quants} == {(4, 32), (6, 16)}
+    for w in weights:  # (8 experts: attention in Q8_0 and Q5_K, as llama-quantize does)
+        assert w.panels == (id(w) in k_quants and kernel_level in PANEL_LEVELS)
+    assert not model.lm_head.method.weight.panels  # the head keeps its two-level kernel
     del llm
     assert_stack_runs_the_gemm_as_eager(path)

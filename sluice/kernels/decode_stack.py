@@ -56,7 +56,7 @@ Field: TypeAlias = torch.Tensor | int | None
 # A linear's format field (csrc/decode_stack_fields.h): which kernel reads its weight.
 FORMAT_INT4 = 4  # the int4 kernel (q4_matmul)
 FORMAT_INT8 = 8  # the per-channel int8 kernel (q8_matmul)
-FORMAT_PANELS = 10000  # added to a qblock format: an expert stack in panel order (qpanel)
+FORMAT_PANELS = 10000  # added to a qblock format: a weight in panel order (qpanel)
 
 # The stack's qk_norm argument (csrc/decode_stack.cpp's QkNorm).
 QK_NORM_NONE = 0
@@ -66,7 +66,7 @@ QK_NORM_WHOLE = 2  # the whole q and the whole k projection (OLMoE)
 
 def qblock_format(bits: int, group: int, panels: bool = False) -> int:
     """The format field of a qblock weight (csrc/qblock.h), or of one in panel order
-    (csrc/qpanel.h: expert stacks only)."""
+    (csrc/qpanel.h)."""
     return bits * 100 + group + (FORMAT_PANELS if panels else 0)
 
 

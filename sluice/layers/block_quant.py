@@ -38,7 +38,7 @@ from torch import nn
 
 from sluice import kernels
 from sluice.core.quantized_tensor import QuantizedTensor, dequantize
-from sluice.kernels import Library, qblock
+from sluice.kernels import Library, qblock, qpanel
 from sluice.layers.linear import Linear, LinearMethod
 from sluice.layers.lora import EmbeddingLoRASlots
 
@@ -93,11 +93,12 @@ AMX_AFTER_GEMM_MIN_ROWS = 128
 # ad hoc). An AVX2 build of the GEMM (maddubs + madd) was no faster than the block
 # kernel at 512 rows (0.88-1.18x its time) and slower below, so there is none.
 INT8_PROMPTS_ON_BLOCKS = frozenset({"avx2"})
-# Levels where a Mixture-of-Experts stack that takes the int8 GEMM is kept in panel
-# order (sluice/kernels/qpanel.py) and runs on the panel kernel at every row count: it
-# does one vpdpbusd per 64 products and row where the block kernel does two multiplies,
-# and packs no panels a step as the GEMM does. Not the amx level, whose GEMM runs on
-# AMX-INT8 tiles from the row-major layout (panels there are unmeasured).
+# Levels where a Q4_K or Q6_K weight that takes the int8 GEMM (a linear other than the
+# head, a Mixture-of-Experts stack) is kept in panel order (sluice/kernels/qpanel.py)
+# and runs on the panel kernel at every row count: it does one vpdpbusd per 64
+# products and row where the block kernel does two multiplies, and packs no panels a
+# step as the GEMM does. Not the amx level, whose GEMM runs on AMX-INT8 tiles from the
+# row-major layout (panels there are unmeasured).
 PANEL_LEVELS = frozenset({"avx512"})
 # Levels whose output head stays on its kernel at every row count. At avx2 the dense
 # path dequantizes the whole vocabulary to fp32 a step and multiplies in fp32: the
@@ -255,24 +256,33 @@ class BlockQuantized(LinearMethod):
         assert self.weight is not None
         return self.weight.group
 
+    @property
+    def panels(self) -> bool:
+        """The weight is in panel order (sluice/kernels/qpanel.py)."""
+        return self.weight is not None and self.weight.panels
+
     def load_quantized(self, layer: Linear, weight: QuantizedTensor) -> None:
         if weight.shape != (layer.out_features, layer.in_features):
             raise ValueError(
                 f"shape mismatch: expected {(layer.out_features, layer.in_features)}, "
                 f"got {weight.shape}"
             )
+        self.lib = cpu_kernels(layer.weight)
+        gemm_rows = self.int8_prompts and not self.output_head
+        if panels_for(self.lib, gemm_rows) and qpanel.can_panel(weight):
+            assert self.lib is not None
+            weight = qpanel.to_panels(self.lib, weight)
         self.weight = weight
         # The kernel and the decode stack find the tensors on the layer by name.
         layer.qb_packed, layer.qb_hbits = weight.packed, weight.hbits
         layer.qb_scale, layer.qb_min = weight.scale, weight.minimum
         layer.qb_super = weight.super_scale
-        self.lib = cpu_kernels(layer.weight)
         # The head's kernel bounds its second level per token by the row's L2 norm.
         self.row_norm = (
             row_norms(self.lib, weight) if self.output_head and self.lib is not None else None
         )
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
-        self.int8_gemm = int8_gemm_for(self.lib, self.int8_prompts and not self.output_head)
+        self.int8_gemm = int8_gemm_for(self.lib, gemm_rows)
         # Without our kernels the dense path is the only one.
         self.dense_min_rows = (
             dense_min_rows(weight, self.output_head, self.int8_prompts) if self.lib else 1
@@ -290,7 +300,12 @@ class BlockQuantized(LinearMethod):
             y = cast(
                 torch.Tensor,
                 _qblock_linear_op(
-                    x, *_kernel_args(w), self.row_norm, self.dense_min_rows, self.int8_gemm
+                    x,
+                    *_kernel_args(w),
+                    self.row_norm,
+                    self.dense_min_rows,
+                    self.int8_gemm,
+                    w.panels,
                 ),
             )
         else:
@@ -310,7 +325,10 @@ def _linear(
     (int8_gemm_for), else dequantized tiles + the dense GEMM; at the amx level bf16
     rows take the AMX kernel in the dense path's place, and in the GEMM's from
     AMX_AFTER_GEMM_MIN_ROWS. row_norm (the output head's, row_norms) picks the head's
-    kernel."""
+    kernel. A weight in panel order takes the panel kernel at every row count."""
+    if w.panels:
+        assert lib is not None  # panels are made only where our kernels run
+        return qpanel.qpanel_matmul(lib, x, w)
     if lib is not None:
         args = (x.contiguous(), *_kernel_args(w))
         if x.shape[0] < dense_min_rows:
@@ -348,7 +366,7 @@ def quantized_linear(
 
 
 def panels_for(lib: Library | None, int8_prompts: bool) -> bool:
-    """Whether Mixture-of-Experts stacks that can be are stored in panel order
+    """Whether weights that can be (linears, expert stacks) are stored in panel order
     (sluice/kernels/qpanel.py): where their many rows take the int8 GEMM, at a level in
     PANEL_LEVELS; the panel kernel then computes the GEMM's sums at every row count."""
     return (
@@ -377,8 +395,9 @@ def _qblock_linear_op(
     row_norm: torch.Tensor | None,
     dense_min_rows: int,
     int8_gemm: bool,
+    panels: bool,
 ) -> torch.Tensor:
-    w = QuantizedTensor(bits, group, packed, hbits, scale, minimum, super_scale)
+    w = QuantizedTensor(bits, group, packed, hbits, scale, minimum, super_scale, panels=panels)
     lib = kernels.load() if x.device.type == "cpu" else None
     return _linear(lib, w, x, row_norm, dense_min_rows, int8_gemm)
 
@@ -396,6 +415,7 @@ def _(
     row_norm: torch.Tensor | None,
     dense_min_rows: int,
     int8_gemm: bool,
+    panels: bool,
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], scale.shape[0])
 

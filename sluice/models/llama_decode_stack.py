@@ -70,6 +70,8 @@ class _QBlockMethod(_KernelMethod, Protocol):
     def bits(self) -> int: ...
     @property
     def group(self) -> int: ...
+    @property
+    def panels(self) -> bool: ...
 
 
 def _tensor(layer: Linear, name: str) -> torch.Tensor:
@@ -95,7 +97,7 @@ def _qblock_weights(layer: Linear) -> tuple[int, tuple[Field, ...]] | None:
         minimum if minimum.numel() else None,  # null: a symmetric weight
         sup if sup.numel() else None,  # null: float16 scales
     )
-    return decode_stack.qblock_format(method.bits, method.group), weights
+    return decode_stack.qblock_format(method.bits, method.group, method.panels), weights
 
 
 def _linear_fields(name: str, layer: Linear, bias_allowed: bool) -> tuple[int, Fields] | None:

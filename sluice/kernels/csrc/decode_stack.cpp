@@ -70,8 +70,8 @@ static_assert(kQkvLoraBt == kQkvLoraA + 1 && kOLoraBt == kOLoraA + 1 &&
               "LoRA fields");
 
 // A linear's format field (decode_stack_fields.h): the int4 kernel, the per-channel
-// int8 kernel, or qblock's bits * 100 + group, plus kFormatPanels for an expert stack
-// stored in panel order (qpanel.h).
+// int8 kernel, or qblock's bits * 100 + group, plus kFormatPanels for a weight stored
+// in panel order (qpanel.h).
 constexpr int64_t kFormatInt4 = 4, kFormatInt8 = 8, kFormatPanels = 10000;
 
 #define SLUICE_FIELD_NAME(suffix, name) #name,
@@ -222,9 +222,12 @@ inline sluice::QbWeight qb_weight(const int64_t* L, Field packed) {
 // Whether a linear's format field names a qblock layout (not the int4 or int8 kernel).
 inline bool is_qblock(int64_t format) { return format != kFormatInt4 && format != kFormatInt8; }
 
-// Whether the linear at `packed` takes the int8 GEMM for M rows (it then needs no xa).
+// Whether the linear at `packed` takes the int8 GEMM for M rows, or the panel kernel
+// (at every M): it then needs no xa.
 inline bool on_gemm(const Shape& s, const int64_t* layer, Field packed, int M) {
-  return is_qblock(layer[packed + 5]) && s.gemm_min_rows > 0 && M >= s.gemm_min_rows;
+  const int64_t format = layer[packed + 5];
+  if (format >= kFormatPanels) return true;
+  return is_qblock(format) && s.gemm_min_rows > 0 && M >= s.gemm_min_rows;
 }
 
 // y [M, N] = x @ W.T for the linear whose fields start at `packed`, on the kernel its
@@ -237,7 +240,11 @@ void linear(const Shape& s, const int64_t* layer, Field packed,
             int M, int K, int N, T* y) {
   const auto* q = at<uint8_t>(layer, packed);
   const int64_t format = layer[packed + 5];
-  if (on_gemm(s, layer, packed, M))
+  if (format >= kFormatPanels) {
+    const int64_t code = format - kFormatPanels;
+    sluice::qpanel_matmul(x, M, K, static_cast<int>(code / 100), static_cast<int>(code % 100),
+                          qb_weight(layer, packed), N, sluice::qb_out(y), ga);
+  } else if (on_gemm(s, layer, packed, M))
     sluice::qblock_gemm_on(s.gemm_tiles, x, M, K, static_cast<int>(format / 100),
                            static_cast<int>(format % 100), qb_weight(layer, packed), N,
                            sluice::qb_out(y), ga);
