@@ -108,7 +108,7 @@ def _check_scales(
         raise ValueError(f"super_scale must be float16 {list(shape)}")
 
 
-def _weight_args(
+def weight_args(
     packed: torch.Tensor,
     hbits: torch.Tensor,
     scale: torch.Tensor,
@@ -140,7 +140,7 @@ def _weight_args(
     return n, k, (ptr(packed), p(hbits) if hcols else 0, ptr(scale), p(minimum), p(super_scale))
 
 
-def _activations(x: torch.Tensor, k: int) -> torch.Tensor:
+def activations(x: torch.Tensor, k: int) -> torch.Tensor:
     """x as the matmuls take it: contiguous fp32 or bf16 [M, K]."""
     x = x.contiguous()
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16):
@@ -162,8 +162,8 @@ def _matmul(
     extra: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """y = fn(x, the weight): extra, pointers fn takes between N and y."""
-    n, k, weight = _weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
-    x = _activations(x, k)
+    n, k, weight = weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
+    x = activations(x, k)
     m = x.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
@@ -226,8 +226,8 @@ def qblock_amx(
     where has_amx(lib) and the process holds the tile state (sluice.kernels.tiles())."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"qblock_amx takes bf16 activations, got {x.dtype}")
-    n, k, weight = _weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
-    x = _activations(x, k)
+    n, k, weight = weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
+    x = activations(x, k)
     y = torch.empty(x.shape[0], n, dtype=x.dtype)
     if x.shape[0] and _AMX(lib, ptr(x), 1, x.shape[0], k, bits, group, *weight, n, ptr(y)):
         raise RuntimeError("this kernel library has no AMX path (sluice_amx() is 0)")
@@ -317,7 +317,7 @@ def qblock_matmul_head(
     return _matmul(_MATMUL_HEAD, lib, x, *weight, extra=(ptr(row_norm), first))
 
 
-def _check_expert_groups(
+def check_expert_groups(
     group_start: torch.Tensor, group_expert: torch.Tensor, m: int, num_experts: int
 ) -> None:
     """Raise unless group_start holds len(group_expert) + 1 row bounds rising from 0 to
@@ -356,13 +356,13 @@ def qblock_matmul_experts(
     rows e * N .. (e + 1) * N of the stacked weight (a Mixture-of-Experts layer's
     projection), every row as qblock_matmul computes it. One call for all groups: the
     activations are quantized once, and only the named experts' weights are read."""
-    rows, k, weight = _weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
+    rows, k, weight = weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
     if num_experts < 1 or rows % num_experts:
         raise ValueError(f"{rows} weight rows do not split into {num_experts} experts")
     n = rows // num_experts
-    x = _activations(x, k)
+    x = activations(x, k)
     m = x.shape[0]
-    _check_expert_groups(group_start, group_expert, m, num_experts)
+    check_expert_groups(group_start, group_expert, m, num_experts)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         _MATMUL_EXPERTS(
@@ -394,7 +394,7 @@ def qblock_dequantize(
     """W [N, K] in natural order, in `dtype` (float32 or bfloat16); into `out` (a
     contiguous [N, K] tensor of that dtype) when given, so a caller can reuse one
     scratch buffer instead of faulting in fresh pages on every call."""
-    n, k, weight = _weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
+    n, k, weight = weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
     if out is None:
         out = torch.empty(n, k, dtype=dtype)
     elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
@@ -416,7 +416,7 @@ def qblock_embedding(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """W[ids] [T, K] in `dtype` (a token embedding lookup)."""
-    n, k, weight = _weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
+    n, k, weight = weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < n):
         raise IndexError(f"qblock embedding ids out of range [0, {n})")

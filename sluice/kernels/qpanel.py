@@ -17,7 +17,7 @@ import torch
 
 from sluice.core.quantized_tensor import QuantizedTensor
 from sluice.kernels._ffi import INT, POINTER, Library, c_function, is_bf16, ptr
-from sluice.kernels.qblock import _activations, _check_expert_groups, _weight_args
+from sluice.kernels.qblock import activations, check_expert_groups, weight_args
 
 # (bits, group) of the formats with a panel layout: Q4_K and Q6_K's.
 FORMATS = frozenset({(4, 32), (6, 16)})
@@ -66,7 +66,7 @@ def to_panels(lib: Library, w: QuantizedTensor) -> QuantizedTensor:
             f"no panel layout for a {w.source or f'{w.bits}-bit/{w.group}'} weight of shape "
             f"{w.shape} (Q4_K or Q6_K with integer scales, rows a multiple of {PANEL_ROWS})"
         )
-    n, k, src = _weight_args(*w.parts(), w.bits, w.group)
+    n, k, src = weight_args(*w.parts(), w.bits, w.group)
     out = [torch.empty_like(t) for t in w.parts()]
 
     def p(t: torch.Tensor) -> int:
@@ -83,14 +83,14 @@ def to_panels(lib: Library, w: QuantizedTensor) -> QuantizedTensor:
 def _panel_args(w: QuantizedTensor) -> tuple[int, int, tuple[int, int, int, int, int]]:
     if not w.panels:
         raise ValueError("qpanel kernels take a weight in panel order (to_panels)")
-    return _weight_args(*w.parts(), w.bits, w.group)
+    return weight_args(*w.parts(), w.bits, w.group)
 
 
 def qpanel_matmul(lib: Library, x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
     """y [M, N] = x @ W.T in x's dtype (fp32 or bf16 [M, K]) for a panel weight, x
     quantized to int8 per 256 values; any M, each row's sums the same."""
     n, k, weight = _panel_args(w)
-    x = _activations(x, k)
+    x = activations(x, k)
     m = x.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
@@ -112,9 +112,9 @@ def qpanel_experts(
     if num_experts < 1 or rows % num_experts or (rows // num_experts) % PANEL_ROWS:
         raise ValueError(f"{rows} weight rows do not split into {num_experts} experts of panels")
     n = rows // num_experts
-    x = _activations(x, k)
+    x = activations(x, k)
     m = x.shape[0]
-    _check_expert_groups(group_start, group_expert, m, num_experts)
+    check_expert_groups(group_start, group_expert, m, num_experts)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         _EXPERTS(

@@ -268,8 +268,8 @@ class BlockQuantized(LinearMethod):
                 f"got {weight.shape}"
             )
         self.lib = cpu_kernels(layer.weight)
-        gemm_rows = self.int8_prompts and not self.output_head
-        if panels_for(self.lib, gemm_rows) and qpanel.can_panel(weight):
+        int8_rows = self.int8_prompts and not self.output_head  # many rows: the GEMM
+        if panels_for(self.lib, int8_rows) and qpanel.can_panel(weight):
             assert self.lib is not None
             weight = qpanel.to_panels(self.lib, weight)
         self.weight = weight
@@ -282,7 +282,7 @@ class BlockQuantized(LinearMethod):
             row_norms(self.lib, weight) if self.output_head and self.lib is not None else None
         )
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
-        self.int8_gemm = int8_gemm_for(self.lib, gemm_rows)
+        self.int8_gemm = int8_gemm_for(self.lib, int8_rows)
         # Without our kernels the dense path is the only one.
         self.dense_min_rows = (
             dense_min_rows(weight, self.output_head, self.int8_prompts) if self.lib else 1

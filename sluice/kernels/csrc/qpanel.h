@@ -77,19 +77,24 @@ void qp_repack_panel(const QbWeight& src, int K, int N, int n0, GemmPanel& scrat
   uint8_t* w = const_cast<uint8_t*>(out.w);
   uint8_t* h = const_cast<uint8_t*>(out.h);
   // scratch.u: [K/4 steps][2 halves][16 lanes][4 bytes], the values whole.
-  auto u = [&](int step, int half, int i) { return scratch.u[(static_cast<int64_t>(step) * 2 + half) * 64 + i]; };
+  auto u = [&](int step, int half, int i) {
+    return scratch.u[(static_cast<int64_t>(step) * 2 + half) * 64 + i];
+  };
   for (int p = 0; p < K / 64; ++p)
     for (int half = 0; half < 2; ++half) {
       for (int v = 0; v < 8; ++v)
         for (int i = 0; i < 64; ++i)
-          w[((static_cast<int64_t>(p) * 2 + half) * 8 + v) * 64 + i] = static_cast<uint8_t>(
-              (u(16 * p + 2 * v, half, i) & 0x0F) | (u(16 * p + 2 * v + 1, half, i) & 0x0F) << 4);
+          w[((static_cast<int64_t>(p) * 2 + half) * 8 + v) * 64 + i] =
+              static_cast<uint8_t>((u(16 * p + 2 * v, half, i) & 0x0F) |
+                                   (u(16 * p + 2 * v + 1, half, i) & 0x0F) << 4);
       if constexpr (BITS == 6)
         for (int j = 0; j < 4; ++j)
           for (int i = 0; i < 64; ++i) {
             int bits45 = 0;
-            for (int q = 0; q < 4; ++q) bits45 |= ((u(16 * p + 4 * j + q, half, i) >> 4) & 3) << (2 * q);
-            h[((static_cast<int64_t>(p) * 2 + half) * 4 + j) * 64 + i] = static_cast<uint8_t>(bits45);
+            for (int q = 0; q < 4; ++q)
+              bits45 |= ((u(16 * p + 4 * j + q, half, i) >> 4) & 3) << (2 * q);
+            h[((static_cast<int64_t>(p) * 2 + half) * 4 + j) * 64 + i] =
+                static_cast<uint8_t>(bits45);
           }
     }
   int8_t* d = const_cast<int8_t*>(out.d);
@@ -130,13 +135,25 @@ SLUICE_INLINE void qp_stream_prefetch(const uint8_t* vp, const uint8_t* hp) {
     }
 }
 
+// 16 int8 group scales (or offsets) at v times their multipliers, as fp32 (kept as
+// computed, qb_keep: a row's result must not depend on the batch).
+SLUICE_INLINE __m512 qp_scales16(const int8_t* v, __m512 mult) {
+  const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
+  return qb_keep(_mm512_mul_ps(_mm512_cvtepi32_ps(q), mult));
+}
+
+// Nibbles u with bits 4-5 of h (shifted into place) added: 6-bit values.
+SLUICE_INLINE __m512i qp_high(__m512i u, __m512i h) {
+  return _mm512_ternarylogic_epi32(u, h, _mm512_set1_epi8(0x30), 0xF8);
+}
+
 // out[r][c] for activation rows r0 .. r0 + R and the panel's 32 columns: gemm_rows'
 // arithmetic, the weight read from the panel instead of a packed copy.
 template <int BITS, int G, bool SYM, int R>
 SLUICE_INLINE void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, int K,
                            float (*out)[kQpCols], bool ahead) {
   constexpr int kSpanGroups = kQbSuper / G;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   const int ng = K / G;
   __m512 total[R][2];
   SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
@@ -144,7 +161,8 @@ SLUICE_INLINE void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, i
   SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) x[r] = a.row(r0 + r);
   for (int s0 = 0; s0 < K / kQbSuper; ++s0) {
     const auto* sd = reinterpret_cast<const __m256i*>(w.sd + s0 * kQpCols);
-    const __m512 sd0 = _mm512_cvtph_ps(_mm256_loadu_si256(sd)), sd1 = _mm512_cvtph_ps(_mm256_loadu_si256(sd + 1));
+    const __m512 sd0 = _mm512_cvtph_ps(_mm256_loadu_si256(sd));
+    const __m512 sd1 = _mm512_cvtph_ps(_mm256_loadu_si256(sd + 1));
     __m512 sm0 = sd0, sm1 = sd1;
     if constexpr (!SYM) {
       const auto* sm = reinterpret_cast<const __m256i*>(w.sm + s0 * kQpCols);
@@ -156,32 +174,33 @@ SLUICE_INLINE void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, i
       const int g = s0 * kSpanGroups + gi;
       __m512i isum[R][2];
       SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
-        const __m512i init = SYM ? _mm512_set1_epi32(a.qinit[static_cast<int64_t>(r0 + r) * ng + g])
-                                 : _mm512_setzero_si512();
+        const int64_t at = static_cast<int64_t>(r0 + r) * ng + g;
+        const __m512i init = SYM ? _mm512_set1_epi32(a.qinit[at]) : _mm512_setzero_si512();
         isum[r][0] = isum[r][1] = init;
       }
 #pragma GCC unroll 4
       for (int i = 0; i < G / 8; ++i) {  // two k4 steps a vector
         const int step = g * (G / 4) + 2 * i, p = step / 16, in_pair = step % 16;
         const uint8_t* vp = w.w + (static_cast<int64_t>(p) * 16 + in_pair / 2) * 64;
-        if (ahead) qp_stream_prefetch<BITS>(vp, w.h + (static_cast<int64_t>(p) * 8 + in_pair / 4) * 64);
+        const uint8_t* hp =
+            BITS == 6 ? w.h + (static_cast<int64_t>(p) * 8 + in_pair / 4) * 64 : nullptr;
+        if (ahead) qp_stream_prefetch<BITS>(vp, hp);
         const __m512i b0 = _mm512_loadu_si512(vp), b1 = _mm512_loadu_si512(vp + 512);
         __m512i lo0 = _mm512_and_si512(b0, low4), lo1 = _mm512_and_si512(b1, low4);
         __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), low4);
         __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), low4);
         if constexpr (BITS == 6) {  // steps 4j + q, q = 0 or 2 (lo) and q + 1 (hi)
-          const uint8_t* hp = w.h + (static_cast<int64_t>(p) * 8 + in_pair / 4) * 64;
           const __m512i h0 = _mm512_loadu_si512(hp), h1 = _mm512_loadu_si512(hp + 256);
           if (in_pair % 4 == 0) {
-            lo0 = _mm512_ternarylogic_epi32(lo0, _mm512_slli_epi32(h0, 4), bits45, 0xF8);
-            lo1 = _mm512_ternarylogic_epi32(lo1, _mm512_slli_epi32(h1, 4), bits45, 0xF8);
-            hi0 = _mm512_ternarylogic_epi32(hi0, _mm512_slli_epi32(h0, 2), bits45, 0xF8);
-            hi1 = _mm512_ternarylogic_epi32(hi1, _mm512_slli_epi32(h1, 2), bits45, 0xF8);
+            lo0 = qp_high(lo0, _mm512_slli_epi32(h0, 4));
+            lo1 = qp_high(lo1, _mm512_slli_epi32(h1, 4));
+            hi0 = qp_high(hi0, _mm512_slli_epi32(h0, 2));
+            hi1 = qp_high(hi1, _mm512_slli_epi32(h1, 2));
           } else {
-            lo0 = _mm512_ternarylogic_epi32(lo0, h0, bits45, 0xF8);
-            lo1 = _mm512_ternarylogic_epi32(lo1, h1, bits45, 0xF8);
-            hi0 = _mm512_ternarylogic_epi32(hi0, _mm512_srli_epi32(h0, 2), bits45, 0xF8);
-            hi1 = _mm512_ternarylogic_epi32(hi1, _mm512_srli_epi32(h1, 2), bits45, 0xF8);
+            lo0 = qp_high(lo0, h0);
+            lo1 = qp_high(lo1, h1);
+            hi0 = qp_high(hi0, _mm512_srli_epi32(h0, 2));
+            hi1 = qp_high(hi1, _mm512_srli_epi32(h1, 2));
           }
         }
         SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
@@ -194,22 +213,20 @@ SLUICE_INLINE void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, i
           isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], hi1, xb);
         }
       }
-      const auto* dg = reinterpret_cast<const __m128i*>(w.d + static_cast<int64_t>(g) * kQpCols);
+      const int8_t* dg = w.d + static_cast<int64_t>(g) * kQpCols;
+      const int8_t* mg = SYM ? nullptr : w.m + static_cast<int64_t>(g) * kQpCols;
       if (ahead) {  // the scales' streams: 32 bytes a group each
-        __builtin_prefetch(reinterpret_cast<const char*>(dg) + kQbFarPrefetchBytes / 8, 0, 2);
-        if constexpr (!SYM) __builtin_prefetch(w.m + static_cast<int64_t>(g) * kQpCols + kQbFarPrefetchBytes / 8, 0, 2);
+        __builtin_prefetch(dg + kQbFarPrefetchBytes / 8, 0, 2);
+        if constexpr (!SYM) __builtin_prefetch(mg + kQbFarPrefetchBytes / 8, 0, 2);
       }
-      const __m512 d0 = qb_keep(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(dg))), sd0));
-      const __m512 d1 = qb_keep(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(dg + 1))), sd1));
+      const __m512 d0 = qp_scales16(dg, sd0), d1 = qp_scales16(dg + 16, sd1);
       SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
         const __m512 s0 = _mm512_cvtepi32_ps(isum[r][0]), s1 = _mm512_cvtepi32_ps(isum[r][1]);
         span[r][0] = gi == 0 ? _mm512_mul_ps(s0, d0) : _mm512_fmadd_ps(s0, d0, span[r][0]);
         span[r][1] = gi == 0 ? _mm512_mul_ps(s1, d1) : _mm512_fmadd_ps(s1, d1, span[r][1]);
       }
       if constexpr (!SYM) {
-        const auto* mg = reinterpret_cast<const __m128i*>(w.m + static_cast<int64_t>(g) * kQpCols);
-        const __m512 m0 = qb_keep(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(mg))), sm0));
-        const __m512 m1 = qb_keep(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(mg + 1))), sm1));
+        const __m512 m0 = qp_scales16(mg, sm0), m1 = qp_scales16(mg + 16, sm1);
         SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
           const __m512 qs = _mm512_set1_ps(a.qsum[static_cast<int64_t>(r0 + r) * ng + g]);
           span[r][0] = _mm512_fmadd_ps(m0, qs, span[r][0]);
@@ -234,9 +251,10 @@ template <int BITS>
 inline int qp_value(const QpPanel& w, int c, int k) {
   const int step = k / 4, p = step / 16, in_pair = step % 16, half = c / 16;
   const int64_t lane = (c % 16) * 4 + k % 4;
-  const uint8_t b = w.w[((static_cast<int64_t>(p) * 2 + half) * 8 + in_pair / 2) * 64 + lane];
+  const int64_t ph = static_cast<int64_t>(p) * 2 + half;
+  const uint8_t b = w.w[(ph * 8 + in_pair / 2) * 64 + lane];
   int v = in_pair % 2 ? b >> 4 : b & 0x0F;
-  if (BITS == 6) v |= ((w.h[((static_cast<int64_t>(p) * 2 + half) * 4 + in_pair / 4) * 64 + lane] >> (2 * (in_pair % 4))) & 3) << 4;
+  if (BITS == 6) v |= ((w.h[(ph * 4 + in_pair / 4) * 64 + lane] >> (2 * (in_pair % 4))) & 3) << 4;
   return v;
 }
 
@@ -257,10 +275,9 @@ void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, int K, float (*
         for (int g = g0; g < g0 + kSpanGroups; ++g) {
           int32_t s = SYM ? a.qinit[gr + g] : 0;
           for (int k = g * G; k < (g + 1) * G; ++k) s += qp_value<BITS>(w, c, k) * x[k];
-          const float d = qb_half(w.sd[s0 * kQpCols + c]) * static_cast<float>(w.d[g * kQpCols + c]);
-          span += static_cast<float>(s) * d;
-          if (!SYM)
-            span += qb_half(w.sm[s0 * kQpCols + c]) * static_cast<float>(w.m[g * kQpCols + c]) * a.qsum[gr + g];
+          const int at = g * kQpCols + c, sat = s0 * kQpCols + c;
+          span += static_cast<float>(s) * (qb_half(w.sd[sat]) * static_cast<float>(w.d[at]));
+          if (!SYM) span += qb_half(w.sm[sat]) * static_cast<float>(w.m[at]) * a.qsum[gr + g];
         }
         total += span * a.dx[static_cast<int64_t>(r0 + r) * a.spans + s0];
       }
@@ -292,18 +309,16 @@ void qp_unpack(const QpPanel& w, int K, GemmPanel& out) {
     const uint8_t* h = BITS == 6 ? w.h + ((p * 2 + half) * 4 + i / 2) * 64 : nullptr;
     const int q = 2 * (i % 2);  // the low step's bit pair in h
 #if defined(SLUICE_ISA_AVX512)
-    const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
-    const __m512i bv = _mm512_loadu_si512(b);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bv = _mm512_loadu_si512(b);
     __m512i l = _mm512_and_si512(bv, low4), u = _mm512_and_si512(_mm512_srli_epi16(bv, 4), low4);
     if constexpr (BITS == 6) {  // as qp_rows: bit pairs q and q + 1 to bits 4-5
       const __m512i hv = _mm512_loadu_si512(h);
-      l = _mm512_ternarylogic_epi32(l, q ? hv : _mm512_slli_epi32(hv, 4), bits45, 0xF8);
-      u = _mm512_ternarylogic_epi32(u, q ? _mm512_srli_epi32(hv, 2) : _mm512_slli_epi32(hv, 2), bits45, 0xF8);
+      l = qp_high(l, q ? hv : _mm512_slli_epi32(hv, 4));
+      u = qp_high(u, q ? _mm512_srli_epi32(hv, 2) : _mm512_slli_epi32(hv, 2));
     }
     _mm512_storeu_si512(lo, l);
     _mm512_storeu_si512(hi, u);
-    continue;
-#endif
+#else
     for (int j = 0; j < 64; ++j) {
       lo[j] = static_cast<uint8_t>(b[j] & 0x0F);
       hi[j] = static_cast<uint8_t>(b[j] >> 4);
@@ -312,12 +327,13 @@ void qp_unpack(const QpPanel& w, int K, GemmPanel& out) {
         hi[j] |= static_cast<uint8_t>(((h[j] >> (2 * q + 2)) & 3) << 4);
       }
     }
+#endif
   }
   for (int g = 0; g < ng; ++g)
     for (int c = 0; c < kQpCols; ++c) {
-      const int s0 = g / (kQbSuper / G);
-      out.d[g * kQpCols + c] = qb_half(w.sd[s0 * kQpCols + c]) * static_cast<float>(w.d[g * kQpCols + c]);
-      if (w.m) out.m[g * kQpCols + c] = qb_half(w.sm[s0 * kQpCols + c]) * static_cast<float>(w.m[g * kQpCols + c]);
+      const int at = g * kQpCols + c, sat = g / (kQbSuper / G) * kQpCols + c;
+      out.d[at] = qb_half(w.sd[sat]) * static_cast<float>(w.d[at]);
+      if (w.m) out.m[at] = qb_half(w.sm[sat]) * static_cast<float>(w.m[at]);
     }
 }
 
