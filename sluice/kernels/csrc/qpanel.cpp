@@ -31,6 +31,28 @@ void experts(const T* x, int M, int K, int bits, int group, const QbWeight& w, i
 
 }  // namespace
 
+namespace sluice {
+
+void qpanel_experts(const GemmActivations& a, int K, int bits, int group, const QbWeight& w,
+                    int N, int num_groups, const int64_t* start, const int64_t* expert,
+                    QbOut y) {
+  SLUICE_QP_DISPATCH(bits, group, ({
+                       for (int j = 0; j < num_groups; ++j) {
+                         const int r0 = static_cast<int>(start[j]);
+                         const int rows = static_cast<int>(start[j + 1] - start[j]);
+                         if (rows == 0) continue;
+                         const QbWeight we = qp_expert_weight<B, G>(w, K, expert[j] * N);
+                         qpanel_rows_t<B, G>(a, rows, K, we, N, y, r0, /*wait=*/false);
+                       }
+                     }))
+#pragma omp barrier
+}
+
+SLUICE_QPANEL_INSTANCES(, float)
+SLUICE_QPANEL_INSTANCES(, uint16_t)
+
+}  // namespace sluice
+
 extern "C" {
 
 // The row-major qblock weight (N rows, K a multiple of 256; Q4_K or Q6_K, integer

@@ -411,19 +411,18 @@ void qpanel_matmul(const T* x, int M, int K, int bits, int group, const QbWeight
 // Stacked experts of N rows each (a multiple of 32) in panel order: group j's rows
 // start[j] .. start[j + 1] of `a` (quantized) and y times expert[j]'s weight, the
 // groups' panels shared out without barriers between them; barrier at the end.
-inline void qpanel_experts(const GemmActivations& a, int K, int bits, int group,
-                           const QbWeight& w, int N, int num_groups, const int64_t* start,
-                           const int64_t* expert, QbOut y) {
-  SLUICE_QP_DISPATCH(bits, group, ({
-                       for (int j = 0; j < num_groups; ++j) {
-                         const int r0 = static_cast<int>(start[j]);
-                         const int rows = static_cast<int>(start[j + 1] - start[j]);
-                         if (rows == 0) continue;
-                         const QbWeight we = qp_expert_weight<B, G>(w, K, expert[j] * N);
-                         qpanel_rows_t<B, G>(a, rows, K, we, N, y, r0, /*wait=*/false);
-                       }
-                     }))
-#pragma omp barrier
-}
+// Defined in qpanel.cpp, as are qpanel_matmul's instances (below).
+void qpanel_experts(const GemmActivations& a, int K, int bits, int group, const QbWeight& w,
+                    int N, int num_groups, const int64_t* start, const int64_t* expert,
+                    QbOut y);
+
+// One compiled copy of the entry points decode_stack.cpp calls too, in qpanel.cpp (as
+// SLUICE_QBLOCK_INSTANCES, qblock.h): the stack's file then compiles none of the panel
+// kernel's instances (they had added a quarter to its compile time).
+#define SLUICE_QPANEL_INSTANCES(prefix, T)                                                \
+  prefix template void qpanel_matmul<T>(const T*, int, int, int, int, const QbWeight&, int, \
+                                        QbOut, GemmActivations&);
+SLUICE_QPANEL_INSTANCES(extern, float)
+SLUICE_QPANEL_INSTANCES(extern, uint16_t)
 
 }  // namespace sluice
