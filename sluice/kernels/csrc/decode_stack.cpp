@@ -222,12 +222,20 @@ inline sluice::QbWeight qb_weight(const int64_t* L, Field packed) {
 // Whether a linear's format field names a qblock layout (not the int4 or int8 kernel).
 inline bool is_qblock(int64_t format) { return format != kFormatInt4 && format != kFormatInt8; }
 
+// Whether the weight at `packed` is in panel order (qpanel.h), and its qblock format
+// (bits * 100 + group) without that mark.
+inline bool on_panels(const int64_t* layer, Field packed) {
+  return layer[packed + 5] >= kFormatPanels;
+}
+inline int64_t qblock_code(const int64_t* layer, Field packed) {
+  return layer[packed + 5] % kFormatPanels;
+}
+
 // Whether the linear at `packed` takes the int8 GEMM for M rows, or the panel kernel
 // (at every M): it then needs no xa.
 inline bool on_gemm(const Shape& s, const int64_t* layer, Field packed, int M) {
-  const int64_t format = layer[packed + 5];
-  if (format >= kFormatPanels) return true;
-  return is_qblock(format) && s.gemm_min_rows > 0 && M >= s.gemm_min_rows;
+  if (on_panels(layer, packed)) return true;
+  return is_qblock(layer[packed + 5]) && s.gemm_min_rows > 0 && M >= s.gemm_min_rows;
 }
 
 // y [M, N] = x @ W.T for the linear whose fields start at `packed`, on the kernel its
@@ -240,8 +248,8 @@ void linear(const Shape& s, const int64_t* layer, Field packed,
             int M, int K, int N, T* y) {
   const auto* q = at<uint8_t>(layer, packed);
   const int64_t format = layer[packed + 5];
-  if (format >= kFormatPanels) {
-    const int64_t code = format - kFormatPanels;
+  if (on_panels(layer, packed)) {
+    const int64_t code = qblock_code(layer, packed);
     sluice::qpanel_matmul(x, M, K, static_cast<int>(code / 100), static_cast<int>(code % 100),
                           qb_weight(layer, packed), N, sluice::qb_out(y), ga);
   } else if (on_gemm(s, layer, packed, M))
@@ -345,10 +353,10 @@ template <typename T>
 void experts(const Shape& s, const int64_t* L, Field packed, const sluice::QBlockActivations& xa,
              const T* x, sluice::GemmActivations& ga, const MoeScratch<T>& m, int K, int N,
              T* y) {
-  const int64_t format = L[packed + 5] % kFormatPanels;
+  const int64_t format = qblock_code(L, packed);
   const int bits = static_cast<int>(format / 100), group = static_cast<int>(format % 100);
   const sluice::QbWeight w = qb_weight(L, packed);
-  if (L[packed + 5] >= kFormatPanels) {  // every group on the panels, at any row count
+  if (on_panels(L, packed)) {  // every group on the panels, at any row count
     const int rows = static_cast<int>(m.start[m.groups]);
     sluice::gemm_quantize(x, rows, K, sluice::kQbSuper, group, sluice::qb_implied(bits),
                           w.m == nullptr, ga);
@@ -407,13 +415,13 @@ void moe(const Shape& s, const int64_t* L, int M, const T* x, T* out, MoeScratch
     for (int i = 0; i < pairs; ++i)
       std::memcpy(m.xs.data() + static_cast<int64_t>(i) * H,
                   x + static_cast<int64_t>(m.order[i] / k) * H, H * sizeof(T));
-    if (L[kGateUpPacked + 5] < kFormatPanels) quantize_for(xa, L, kGateUpPacked, m.xs.data(), pairs, H);
+    if (!on_panels(L, kGateUpPacked)) quantize_for(xa, L, kGateUpPacked, m.xs.data(), pairs, H);
   }
   experts(s, L, kGateUpPacked, xa, m.xs.data(), ga, m, H, 2 * I, m.gate_up.data());
 #pragma omp single
   {
     sluice::silu_and_mul(m.gate_up.data(), m.act.data(), pairs, I);
-    if (L[kDownPacked + 5] < kFormatPanels) quantize_for(xa, L, kDownPacked, m.act.data(), pairs, I);
+    if (!on_panels(L, kDownPacked)) quantize_for(xa, L, kDownPacked, m.act.data(), pairs, I);
   }
   experts(s, L, kDownPacked, xa, m.act.data(), ga, m, I, H, m.y.data());
 #pragma omp single
