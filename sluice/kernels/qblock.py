@@ -357,6 +357,26 @@ def qblock_matmul_experts(
     projection), every row as qblock_matmul computes it. One call for all groups: the
     activations are quantized once, and only the named experts' weights are read."""
     rows, k, weight = weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
+    groups = (num_experts, group_start, group_expert)
+    return run_experts(_MATMUL_EXPERTS, lib, x, rows, k, weight, bits, group, *groups)
+
+
+def run_experts(
+    fn: CFunction,
+    lib: Library,
+    x: torch.Tensor,
+    rows: int,
+    k: int,
+    weight: tuple[int, int, int, int, int],
+    bits: int,
+    group: int,
+    num_experts: int,
+    group_start: torch.Tensor,
+    group_expert: torch.Tensor,
+) -> torch.Tensor:
+    """y [M, N] from a grouped experts kernel `fn` (x, bf16, M, K, bits, group, the
+    weight's five pointers, N, groups, group_start, group_expert, y) on E experts
+    stacked in `rows` weight rows of K, x and the groups checked first."""
     if num_experts < 1 or rows % num_experts:
         raise ValueError(f"{rows} weight rows do not split into {num_experts} experts")
     n = rows // num_experts
@@ -365,7 +385,7 @@ def qblock_matmul_experts(
     check_expert_groups(group_start, group_expert, m, num_experts)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        _MATMUL_EXPERTS(
+        fn(
             lib,
             *(ptr(x), is_bf16(x), m, k, bits, group, *weight, n),
             *(group_expert.numel(), ptr(group_start), ptr(group_expert), ptr(y)),

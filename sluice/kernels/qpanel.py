@@ -17,7 +17,7 @@ import torch
 
 from sluice.core.quantized_tensor import QuantizedTensor
 from sluice.kernels._ffi import INT, POINTER, Library, c_function, is_bf16, ptr
-from sluice.kernels.qblock import activations, check_expert_groups, weight_args
+from sluice.kernels.qblock import activations, run_experts, weight_args
 
 # (bits, group) of the formats with a panel layout: Q4_K and Q6_K's.
 FORMATS = frozenset({(4, 32), (6, 16)})
@@ -111,15 +111,5 @@ def qpanel_experts(
     rows, k, weight = _panel_args(w)
     if num_experts < 1 or rows % num_experts or (rows // num_experts) % PANEL_ROWS:
         raise ValueError(f"{rows} weight rows do not split into {num_experts} experts of panels")
-    n = rows // num_experts
-    x = activations(x, k)
-    m = x.shape[0]
-    check_expert_groups(group_start, group_expert, m, num_experts)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m:
-        _EXPERTS(
-            lib,
-            *(ptr(x), is_bf16(x), m, k, w.bits, w.group, *weight, n),
-            *(group_expert.numel(), ptr(group_start), ptr(group_expert), ptr(y)),
-        )
-    return y
+    groups = (num_experts, group_start, group_expert)
+    return run_experts(_EXPERTS, lib, x, rows, k, weight, w.bits, w.group, *groups)

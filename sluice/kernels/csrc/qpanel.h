@@ -245,46 +245,6 @@ SLUICE_INLINE void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, i
     _mm512_storeu_ps(out[r] + 16, total[r][1]);
   }
 }
-#else
-// Column c's value at k of the panel.
-template <int BITS>
-inline int qp_value(const QpPanel& w, int c, int k) {
-  const int step = k / 4, p = step / 16, in_pair = step % 16, half = c / 16;
-  const int64_t lane = (c % 16) * 4 + k % 4;
-  const int64_t ph = static_cast<int64_t>(p) * 2 + half;
-  const uint8_t b = w.w[(ph * 8 + in_pair / 2) * 64 + lane];
-  int v = in_pair % 2 ? b >> 4 : b & 0x0F;
-  if (BITS == 6) v |= ((w.h[(ph * 4 + in_pair / 4) * 64 + lane] >> (2 * (in_pair % 4))) & 3) << 4;
-  return v;
-}
-
-// The portable gemm_rows' arithmetic on the panel.
-template <int BITS, int G, bool SYM, int R>
-void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, int K, float (*out)[kQpCols],
-             bool) {
-  constexpr int kSpanGroups = kQbSuper / G;
-  const int ng = K / G;
-  for (int r = 0; r < R; ++r) {
-    const int8_t* x = a.row(r0 + r);
-    const int64_t gr = static_cast<int64_t>(r0 + r) * ng;
-    for (int c = 0; c < kQpCols; ++c) {
-      float total = 0.f;
-      for (int g0 = 0; g0 < ng; g0 += kSpanGroups) {
-        const int s0 = g0 / kSpanGroups;
-        float span = 0.f;
-        for (int g = g0; g < g0 + kSpanGroups; ++g) {
-          int32_t s = SYM ? a.qinit[gr + g] : 0;
-          for (int k = g * G; k < (g + 1) * G; ++k) s += qp_value<BITS>(w, c, k) * x[k];
-          const int at = g * kQpCols + c, sat = s0 * kQpCols + c;
-          span += static_cast<float>(s) * (qb_half(w.sd[sat]) * static_cast<float>(w.d[at]));
-          if (!SYM) span += qb_half(w.sm[sat]) * static_cast<float>(w.m[at]) * a.qsum[gr + g];
-        }
-        total += span * a.dx[static_cast<int64_t>(r0 + r) * a.spans + s0];
-      }
-      out[r][c] = total;
-    }
-  }
-}
 #endif
 
 // The panel unpacked into the GEMM's own (qblock_gemm.h's GemmPanel: values as bytes in
@@ -346,7 +306,11 @@ void qpanel_rows_t(const GemmActivations& a, int M, int K, const QbWeight& wt, i
   const bool sym = wt.m == nullptr;
   const int panels = (N + kQpCols - 1) / kQpCols;
   alignas(64) float out[kGemmRows][kQpCols];
+#if defined(SLUICE_ISA_AVX512)
   const bool unpack = M >= kQpUnpackRows;
+#else
+  const bool unpack = true;  // the portable levels run the GEMM's own loop on every panel
+#endif
   GemmPanel unpacked;
   auto body = [&](int p) {
     const QpPanel w = qp_panel<BITS, G>(wt, K, p);
@@ -367,10 +331,12 @@ void qpanel_rows_t(const GemmActivations& a, int M, int K, const QbWeight& wt, i
           gemm_rows<G, kSpanGroups, true, R>(unpacked, a, first + r0, K, out, next);
         else if (unpack)
           gemm_rows<G, kSpanGroups, false, R>(unpacked, a, first + r0, K, out, next);
+#if defined(SLUICE_ISA_AVX512)
         else if (sym)
           qp_rows<BITS, G, true, R>(w, a, first + r0, K, out, r0 == 0);
         else
           qp_rows<BITS, G, false, R>(w, a, first + r0, K, out, r0 == 0);
+#endif
       });
       for (int r = 0; r < rows; ++r)
         y.typed(static_cast<int64_t>(first + r0 + r) * N + n0, [&](auto* yr) {
