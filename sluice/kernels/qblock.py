@@ -148,7 +148,7 @@ def activations(x: torch.Tensor, k: int) -> torch.Tensor:
     return x
 
 
-def _matmul(
+def run_matmul(
     fn: CFunction,
     lib: Library,
     x: torch.Tensor,
@@ -161,7 +161,8 @@ def _matmul(
     group: int,
     extra: tuple[int, ...] = (),
 ) -> torch.Tensor:
-    """y = fn(x, the weight): extra, pointers fn takes between N and y."""
+    """y = fn(x, the weight) for a matmul entry point (x, bf16, M, K, bits, group, the
+    weight's five pointers, N, extra..., y): extra, what fn takes between N and y."""
     n, k, weight = weight_args(packed, hbits, scale, minimum, super_scale, bits, group)
     x = activations(x, k)
     m = x.shape[0]
@@ -184,7 +185,7 @@ def qblock_matmul(
 ) -> torch.Tensor:
     """y [M, N] = x @ W.T in x's dtype, x quantized to int8 per block of 32 (of 256
     values, the super-block, for integer scales: their products then sum in int32)."""
-    return _matmul(_MATMUL, lib, x, packed, hbits, scale, minimum, super_scale, bits, group)
+    return run_matmul(_MATMUL, lib, x, packed, hbits, scale, minimum, super_scale, bits, group)
 
 
 def qblock_gemm(
@@ -206,7 +207,7 @@ def qblock_gemm(
     `tiles`: on AMX-INT8 tiles where has_amx(lib) (csrc/qblock_gemm_amx.h; bit-equal to
     the VNNI path); only where the process holds the tile state (kernels.tiles())."""
     args = (packed, hbits, scale, minimum, super_scale, bits, group)
-    return _matmul(_GEMM, lib, x, *args, extra=(int(tiles),))
+    return run_matmul(_GEMM, lib, x, *args, extra=(int(tiles),))
 
 
 def qblock_amx(
@@ -262,7 +263,9 @@ def qblock_matmul_float(
 ) -> torch.Tensor:
     """qblock_matmul with unquantized activations (fp32 accumulation): exact, the
     reference qblock_matmul_residual (the output head) is checked against."""
-    return _matmul(_MATMUL_FLOAT, lib, x, packed, hbits, scale, minimum, super_scale, bits, group)
+    return run_matmul(
+        _MATMUL_FLOAT, lib, x, packed, hbits, scale, minimum, super_scale, bits, group
+    )
 
 
 def qblock_matmul_residual(
@@ -280,7 +283,7 @@ def qblock_matmul_residual(
     makes them), then what that leaves out (x - dx * q) in blocks of its own, so every
     value is kept to within 1/508 of its block's step (~15 bits of the block's largest),
     at the int8 kernel's speed: the output head."""
-    return _matmul(
+    return run_matmul(
         _MATMUL_RESIDUAL, lib, x, packed, hbits, scale, minimum, super_scale, bits, group
     )
 
@@ -314,7 +317,7 @@ def qblock_matmul_head(
     if first_level not in HEAD_FIRST_LEVELS:
         raise ValueError(f"first_level must be one of {HEAD_FIRST_LEVELS}, got {first_level!r}")
     first = HEAD_FIRST_LEVELS.index(first_level)
-    return _matmul(_MATMUL_HEAD, lib, x, *weight, extra=(ptr(row_norm), first))
+    return run_matmul(_MATMUL_HEAD, lib, x, *weight, extra=(ptr(row_norm), first))
 
 
 def check_expert_groups(

@@ -15,9 +15,9 @@ import dataclasses
 
 import torch
 
-from sluice.core.quantized_tensor import QuantizedTensor
-from sluice.kernels._ffi import INT, POINTER, Library, c_function, is_bf16, ptr
-from sluice.kernels.qblock import activations, run_experts, weight_args
+from sluice.core.quantized_tensor import SUPER, QuantizedTensor
+from sluice.kernels._ffi import INT, POINTER, Library, c_function
+from sluice.kernels.qblock import run_experts, run_matmul, weight_args
 
 # (bits, group) of the formats with a panel layout: Q4_K and Q6_K's.
 FORMATS = frozenset({(4, 32), (6, 16)})
@@ -55,7 +55,7 @@ def can_panel(w: QuantizedTensor) -> bool:
         and (w.bits, w.group) in FORMATS
         and w.integer_scales
         and rows % PANEL_ROWS == 0
-        and cols % 256 == 0
+        and cols % SUPER == 0
     )
 
 
@@ -67,35 +67,26 @@ def to_panels(lib: Library, w: QuantizedTensor) -> QuantizedTensor:
             f"{w.shape} (Q4_K or Q6_K with integer scales, rows a multiple of {PANEL_ROWS})"
         )
     n, k, src = weight_args(*w.parts(), w.bits, w.group)
-    out = [torch.empty_like(t) for t in w.parts()]
-
-    def p(t: torch.Tensor) -> int:
-        return ptr(t) if t.numel() else 0
-
-    if _REPACK(lib, w.bits, w.group, *src, k, n, *(p(t) for t in out)):
+    packed, hbits, scale, minimum, sup = (torch.empty_like(t) for t in w.parts())
+    # The same layout, the same checks; empty parts (none for Q4_K's hbits) stay null.
+    _, _, dst = weight_args(packed, hbits, scale, minimum, sup, w.bits, w.group)
+    if _REPACK(lib, w.bits, w.group, *src, k, n, *dst):
         raise ValueError(f"the kernels have no panel layout for {w.bits} bits / {w.group}")
-    packed, hbits, scale, minimum, sup = out
     return dataclasses.replace(
         w, packed=packed, hbits=hbits, scale=scale, minimum=minimum, super_scale=sup, panels=True
     )
 
 
-def _panel_args(w: QuantizedTensor) -> tuple[int, int, tuple[int, int, int, int, int]]:
+def _check_panels(w: QuantizedTensor) -> None:
     if not w.panels:
         raise ValueError("qpanel kernels take a weight in panel order (to_panels)")
-    return weight_args(*w.parts(), w.bits, w.group)
 
 
 def qpanel_matmul(lib: Library, x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
     """y [M, N] = x @ W.T in x's dtype (fp32 or bf16 [M, K]) for a panel weight, x
     quantized to int8 per 256 values; any M, each row's sums the same."""
-    n, k, weight = _panel_args(w)
-    x = activations(x, k)
-    m = x.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m:
-        _MATMUL(lib, ptr(x), is_bf16(x), m, k, w.bits, w.group, *weight, n, ptr(y))
-    return y
+    _check_panels(w)
+    return run_matmul(_MATMUL, lib, x, *w.parts(), w.bits, w.group)
 
 
 def qpanel_experts(
@@ -108,7 +99,8 @@ def qpanel_experts(
 ) -> torch.Tensor:
     """y [M, N]: each group's rows @ W_e.T (qblock.qblock_matmul_experts on panels), the
     activations quantized once for all groups; only the named experts are read."""
-    rows, k, weight = _panel_args(w)
+    _check_panels(w)
+    rows, k, weight = weight_args(*w.parts(), w.bits, w.group)
     if num_experts < 1 or rows % num_experts or (rows // num_experts) % PANEL_ROWS:
         raise ValueError(f"{rows} weight rows do not split into {num_experts} experts of panels")
     groups = (num_experts, group_start, group_expert)
