@@ -56,7 +56,8 @@ def test_panels_compute_the_int8_gemms_sums_at_every_row_count(
     assert panels.panels and not w.panels and panels.shape == w.shape
     assert [t.shape for t in panels.parts()] == [t.shape for t in w.parts()]
     gen = torch.Generator().manual_seed(1)
-    for m in (1, 2, 3, 4, 5, 9, 17, 39, 40, 45):  # from 40 on, each panel unpacked once
+    # Up to 8 rows a pass (12: two of 6, 17: three); from 40 on, each panel unpacked once.
+    for m in (1, 2, 3, 4, 5, 8, 9, 12, 17, 39, 40, 45):
         x = torch.randn(m, 768, generator=gen).to(dtype)
         got = qpanel.qpanel_matmul(lib, x, panels)
         want = qblock.qblock_gemm(lib, x, *w.parts(), w.bits, w.group)
