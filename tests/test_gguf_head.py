@@ -12,11 +12,16 @@ that bf16's rounding of the logits does not hide the activations' error."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 from sluice import LLM, SamplingParams
-from sluice.kernels import qblock
+from sluice.core.quantized_tensor import QuantizedTensor
+from sluice.kernels import qblock, qpanel
+from sluice.layers import block_quant
+from sluice.layers.block_quant import BlockQuantized
 from sluice.loader.resolve import ModelNotFoundError, resolve_model_path
 
 PROMPTS = [
@@ -45,17 +50,37 @@ def head_inputs(llm: LLM, max_tokens: int) -> torch.Tensor:
     return torch.cat(seen)
 
 
+def head_method(llm: LLM) -> BlockQuantized:
+    method = llm.engine.runner.model.lm_head.method
+    assert isinstance(method, BlockQuantized) and method.lib is not None
+    assert method.weight is not None and method.row_norm is not None
+    return method
+
+
+def row_major_head(alias: str) -> QuantizedTensor:
+    """The model's head weight as loaded where no weight is kept in panel order."""
+    with mock.patch.object(block_quant, "PANEL_LEVELS", frozenset()):
+        w = head_method(LLM(model=alias, enable_prefix_caching=False)).weight
+    assert w is not None and not w.panels
+    return w
+
+
 def assert_head_is_two_level_near_the_top(alias: str, max_tokens: int) -> None:
     llm = LLM(model=alias, enable_prefix_caching=False)
-    method = llm.engine.runner.model.lm_head.method
-    assert method.name == "gguf" and method.lib is not None and method.row_norm is not None
-    w = method.weight
-    args = (w.packed, w.hbits, w.scale, w.minimum, w.super_scale, w.bits, w.group)
+    method = head_method(llm)
+    lib, w, row_norm = method.lib, method.weight, method.row_norm
+    assert lib is not None and w is not None and row_norm is not None
     x = head_inputs(llm, max_tokens).float()  # (bf16 inputs convert exactly)
     assert len(x) >= 4 * len(PROMPTS)  # prompts and answers, not a stub
-    got = qblock.qblock_matmul_head(method.lib, x, *args, method.row_norm)
-    assert torch.equal(got.argmax(1), qblock.qblock_matmul_residual(method.lib, x, *args).argmax(1))
-    exact = x.double() @ qblock.qblock_dequantize(method.lib, *args, torch.float32).double().t()
+    del llm
+    if w.panels:  # an untied K-quant head at a PANEL_LEVELS level: the model's kernel,
+        got = qpanel.qpanel_matmul_head(lib, x, w, row_norm)
+        w = row_major_head(alias)  # and the references on the row-major weight
+    args = (w.packed, w.hbits, w.scale, w.minimum, w.super_scale, w.bits, w.group)
+    if not method.panels:
+        got = qblock.qblock_matmul_head(lib, x, *args, row_norm)
+    assert torch.equal(got.argmax(1), qblock.qblock_matmul_residual(lib, x, *args).argmax(1))
+    exact = x.double() @ qblock.qblock_dequantize(lib, *args, torch.float32).double().t()
     top = exact.amax(1, keepdim=True)
     near = exact >= top - 1.0
     err = (got.double() - exact).abs() / top.abs()

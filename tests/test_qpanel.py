@@ -21,10 +21,13 @@ from sluice.layers.block_quant import PANEL_LEVELS
 from sluice.layers.experts import ExpertGroups
 from tests.test_decode_stack import assert_stack_runs_the_gemm_as_eager
 from tests.test_moe_gguf import VOCAB, tokenizer
-from tests.test_qblock_kernels import random_weight
+from tests.test_qblock_kernels import (
+    assert_two_level_where_it_may_be_picked,
+    head_row_norms,
+    random_weight,
+)
 
 __all__ = ["tokenizer"]  # a fixture, used by name
-
 
 
 @pytest.fixture
@@ -90,6 +93,33 @@ def test_expert_panels_give_each_group_its_experts_product(
         assert torch.equal(got[lo:hi], want), expert
 
 
+@pytest.mark.parametrize(("bits", "symmetric"), FORMATS)
+def test_a_head_in_panels_is_the_head_with_the_gemms_first_level(
+    lib: kernels.Library, bits: int, symmetric: bool
+) -> None:
+    # The output head on panels: every logit bit for bit what the head computes on the
+    # row-major weight with its first level from the int8 GEMM (the candidates' rows
+    # rebuilt from the panels: two-level, the block kernel's), so the pick and every
+    # token that could round to it are two-level and the rest the GEMM's; a row's
+    # logits do not depend on the batch.
+    w = k_quant(3008, 768, bits, symmetric, seed=4)
+    panels = qpanel.to_panels(lib, w)
+    weight = (*w.parts(), w.bits, w.group)
+    row_norm = head_row_norms(lib, *weight)
+    x = torch.randn(17, 768, generator=torch.Generator().manual_seed(5)).bfloat16()
+    got = qpanel.qpanel_matmul_head(lib, x, panels, row_norm)
+    want = qblock.qblock_matmul_head(lib, x, *weight, row_norm, first_level="gemm")
+    assert torch.equal(got, want)
+    two = qblock.qblock_matmul_residual(lib, x, *weight)
+    assert_two_level_where_it_may_be_picked(got, two, qblock.qblock_gemm(lib, x, *weight))
+    for rows in (1, 5, 16):
+        assert torch.equal(qpanel.qpanel_matmul_head(lib, x[:rows], panels, row_norm), got[:rows])
+    with pytest.raises(ValueError, match="panel order"):
+        qpanel.qpanel_matmul_head(lib, x, w, row_norm)  # a row-major weight
+    with pytest.raises(ValueError, match="row_norm"):
+        qpanel.qpanel_matmul_head(lib, x, panels, row_norm[:-1])
+
+
 def test_what_has_no_panel_layout_is_refused(lib: kernels.Library) -> None:
     q5 = random_weight(64, 256, 5, 32, 0, integer=True)
     q5k = QuantizedTensor(5, 32, q5.packed, q5.hbits, q5.d, q5.m, q5.s)
@@ -122,6 +152,10 @@ TINY = {
     "tiny-llama": dataclasses.replace(
         SHAPES["llama-3.1-8b"], hidden=256, ffn=512, heads=4, kv_heads=2, vocab=VOCAB
     ),
+    # Qwen2.5-3B's: the head is the embedding (tied).
+    "tiny-qwen-tied": dataclasses.replace(
+        SHAPES["qwen2.5-3b"], hidden=256, ffn=512, heads=4, kv_heads=2, vocab=VOCAB
+    ),
 }
 
 
@@ -131,7 +165,7 @@ def test_a_model_keeps_its_k_quants_in_panels_where_the_level_uses_them(
 ) -> None:
     # Three layers of the shape in llama-quantize's Q4_K_M: Q4_K, with Q6_K for attn_v
     # (the fused qkv widened to it) and ffn_down in one layer, and for the head. With
-    # int8 prompts, at a level in PANEL_LEVELS every Q4_K and Q6_K linear but the head,
+    # int8 prompts, at a level in PANEL_LEVELS every Q4_K and Q6_K linear, the head too,
     # and every such expert stack, is in panels, and the decode stack (steps of up to 32 rows) gives
     # eager's token ids and logprobs exactly.
     monkeypatch.setattr(random_gguf, "SHAPES", {**SHAPES, **TINY})
@@ -153,6 +187,10 @@ def test_a_model_keeps_its_k_quants_in_panels_where_the_level_uses_them(
     assert {(w.bits, w.group) for w in weights if id(w) in k_quants} == {(4, 32), (6, 16)}
     for w in weights:  # (8 experts: attention in Q8_0 and Q5_K, as llama-quantize does)
         assert w.panels == (id(w) in k_quants and kernel_level in PANEL_LEVELS)
-    assert not model.lm_head.method.weight.panels  # the head keeps its two-level kernel
+    # The head (Q6_K) too, its kernel's first level from the panels; not a tied head,
+    # whose rows the embedding reads.
+    tied = llm.engine.model_config.tie_word_embeddings
+    assert model.lm_head.method.weight.panels == (kernel_level in PANEL_LEVELS and not tied)
+    assert (model.lm_head.method.weight is model.embed_tokens.quantized) == tied
     del llm
     assert_stack_runs_the_gemm_as_eager(path)

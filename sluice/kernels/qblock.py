@@ -34,6 +34,9 @@ FORMATS = frozenset({(b, g) for b in (4, 5, 6, 8) for g in (32, 16)})
 # or that GEMM on AMX-INT8 tiles; in the order of csrc/qblock.cpp's HeadFirstLevel.
 HeadFirstLevel = Literal["blocks", "gemm", "tiles"]
 HEAD_FIRST_LEVELS: tuple[HeadFirstLevel, ...] = get_args(HeadFirstLevel)
+# ... and the code after them: the panel kernel on a weight in panel order, which only
+# qpanel.qpanel_matmul_head passes (it checks the weight is one).
+HEAD_FIRST_PANELS = len(HEAD_FIRST_LEVELS)
 
 _ROW_BLOCK = c_function("sluice_qblock_row_block", INT)
 # (x, bf16, M, K, bits, group, packed, hbits, d, m, s, N, y)
@@ -310,13 +313,25 @@ def qblock_matmul_head(
     (HEAD_FIRST_LEVELS: the block kernel, qblock_gemm, or qblock_gemm on AMX-INT8 tiles
     where has_amx(lib) and the process holds the tile state); the rest take its values,
     the candidates are the same either way."""
-    n = packed.shape[0]
-    if row_norm.shape != (n,) or row_norm.dtype != torch.float32 or not row_norm.is_contiguous():
-        raise ValueError(f"row_norm must be contiguous float32 [{n}]")
     weight = (packed, hbits, scale, minimum, super_scale, bits, group)
     if first_level not in HEAD_FIRST_LEVELS:
         raise ValueError(f"first_level must be one of {HEAD_FIRST_LEVELS}, got {first_level!r}")
-    first = HEAD_FIRST_LEVELS.index(first_level)
+    return run_head(lib, x, weight, row_norm, HEAD_FIRST_LEVELS.index(first_level))
+
+
+def run_head(
+    lib: Library,
+    x: torch.Tensor,
+    weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int],
+    row_norm: torch.Tensor,
+    first: int,
+) -> torch.Tensor:
+    """The head kernel on `weight` (its five tensors, bits, group) with its first level
+    from `first` (csrc/qblock.cpp's HeadFirstLevel: an index of HEAD_FIRST_LEVELS, or
+    HEAD_FIRST_PANELS)."""
+    n = weight[0].shape[0]
+    if row_norm.shape != (n,) or row_norm.dtype != torch.float32 or not row_norm.is_contiguous():
+        raise ValueError(f"row_norm must be contiguous float32 [{n}]")
     return run_matmul(_MATMUL_HEAD, lib, x, *weight, extra=(ptr(row_norm), first))
 
 

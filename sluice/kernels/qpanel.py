@@ -17,7 +17,7 @@ import torch
 
 from sluice.core.quantized_tensor import SUPER, QuantizedTensor
 from sluice.kernels._ffi import INT, POINTER, Library, c_function
-from sluice.kernels.qblock import run_experts, run_matmul, weight_args
+from sluice.kernels.qblock import HEAD_FIRST_PANELS, run_experts, run_head, run_matmul, weight_args
 
 # (bits, group) of the formats with a panel layout: Q4_K and Q6_K's.
 FORMATS = frozenset({(4, 32), (6, 16)})
@@ -87,6 +87,18 @@ def qpanel_matmul(lib: Library, x: torch.Tensor, w: QuantizedTensor) -> torch.Te
     quantized to int8 per 256 values; any M, each row's sums the same."""
     _check_panels(w)
     return run_matmul(_MATMUL, lib, x, *w.parts(), w.bits, w.group)
+
+
+def qpanel_matmul_head(
+    lib: Library, x: torch.Tensor, w: QuantizedTensor, row_norm: torch.Tensor
+) -> torch.Tensor:
+    """The output head (qblock.qblock_matmul_head) on a panel weight: the first int8
+    level from the panel kernel (the GEMM's sums, as first_level="gemm" has them), and
+    each token that may be the greedy pick two-level, bit for bit the block kernel's on
+    the row-major weight (its row rebuilt from the panel). row_norm: the row-major
+    weight's row norms (block_quant.row_norms), one per row."""
+    _check_panels(w)
+    return run_head(lib, x, (*w.parts(), w.bits, w.group), row_norm, HEAD_FIRST_PANELS)
 
 
 def qpanel_experts(

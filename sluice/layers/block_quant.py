@@ -93,11 +93,11 @@ AMX_AFTER_GEMM_MIN_ROWS = 128
 # ad hoc). An AVX2 build of the GEMM (maddubs + madd) was no faster than the block
 # kernel at 512 rows (0.88-1.18x its time) and slower below, so there is none.
 INT8_PROMPTS_ON_BLOCKS = frozenset({"avx2"})
-# Levels where a Q4_K or Q6_K weight that takes the int8 GEMM (a linear other than the
+# Levels where a Q4_K or Q6_K weight of a model with int8 prompts (a linear, an untied
 # head, a Mixture-of-Experts stack) is kept in panel order (sluice/kernels/qpanel.py)
 # and runs on the panel kernel at every row count: it does one vpdpbusd per 64
 # products and row where the block kernel does two multiplies, and packs no panels a
-# step as the GEMM does. Not the amx level, whose GEMM runs on AMX-INT8 tiles from the
+# step as the GEMM does. A head's two-level candidates read rows rebuilt from it. Not the amx level, whose GEMM runs on AMX-INT8 tiles from the
 # row-major layout (panels there are unmeasured).
 PANEL_LEVELS = frozenset({"avx512"})
 # Levels whose output head stays on its kernel at every row count. At avx2 the dense
@@ -261,15 +261,23 @@ class BlockQuantized(LinearMethod):
         """The weight is in panel order (sluice/kernels/qpanel.py)."""
         return self.weight is not None and self.weight.panels
 
-    def load_quantized(self, layer: Linear, weight: QuantizedTensor) -> None:
+    def load_quantized(self, layer: Linear, weight: QuantizedTensor, shared: bool = False) -> None:
+        """`shared`: the weight is also another module's (a tied head's, the embedding's),
+        which reads its rows: it stays row-major."""
         if weight.shape != (layer.out_features, layer.in_features):
             raise ValueError(
                 f"shape mismatch: expected {(layer.out_features, layer.in_features)}, "
                 f"got {weight.shape}"
             )
         self.lib = cpu_kernels(layer.weight)
+        # The head's kernel bounds its second level per token by the row's L2 norm.
+        self.row_norm = (
+            row_norms(self.lib, weight) if self.output_head and self.lib is not None else None
+        )
         int8_rows = self.int8_prompts and not self.output_head  # many rows: the GEMM
-        if panels_for(self.lib, int8_rows) and qpanel.can_panel(weight):
+        # Panels where the model's linears have them: an untied head too (its first
+        # level then the GEMM's sums at every row count, as from HEAD_GEMM_MIN_ROWS).
+        if panels_for(self.lib, self.int8_prompts) and not shared and qpanel.can_panel(weight):
             assert self.lib is not None
             weight = qpanel.to_panels(self.lib, weight)
         self.weight = weight
@@ -277,10 +285,6 @@ class BlockQuantized(LinearMethod):
         layer.qb_packed, layer.qb_hbits = weight.packed, weight.hbits
         layer.qb_scale, layer.qb_min = weight.scale, weight.minimum
         layer.qb_super = weight.super_scale
-        # The head's kernel bounds its second level per token by the row's L2 norm.
-        self.row_norm = (
-            row_norms(self.lib, weight) if self.output_head and self.lib is not None else None
-        )
         layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
         self.int8_gemm = int8_gemm_for(self.lib, int8_rows)
         # Without our kernels the dense path is the only one.
@@ -328,6 +332,8 @@ def _linear(
     kernel. A weight in panel order takes the panel kernel at every row count."""
     if w.panels:
         assert lib is not None  # panels are made only where our kernels run
+        if row_norm is not None:
+            return qpanel.qpanel_matmul_head(lib, x.contiguous(), w, row_norm)
         return qpanel.qpanel_matmul(lib, x, w)
     if lib is not None:
         args = (x.contiguous(), *_kernel_args(w))

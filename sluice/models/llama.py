@@ -347,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
         quantized = self.embed_tokens.quantized
         if quantized is not None and isinstance(self.lm_head.method, BlockQuantized):
             rows = quantized if ids is None else quantized.rows(ids)
-            self.lm_head.method.load_quantized(self.lm_head, rows)
+            self.lm_head.method.load_quantized(self.lm_head, rows, shared=ids is None)
             return
         tied = self.embed_tokens.weight
         assert isinstance(tied, nn.Parameter)

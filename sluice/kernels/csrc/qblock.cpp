@@ -11,6 +11,7 @@
 #include "qblock.h"
 #include "qblock_float.h"
 #include "qblock_gemm_amx.h"
+#include "qpanel.h"
 
 namespace {
 
@@ -110,11 +111,20 @@ void prefetch_row(const QbWeight& w, int K, int n) {
 // coarse came from the int8 GEMM (not the block kernel), the first level's activations,
 // whose block-kernel product a candidate's logit takes instead (a second dot product),
 // so candidates stay bit for bit the two-level kernel's.
+// panels: w is in panel order (qpanel.h), each candidate's row rebuilt row-major.
 template <int BITS, int G, bool IQ, typename T>
 void head_refine_t(const float* coarse, const sluice::QBlockActivations& rest,
                    const sluice::QBlockActivations* first, int M, int K, const QbWeight& w,
-                   int N, const float* rnorm, const float* s, const float* cutoff, T* y) {
+                   int N, const float* rnorm, const float* s, const float* cutoff, bool panels,
+                   T* y) {
+  constexpr bool kPanelFormat = IQ && (BITS == 4 || BITS == 6);
   std::vector<int64_t> picked;  // this thread's candidates, as r * N + n
+  sluice::QpRowScratch scratch;
+  auto row_of = [&](int n) {
+    if constexpr (kPanelFormat)
+      if (panels) return sluice::qp_row<BITS, G>(w, K, n, scratch);
+    return w.row<BITS, G, IQ>(K, n);
+  };
 #pragma omp for schedule(static)
   for (int n0 = 0; n0 < N; n0 += kHeadTile) {
     const int n1 = std::min(N, n0 + kHeadTile);
@@ -126,10 +136,11 @@ void head_refine_t(const float* coarse, const sluice::QBlockActivations& rest,
       for (int n = n0; n < n1; ++n)
         if (c[n] + rnorm[n] * s[r] >= cutoff[r]) picked.push_back(static_cast<int64_t>(r) * N + n);
     }
-    for (const int64_t i : picked) prefetch_row<BITS, G, IQ>(w, K, static_cast<int>(i % N));
+    if (!panels)
+      for (const int64_t i : picked) prefetch_row<BITS, G, IQ>(w, K, static_cast<int>(i % N));
     for (const int64_t i : picked) {
       const int r = static_cast<int>(i / N), n = static_cast<int>(i % N);
-      const sluice::QbRow row = w.row<BITS, G, IQ>(K, n);
+      const sluice::QbRow row = row_of(n);
       float out, one = coarse[i];
       sluice::qb_dot_row<BITS, G, IQ, 1>(row, sluice::qb_act_rows<G, 1>(rest, r, K), K, &out);
       if (first)
@@ -159,15 +170,18 @@ std::vector<float> residual_norm(const sluice::QBlockActivations& rest, int M, i
 }
 
 // Where the head's first level comes from (sluice_qblock_matmul_head's `first`).
-enum HeadFirstLevel { kHeadBlocks = 0, kHeadGemm = 1, kHeadTiles = 2 };
+enum HeadFirstLevel { kHeadBlocks = 0, kHeadGemm = 1, kHeadTiles = 2, kHeadPanels = 3 };
 
 // The first level's logits of every token into coarse: the block kernel on xw, or the
 // int8 GEMM on x (the same int8 values, summed in another order), on AMX-INT8 tiles for
-// kHeadTiles where this library has them (every thread of a parallel region calls this).
+// kHeadTiles where this library has them, or the panel kernel (the GEMM's sums) on a
+// weight in panel order (every thread of a parallel region calls this).
 template <typename T>
 void head_first_level(int first, const T* x, const sluice::QBlockActivations& xw, int M, int K,
                       int bits, int group, const QbWeight& w, int N, float* coarse,
                       sluice::GemmActivations& ga) {
+  if (first == kHeadPanels)
+    return sluice::qpanel_matmul(x, M, K, bits, group, w, N, sluice::qb_out(coarse), ga);
   if (first != kHeadBlocks)
     return sluice::qblock_gemm_on(first == kHeadTiles, x, M, K, bits, group, w, N,
                                   sluice::qb_out(coarse), ga);
@@ -223,7 +237,8 @@ void matmul_head(const T* x, int M, int K, int bits, int group, const QbWeight& 
     const sluice::QBlockActivations* xfirst = first != kHeadBlocks ? &xw : nullptr;
     SLUICE_QB_DISPATCH(bits, group, integer,
                        (head_refine_t<B, G, IQ>(coarse.data(), xr, xfirst, M, K, w, N, rnorm,
-                                                s.data(), cutoff.data(), y)))
+                                                s.data(), cutoff.data(), first == kHeadPanels,
+                                                y)))
   }
 }
 
@@ -316,8 +331,9 @@ void sluice_qblock_matmul_residual(const void* x, int bf16, int M, int K, int bi
 // The output head: as sluice_qblock_matmul_residual for every logit that may be the
 // greedy pick, one int8 level for the rest; row_norm [N]: each weight row's L2 norm
 // (rounded up).
-// first: that one level from the block kernel (0), the int8 GEMM (1), or the int8 GEMM
-// on AMX-INT8 tiles where this library has them (2; the caller holds the tile state).
+// first: that one level from the block kernel (0), the int8 GEMM (1), the int8 GEMM on
+// AMX-INT8 tiles where this library has them (2; the caller holds the tile state), or
+// the panel kernel on a Q4_K or Q6_K weight in panel order (3: qpanel.h's layout).
 void sluice_qblock_matmul_head(const void* x, int bf16, int M, int K, int bits, int group,
                                const uint8_t* packed, const uint8_t* hbits, const void* d,
                                const void* m, const uint16_t* s, int N, const float* row_norm,
