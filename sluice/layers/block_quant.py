@@ -97,8 +97,9 @@ INT8_PROMPTS_ON_BLOCKS = frozenset({"avx2"})
 # head, a Mixture-of-Experts stack) is kept in panel order (sluice/kernels/qpanel.py)
 # and runs on the panel kernel at every row count: it does one vpdpbusd per 64
 # products and row where the block kernel does two multiplies, and packs no panels a
-# step as the GEMM does. A head's two-level candidates read rows rebuilt from it. Not the amx level, whose GEMM runs on AMX-INT8 tiles from the
-# row-major layout (panels there are unmeasured).
+# step as the GEMM does. A head's two-level candidates read rows rebuilt from it. Not
+# the amx level, whose GEMM runs on AMX-INT8 tiles from the row-major layout (panels
+# there are unmeasured).
 PANEL_LEVELS = frozenset({"avx512"})
 # Levels whose output head stays on its kernel at every row count. At avx2 the dense
 # path dequantizes the whole vocabulary to fp32 a step and multiplies in fp32: the
