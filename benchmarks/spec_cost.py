@@ -11,8 +11,9 @@ From the table: c(B) = (t(B, k) - t(B, 0)) / (k t(B, 0)), averaged over k, the c
 of one draft token as a fraction of a decode step with B rows. One draft accepted with
 probability a pays only while c(B) < a; max_decode_rows is the largest B up to which
 c stays below GOOD_ACCEPTANCE (what n-gram drafts reach where the output copies its
-input). step_cost is the step time with k drafts at one row, relative to k = 0 (the
-decode stack takes up to 3 rows, so the first two drafts cost less than the next).
+input). step_cost is the step time with k drafts at one row, relative to k = 0 (it
+rises in steps where the rows outgrow a kernel's pass: 8 rows for weights in panel
+order, csrc/qpanel.h's kQpRows; 12 for the block kernel at AVX-512, 4 below).
 
 Run from the repo root:
     .venv/bin/python benchmarks/spec_cost.py
