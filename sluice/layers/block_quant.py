@@ -334,7 +334,7 @@ def _linear(
     if w.panels:
         assert lib is not None  # panels are made only where our kernels run
         if row_norm is not None:
-            return qpanel.qpanel_matmul_head(lib, x.contiguous(), w, row_norm)
+            return qpanel.qpanel_matmul_head(lib, x, w, row_norm)
         return qpanel.qpanel_matmul(lib, x, w)
     if lib is not None:
         args = (x.contiguous(), *_kernel_args(w))

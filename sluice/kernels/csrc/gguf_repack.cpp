@@ -9,6 +9,8 @@
 #include <cstring>
 #include <vector>
 
+#include "qblock.h"
+
 namespace {
 
 // Format codes (gguf_blocks.REPACK_CODES).
@@ -98,35 +100,6 @@ void decode_block(int f, const uint8_t* b, uint8_t* u, uint16_t* d16, uint16_t* 
   }
 }
 
-// Row u (natural order, K values) into the pair positions of the layout: position
-// 32 b + 16 a + c holds value 32 a + 16 b + c of each 64 (qblock.h).
-void pack_row(const uint8_t* u, int K, int bits, uint8_t* packed, uint8_t* hbits) {
-  uint8_t pos[64];
-  for (int p = 0; p < K / 64; ++p) {
-    const uint8_t* v = u + 64 * p;
-    for (int c = 0; c < 16; ++c)
-      pos[c] = v[c], pos[16 + c] = v[32 + c], pos[32 + c] = v[16 + c], pos[48 + c] = v[48 + c];
-    if (bits == 8) {
-      std::memcpy(packed + 64 * p, pos, 64);
-      continue;
-    }
-    for (int i = 0; i < 32; ++i)
-      packed[32 * p + i] = static_cast<uint8_t>((pos[i] & 0x0F) | ((pos[32 + i] & 0x0F) << 4));
-    if (bits == 5)
-      for (int j = 0; j < 8; ++j) {
-        uint8_t byte = 0;
-        for (int i = 0; i < 8; ++i) byte |= static_cast<uint8_t>(((pos[8 * j + i] >> 4) & 1) << i);
-        hbits[8 * p + j] = byte;
-      }
-    if (bits == 6)
-      for (int i = 0; i < 16; ++i) {
-        uint8_t byte = 0;
-        for (int j = 0; j < 4; ++j) byte |= static_cast<uint8_t>(((pos[16 * j + i] >> 4) & 3) << (2 * j));
-        hbits[16 * p + i] = byte;
-      }
-  }
-}
-
 }  // namespace
 
 extern "C" {
@@ -164,7 +137,7 @@ int sluice_gguf_repack(const void* raw, int format, int64_t rows, int cols, void
                      s.integer ? d8 + g : nullptr, s.integer && s.offsets ? m8 + g : nullptr, pair);
         for (int j = 0; j < supers; ++j) sup[j * blocks + b] = pair[j];
       }
-      pack_row(u.data(), cols, s.bits, static_cast<uint8_t*>(packed) + r * packed_row,
+      sluice::qb_pack_row(u.data(), cols, s.bits, static_cast<uint8_t*>(packed) + r * packed_row,
                static_cast<uint8_t*>(hbits) + r * hbits_row);
     }
   }

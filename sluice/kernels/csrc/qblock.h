@@ -53,6 +53,36 @@ constexpr int64_t qb_hbits_row_bytes(int bits, int K) {
   return bits == 5 ? K / 8 : bits == 6 ? K / 4 : 0;
 }
 
+// Row u (natural order, K unsigned values) into the pair positions of the layout:
+// position 32 b + 16 a + c holds value 32 a + 16 b + c of each 64 (qb_run_k); hbits
+// only for 5 and 6 bits.
+inline void qb_pack_row(const uint8_t* u, int K, int bits, uint8_t* packed, uint8_t* hbits) {
+  uint8_t pos[64];
+  for (int p = 0; p < K / 64; ++p) {
+    const uint8_t* v = u + 64 * p;
+    for (int c = 0; c < 16; ++c)
+      pos[c] = v[c], pos[16 + c] = v[32 + c], pos[32 + c] = v[16 + c], pos[48 + c] = v[48 + c];
+    if (bits == 8) {
+      std::memcpy(packed + 64 * p, pos, 64);
+      continue;
+    }
+    for (int i = 0; i < 32; ++i)
+      packed[32 * p + i] = static_cast<uint8_t>((pos[i] & 0x0F) | ((pos[32 + i] & 0x0F) << 4));
+    if (bits == 5)
+      for (int j = 0; j < 8; ++j) {
+        uint8_t byte = 0;
+        for (int i = 0; i < 8; ++i) byte |= static_cast<uint8_t>(((pos[8 * j + i] >> 4) & 1) << i);
+        hbits[8 * p + j] = byte;
+      }
+    if (bits == 6)
+      for (int i = 0; i < 16; ++i) {
+        uint8_t byte = 0;
+        for (int j = 0; j < 4; ++j) byte |= static_cast<uint8_t>(((pos[16 * j + i] >> 4) & 3) << (2 * j));
+        hbits[16 * p + i] = byte;
+      }
+  }
+}
+
 // The offset factor of a symmetric weight: m = qb_implied_m<BITS> * d (qb_implied for
 // a run-time bit count).
 constexpr int qb_implied(int bits) { return -(1 << (bits - 1)); }

@@ -123,7 +123,7 @@ void qp_repack_panel(const QbWeight& src, int K, int N, int n0, GemmPanel& scrat
 // be the row-major weight's, bit for bit. Reads the 4 bytes of the row's lane in each
 // of the panel's vectors (half the panel's lines).
 struct QpRowScratch {
-  std::vector<uint8_t> w, h;
+  std::vector<uint8_t> u, w, h;
   std::vector<int8_t> d, m;
   std::vector<uint16_t> s;
 };
@@ -133,24 +133,21 @@ QbRow qp_row(const QbWeight& wt, int K, int64_t n, QpRowScratch& out) {
   static_assert(BITS == 4 || BITS == 6);
   const QpPanel p = qp_panel<BITS, G>(wt, K, n / kQpCols);
   const int c = static_cast<int>(n % kQpCols), half = c / 16, lane = c % 16;
-  out.w.assign(static_cast<size_t>(K) / 2, 0);
-  out.h.assign(BITS == 6 ? static_cast<size_t>(K) / 4 : 0, 0);
+  out.u.resize(K);  // the row's values in natural order, then packed as rows are
   for (int pair = 0; pair < K / 64; ++pair)
-    for (int step = 0; step < 16; ++step) {  // natural values 64 pair + 4 step + 0..3
+    for (int step = 0; step < 16; ++step) {  // values 64 pair + 4 step + 0..3
       const int64_t at = static_cast<int64_t>(pair) * 2 + half;
       const uint8_t* b = p.w + (at * 8 + step / 2) * 64 + 4 * lane;
       const uint8_t* hb = BITS == 6 ? p.h + (at * 4 + step / 4) * 64 + 4 * lane : nullptr;
       for (int j = 0; j < 4; ++j) {
         int v = step % 2 ? b[j] >> 4 : b[j] & 0x0F;
         if constexpr (BITS == 6) v |= ((hb[j] >> (2 * (step % 4))) & 3) << 4;
-        // Natural k (in the pair) = 32 (run & 1) + 16 (run >> 1) + i: pair position
-        // 16 run + i (qb_run_k); positions 0-31 low nibbles, 32-63 high.
-        const int k = 4 * step + j, run = (k / 16) % 2 * 2 + k / 32, pos = 16 * run + k % 16;
-        out.w[32 * pair + pos % 32] |= static_cast<uint8_t>((v & 0x0F) << (pos < 32 ? 0 : 4));
-        if constexpr (BITS == 6)
-          out.h[16 * pair + pos % 16] |= static_cast<uint8_t>(((v >> 4) & 3) << (2 * run));
+        out.u[64 * pair + 4 * step + j] = static_cast<uint8_t>(v);
       }
     }
+  out.w.resize(static_cast<size_t>(K) / 2);
+  out.h.resize(BITS == 6 ? static_cast<size_t>(K) / 4 : 0);
+  qb_pack_row(out.u.data(), K, BITS, out.w.data(), out.h.data());
   const int groups = K / G, supers = K / kQbSuper;
   out.d.resize(groups);
   out.m.resize(p.m ? groups : 0);
