@@ -1,8 +1,10 @@
 """K-quant weights in panel order (sluice/kernels/qpanel.py, csrc/qpanel.h): the panel
-kernel computes the int8 GEMM's sums bit for bit at every row count and every level,
-for Q4_K's and Q6_K's layouts, dense and as stacked experts; what has no panel layout
-is refused; and a model that takes int8 prompts keeps its linears and expert stacks
-in panels at the levels that use them, the decode stack agreeing with eager."""
+kernel gives a row the same result at every row count, for Q4_K's and Q6_K's layouts,
+dense and as stacked experts: the int8 GEMM's sums bit for bit where the level has them
+(qpanel.gemm_sums), at avx2 exact integer sums a super-block (no int16 sum overflows at
+the formats' extreme values); what has no panel layout is refused; and a model that
+takes int8 prompts keeps its linears and expert stacks in panels at the levels that use
+them, the decode stack agreeing with eager."""
 
 from __future__ import annotations
 
@@ -17,13 +19,14 @@ from benchmarks.random_gguf import SHAPES, write_shaped
 from sluice import LLM, kernels
 from sluice.core.quantized_tensor import QuantizedTensor, dequantize
 from sluice.kernels import qblock, qpanel
-from sluice.layers.block_quant import PANEL_LEVELS
+from sluice.layers.block_quant import HEAD_PANEL_LEVELS, PANEL_LEVELS
 from sluice.layers.experts import ExpertGroups
 from tests.test_decode_stack import assert_stack_runs_the_gemm_as_eager
 from tests.test_moe_gguf import VOCAB, tokenizer
 from tests.test_qblock_kernels import (
     assert_two_level_where_it_may_be_picked,
     head_row_norms,
+    pack,
     random_weight,
 )
 
@@ -59,17 +62,51 @@ def test_panels_compute_the_int8_gemms_sums_at_every_row_count(
     assert panels.panels and not w.panels and panels.shape == w.shape
     assert [t.shape for t in panels.parts()] == [t.shape for t in w.parts()]
     gen = torch.Generator().manual_seed(1)
-    # Up to 8 rows a pass (12: two of 6, 17: three); from 40 on, each panel unpacked once.
+    # Up to 8 rows a pass (12: two of 6, 17: three; avx2: 4); from 40 on, each panel
+    # unpacked once (AVX-512). Where the sums are the kernel's own (avx2), a row's are
+    # the same in every batch and within float rounding of the GEMM's.
+    full = torch.randn(45, 768, generator=gen).to(dtype)
+    batch = qpanel.qpanel_matmul(lib, full, panels)
     for m in (1, 2, 3, 4, 5, 8, 9, 12, 17, 39, 40, 45):
-        x = torch.randn(m, 768, generator=gen).to(dtype)
+        x = full[:m]
         got = qpanel.qpanel_matmul(lib, x, panels)
         want = qblock.qblock_gemm(lib, x, *w.parts(), w.bits, w.group)
-        assert torch.equal(got, want), m
+        assert torch.equal(got, batch[:m]), m
+        if qpanel.gemm_sums(lib):
+            assert torch.equal(got, want), m
+        else:
+            tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: an ulp of the output
+            assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max(), m
     # ... and that is x @ W.T within the int8 activations' error.
     x = torch.randn(4, 768, generator=gen)
     exact = x @ dequantize(w).T
     got = qpanel.qpanel_matmul(lib, x, panels)
     assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+@pytest.mark.parametrize(("bits", "symmetric"), FORMATS)
+def test_panel_sums_are_exact_at_the_formats_extreme_values(
+    lib: kernels.Library, bits: int, symmetric: bool
+) -> None:
+    # Every value at the format's top (or 0), every scale and offset at int8's ends,
+    # activations all at +-127: the largest partial sums a kernel can meet (avx2 sums a
+    # group's products in int16, 6 bits with offsets two steps at a time; an overflow
+    # there is off by 2^16 somewhere in a super-block). x @ W.T to float rounding.
+    group = 32 if bits == 4 else 16
+    n, k = 64, 512
+    top = (1 << bits) - 1
+    for value, scale, sign in (top, 127, 1.0), (0, -128, -1.0), (top, -128, -1.0):
+        u = torch.full((n, k), value)
+        d = torch.full((n, k // group), scale, dtype=torch.int8)
+        m = torch.full((n, k // group), 127 if symmetric else scale, dtype=torch.int8)
+        sup = torch.full((n, 1 if symmetric else 2, k // 256), 1e-3).half()
+        packed = pack(u, d, m[:0] if symmetric else m, bits, group, sup)
+        w = QuantizedTensor(bits, group, packed.packed, packed.hbits, packed.d, packed.m, packed.s)
+        x = torch.full((3, k), sign)
+        x[1, 1::2] = -sign  # alternating: the halves' sums of opposite signs
+        exact = x.double() @ dequantize(w).double().T
+        got = qpanel.qpanel_matmul(lib, x, qpanel.to_panels(lib, w)).double()
+        assert (got - exact).abs().max() <= 1e-5 * exact.abs().max(), (value, scale)
 
 
 @pytest.mark.parametrize(("bits", "symmetric"), FORMATS[:3])
@@ -88,8 +125,8 @@ def test_expert_panels_give_each_group_its_experts_product(
     x = torch.randn(len(ids), k, generator=torch.Generator().manual_seed(3))[groups.order]
     got = qpanel.qpanel_experts(lib, x, panels, e, groups.start, groups.expert)
     for expert, lo, hi in groups.spans:
-        part = w.row_slice(expert * n, (expert + 1) * n)
-        want = qblock.qblock_gemm(lib, x[lo:hi], *part.parts(), w.bits, w.group)
+        part = qpanel.to_panels(lib, w.row_slice(expert * n, (expert + 1) * n))
+        want = qpanel.qpanel_matmul(lib, x[lo:hi], part)  # (the GEMM's where gemm_sums)
         assert torch.equal(got[lo:hi], want), expert
 
 
@@ -97,21 +134,23 @@ def test_expert_panels_give_each_group_its_experts_product(
 def test_a_head_in_panels_is_the_head_with_the_gemms_first_level(
     lib: kernels.Library, bits: int, symmetric: bool
 ) -> None:
-    # The output head on panels: every logit bit for bit what the head computes on the
-    # row-major weight with its first level from the int8 GEMM (the candidates' rows
-    # rebuilt from the panels: two-level, the block kernel's), so the pick and every
-    # token that could round to it are two-level and the rest the GEMM's; a row's
-    # logits do not depend on the batch.
+    # The output head on panels: the pick and every token that could round to it are
+    # two-level (the candidates' rows rebuilt from the panels: the block kernel's on the
+    # row-major weight), the rest the panel kernel's first level; where that is the
+    # int8 GEMM's, every logit is bit for bit what the head computes on the row-major
+    # weight with its first level from the GEMM. A row's logits do not depend on the
+    # batch.
     w = k_quant(3008, 768, bits, symmetric, seed=4)
     panels = qpanel.to_panels(lib, w)
     weight = (*w.parts(), w.bits, w.group)
     row_norm = head_row_norms(lib, *weight)
     x = torch.randn(17, 768, generator=torch.Generator().manual_seed(5)).bfloat16()
     got = qpanel.qpanel_matmul_head(lib, x, panels, row_norm)
-    want = qblock.qblock_matmul_head(lib, x, *weight, row_norm, first_level="gemm")
-    assert torch.equal(got, want)
+    if qpanel.gemm_sums(lib):
+        want = qblock.qblock_matmul_head(lib, x, *weight, row_norm, first_level="gemm")
+        assert torch.equal(got, want)
     two = qblock.qblock_matmul_residual(lib, x, *weight)
-    assert_two_level_where_it_may_be_picked(got, two, qblock.qblock_gemm(lib, x, *weight))
+    assert_two_level_where_it_may_be_picked(got, two, qpanel.qpanel_matmul(lib, x, panels))
     for rows in (1, 5, 16):
         assert torch.equal(qpanel.qpanel_matmul_head(lib, x[:rows], panels, row_norm), got[:rows])
     with pytest.raises(ValueError, match="panel order"):
@@ -165,9 +204,9 @@ def test_a_model_keeps_its_k_quants_in_panels_where_the_level_uses_them(
 ) -> None:
     # Three layers of the shape in llama-quantize's Q4_K_M: Q4_K, with Q6_K for attn_v
     # (the fused qkv widened to it) and ffn_down in one layer, and for the head. With
-    # int8 prompts, at a level in PANEL_LEVELS every Q4_K and Q6_K linear, the head too,
-    # and every such expert stack, is in panels, and the decode stack (steps of up to 32 rows) gives
-    # eager's token ids and logprobs exactly.
+    # int8 prompts, at a level in PANEL_LEVELS every Q4_K and Q6_K linear, the head too
+    # (HEAD_PANEL_LEVELS), and every such expert stack, is in panels, and the decode stack
+    # (steps of up to 32 rows) gives eager's token ids and logprobs exactly.
     monkeypatch.setattr(random_gguf, "SHAPES", {**SHAPES, **TINY})
     path = tmp_path / f"{shape}.gguf"
     write_shaped(path, shape, layers=3, tokenizer_gguf=tokenizer)
@@ -190,7 +229,7 @@ def test_a_model_keeps_its_k_quants_in_panels_where_the_level_uses_them(
     # The head (Q6_K) too, its kernel's first level from the panels; not a tied head,
     # whose rows the embedding reads.
     tied = llm.engine.model_config.tie_word_embeddings
-    assert model.lm_head.method.weight.panels == (kernel_level in PANEL_LEVELS and not tied)
+    assert model.lm_head.method.weight.panels == (kernel_level in HEAD_PANEL_LEVELS and not tied)
     assert (model.lm_head.method.weight is model.embed_tokens.quantized) == tied
     del llm
     assert_stack_runs_the_gemm_as_eager(path)

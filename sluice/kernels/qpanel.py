@@ -4,9 +4,11 @@ A Q4_K or Q6_K weight (integer scales) whose rows come in whole panels of 32 can
 stored in the order the int8 GEMM multiplies (`to_panels`): its five tensors keep their
 shapes and hold the same values, permuted panel by panel, so it costs what the
 row-major layout does. On it one kernel serves every row count: a step of one row and
-one of hundreds run the same sums (the int8 GEMM's: equal to `qblock.qblock_gemm` on
-the row-major weight), nothing is unpacked but nibbles, and a group's scale is applied
-once per 16 columns. Only these kernels read a panel weight.
+one of hundreds run the same sums, nothing is unpacked but nibbles, and a group's scale
+is applied once per 16 columns (AVX-512) or 8 (avx2). The sums are the int8 GEMM's
+(equal to `qblock.qblock_gemm` on the row-major weight) where `gemm_sums` says so; at
+avx2, which has no VNNI, a super-block's group scales are applied in int32 instead (exact
+integer sums, one float step per 256 values). Only these kernels read a panel weight.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from sluice.kernels.qblock import HEAD_FIRST_PANELS, run_experts, run_head, run_
 FORMATS = frozenset({(4, 32), (6, 16)})
 PANEL_ROWS = 32  # weight rows of a panel
 
+_GEMM_SUMS = c_function("sluice_qpanel_gemm_sums", INT)
 # (bits, group, packed, hbits, d, m, s, K, N, out_packed, out_hbits, out_d, out_m, out_s)
 _REPACK = c_function(
     "sluice_qpanel_repack",
@@ -46,6 +49,12 @@ _EXPERTS = c_function(
     *(POINTER, INT, INT, INT, INT, INT, POINTER, POINTER, POINTER, POINTER, POINTER, INT),
     *(INT, POINTER, POINTER, POINTER),
 )
+
+
+def gemm_sums(lib: Library) -> bool:
+    """Whether `lib`'s panel kernel computes the int8 GEMM's sums, bit for bit (else its
+    own, from exact integer sums a super-block: avx2)."""
+    return bool(_GEMM_SUMS(lib))
 
 
 def can_panel(w: QuantizedTensor) -> bool:
@@ -98,7 +107,7 @@ def qpanel_matmul_head(
     lib: Library, x: torch.Tensor, w: QuantizedTensor, row_norm: torch.Tensor
 ) -> torch.Tensor:
     """The output head (qblock.qblock_matmul_head) on a panel weight: the first int8
-    level from the panel kernel (the GEMM's sums, as first_level="gemm" has them), and
+    level from the panel kernel (where gemm_sums, as first_level="gemm" has it), and
     each token that may be the greedy pick two-level, bit for bit the block kernel's on
     the row-major weight (its row rebuilt from the panel). row_norm: the row-major
     weight's row norms (block_quant.row_norms), one per row."""

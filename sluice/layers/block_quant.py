@@ -87,7 +87,8 @@ INT8_GEMM_LEVELS = frozenset(GEMM_MIN_ROWS)
 # sums as VNNI's): docs/results/few_rows-qwen2.5-coder-1.5b-amx-int8.json.
 AMX_AFTER_GEMM_MIN_ROWS = 128
 # Levels without the int8 GEMM where a model that takes int8 prompts keeps every row
-# count on the block kernel: at avx2 it beats dequantized tiles + fp32 GEMM at 16-512
+# count on the block kernel, for the formats not in panels (PANEL_LEVELS: at avx2 the
+# K-quants take the panel kernel): at avx2 it beats dequantized tiles + fp32 GEMM at 16-512
 # rows (Qwen2.5-1.5B's shapes at 512: Q4_K gate/up 59 against 113 ms, Q6_K down 74
 # against 82, Q4_0 11 against 14; Q8_0 15 against 14; 2 cores of Zen 4 forced to avx2,
 # ad hoc). An AVX2 build of the GEMM (maddubs + madd) was no faster than the block
@@ -99,8 +100,15 @@ INT8_PROMPTS_ON_BLOCKS = frozenset({"avx2"})
 # products and row where the block kernel does two multiplies, and packs no panels a
 # step as the GEMM does. A head's two-level candidates read rows rebuilt from it. Not
 # the amx level, whose GEMM runs on AMX-INT8 tiles from the row-major layout (panels
-# there are unmeasured).
-PANEL_LEVELS = frozenset({"avx512"})
+# there are unmeasured). At avx2 (no VNNI) the panel kernel sums each super-block's
+# group scales in int32 (maddubs, vpmaddwd) where the block kernel takes a float step
+# per group and row: with it, Qwen2.5-Coder-1.5B's 512- and 16-token prompts ran 1.22x
+# and 1.24x the block kernel's rate and its decode 1.10x (2 cores of Zen 4 forced to
+# avx2, ad hoc, both models in one process, alternating).
+PANEL_LEVELS = frozenset({"avx512", "avx2"})
+# Levels of PANEL_LEVELS where an untied output head is in panels too: at avx2 the
+# 1.5B's Q6_K head in panels gave 0.95-0.98x the row-major head's rates (as above).
+HEAD_PANEL_LEVELS = frozenset({"avx512"})
 # Levels whose output head stays on its kernel at every row count. At avx2 the dense
 # path dequantizes the whole vocabulary to fp32 a step and multiplies in fp32: the
 # two-level head kernel took 0.24-0.56x its time at 16-128 rows on Qwen2.5-Coder-1.5B's
@@ -278,7 +286,11 @@ class BlockQuantized(LinearMethod):
         int8_rows = self.int8_prompts and not self.output_head  # many rows: the GEMM
         # Panels where the model's linears have them: an untied head too (its first
         # level then the GEMM's sums at every row count, as from HEAD_GEMM_MIN_ROWS).
-        if panels_for(self.lib, self.int8_prompts) and not shared and qpanel.can_panel(weight):
+        if (
+            panels_for(self.lib, self.int8_prompts, self.output_head)
+            and not shared
+            and qpanel.can_panel(weight)
+        ):
             assert self.lib is not None
             weight = qpanel.to_panels(self.lib, weight)
         self.weight = weight
@@ -372,15 +384,13 @@ def quantized_linear(
     return _linear(lib, w, x, None, dense_min_rows, int8_gemm)
 
 
-def panels_for(lib: Library | None, int8_prompts: bool) -> bool:
-    """Whether weights that can be (linears, expert stacks) are stored in panel order
-    (sluice/kernels/qpanel.py): where their many rows take the int8 GEMM, at a level in
-    PANEL_LEVELS; the panel kernel then computes the GEMM's sums at every row count."""
-    return (
-        lib is not None
-        and int8_gemm_for(lib, int8_prompts)
-        and kernels.built_level(lib) in PANEL_LEVELS
-    )
+def panels_for(lib: Library | None, int8_prompts: bool, output_head: bool = False) -> bool:
+    """Whether weights that can be (linears, expert stacks, an output head) are stored in
+    panel order (sluice/kernels/qpanel.py): for a model that takes int8 prompts, at a
+    level in PANEL_LEVELS (a head: HEAD_PANEL_LEVELS); the panel kernel then runs every
+    row count."""
+    levels = HEAD_PANEL_LEVELS if output_head else PANEL_LEVELS
+    return int8_prompts and lib is not None and kernels.built_level(lib) in levels
 
 
 def int8_gemm_for(lib: Library | None, int8_prompts: bool) -> bool:

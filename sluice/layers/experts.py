@@ -7,9 +7,9 @@ quantization as one QuantizedTensor of E * out rows (expert e is rows e * out ..
 one matmul gives an expert's both). Dense weights (a safetensors checkpoint, or a
 device without our kernels) are [E, out, in] tensors.
 
-At a level in block_quant.PANEL_LEVELS, a stack whose many rows take the int8 GEMM is
-kept in panel order (sluice/kernels/qpanel.py, where its format has one) and every
-row count runs on the panel kernel: the GEMM's sums, one call a step for all experts.
+At a level in block_quant.PANEL_LEVELS, a stack of a model with int8 prompts is kept
+in panel order (sluice/kernels/qpanel.py, where its format has one) and every row
+count runs on the panel kernel, one call a step for all experts.
 Otherwise, with our kernels, the experts that got fewer rows than the block kernel's crossover
 (`dense_min_rows` of sluice/layers/block_quant.py) run in one grouped kernel call
 (csrc/qblock.cpp's sluice_qblock_matmul_experts: activations quantized once, each

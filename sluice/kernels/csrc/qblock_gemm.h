@@ -40,12 +40,26 @@ namespace sluice {
 constexpr int kGemmCols = 32;
 constexpr int kGemmRows = 4;
 
+// Whether activations carry the sums the avx2 panel kernel (qpanel.h: qp_rows) applies
+// the group scales with in int16/int32: it has no vpdpbusd, so a group's products are
+// summed in int16 by maddubs and scaled by vpmaddwd, exact, before one float step a
+// super-block.
+#if defined(SLUICE_ISA_AVX2)
+constexpr bool kGemmInt16Sums = true;
+#else
+constexpr bool kGemmInt16Sums = false;
+#endif
+
 // Activation rows for the GEMM, quantized in natural K order.
 struct GemmActivations {
   std::vector<int8_t> q;        // [M, stride]
   std::vector<float> dx;        // [M, K / span]
   std::vector<int32_t> qinit;   // [M, K / G]: implied * Q (symmetric weights)
   std::vector<float> qsum;      // [M, K / G]: Q as fp32 (weights with offsets)
+  // kGemmInt16Sums only, two int16 in an int32: symmetric weights' implied * Q over the
+  // group's K values k % 4 < 2 (low half) and k % 4 >= 2 (high), the halves maddubs
+  // sums them in, [M, K / G]; with offsets, Q of groups 2j (low) and 2j + 1, [M, K / 2G].
+  std::vector<int32_t> qhalf, qpair;
   // The AMX-INT8 path's copies, per block of 16 rows (qblock_gemm_amx.h: amx_int8_rows).
   std::vector<int8_t> tq;
   std::vector<float> tdx, tqsum;
@@ -56,6 +70,25 @@ struct GemmActivations {
 
 // Row r of x (K values) quantized: a scale per span (absmax / 127, as quantize_rows
 // makes them), and per group of G the sum of the int8 values, as the weight needs it.
+SLUICE_INLINE int32_t gemm_int16_pair(int lo, int hi) {
+  return static_cast<int32_t>(static_cast<uint16_t>(lo) | static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16);
+}
+
+// kGemmInt16Sums' sums of a row's quantized values q (GemmActivations' qhalf or qpair).
+inline void gemm_int16_sums(const int8_t* q, int K, int G, int implied, bool symmetric,
+                            int32_t* out) {
+  for (int g0 = 0; g0 < K; g0 += G) {
+    int half[2] = {0, 0};
+    for (int i = g0; i < g0 + G; ++i) half[(i % 4) / 2] += q[i];
+    if (symmetric)
+      out[g0 / G] = gemm_int16_pair(implied * half[0], implied * half[1]);
+    else if ((g0 / G) % 2 == 0)
+      out[g0 / G / 2] = half[0] + half[1];  // the pair's low half, completed below
+    else
+      out[g0 / G / 2] = gemm_int16_pair(out[g0 / G / 2], half[0] + half[1]);
+  }
+}
+
 template <typename T>
 void gemm_quantize_row(const T* x, int K, int span, int G, int implied, bool symmetric,
                        int8_t* q, float* dx, int32_t* qinit, float* qsum) {
@@ -97,6 +130,7 @@ void gemm_quantize(const T* x, int M, int K, int span, int G, int implied, bool 
       a.qinit.resize(static_cast<size_t>(M) * a.groups);
     else
       a.qsum.resize(static_cast<size_t>(M) * a.groups);
+    if (kGemmInt16Sums) (symmetric ? a.qhalf : a.qpair).resize(static_cast<size_t>(M) * a.groups);
   }  // implicit barrier: the buffers exist before any row is written
 #pragma omp for schedule(static)
   for (int r = 0; r < M; ++r) {
@@ -105,6 +139,9 @@ void gemm_quantize(const T* x, int M, int K, int span, int G, int implied, bool 
                       a.q.data() + a.stride * r, a.dx.data() + static_cast<int64_t>(r) * a.spans,
                       symmetric ? a.qinit.data() + gr : nullptr,
                       symmetric ? nullptr : a.qsum.data() + gr);
+    if (kGemmInt16Sums)
+      gemm_int16_sums(a.row(r), K, G, implied, symmetric,
+                      (symmetric ? a.qhalf : a.qpair).data() + gr);
   }
 }
 

@@ -58,6 +58,10 @@ extern "C" {
 // The row-major qblock weight (N rows, K a multiple of 256; Q4_K or Q6_K, integer
 // scales) in panel order into out_* (sized for ceil(N / 32) panels: qpanel.h); rows past
 // N are zero. Returns 0, or -1 for a format without a panel layout.
+// 1 where the panel kernel's sums are the int8 GEMM's (qblock_gemm: AVX-512 and the
+// portable level), 0 where they are its own (avx2: integer scales summed in int32).
+int sluice_qpanel_gemm_sums(void) { return sluice::kGemmInt16Sums ? 0 : 1; }
+
 int sluice_qpanel_repack(int bits, int group, const uint8_t* packed, const uint8_t* hbits,
                          const void* d, const void* m, const uint16_t* s, int K, int N,
                          uint8_t* out_packed, uint8_t* out_hbits, void* out_d, void* out_m,

@@ -296,6 +296,162 @@ SLUICE_INLINE void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, i
 }
 #endif
 
+#if defined(SLUICE_ISA_AVX2)
+// qp_rows at avx2, which has no vpdpbusd: a vector is 8 columns (a half of the panel's
+// 64-byte vectors) and maddubs multiplies 4 values a lane into two int16 sums, which add
+// up in int16 over the group (or over `kChunk` steps where that could overflow: 6 bits
+// with offsets); vpmaddwd then multiplies each by the column's int8 group scale and adds
+// the halves in int32, so a super-block's sum over its groups is exact in int32 and
+// takes one float step: y += dx * (sd * T_d + sm * T_m), T_m the offsets' sum over the
+// groups of m * Q (vpmaddwd on group pairs). A symmetric weight's implied * Q starts the
+// int16 sums (qhalf): its values then sum to at most 8 * 32 * 127 a half, in range. Its
+// sums are not the int8 GEMM's (whose float steps are a group's), so a row's result is
+// the same at every row count because every row count runs here.
+template <int BITS>
+SLUICE_INLINE void qp_stream_prefetch(const uint8_t* vp, const uint8_t* hp) {
+  for (const int half : {0, 512}) {  // both halves' lines of this step
+    __builtin_prefetch(vp + half + kQbPrefetchBytes, 0, 3);
+    __builtin_prefetch(vp + half + kQbFarPrefetchBytes, 0, 2);
+  }
+  if constexpr (BITS == 6)
+    for (const int half : {0, 256}) {
+      __builtin_prefetch(hp + half + kQbPrefetchBytes / 2, 0, 3);
+      __builtin_prefetch(hp + half + kQbFarPrefetchBytes / 2, 0, 2);
+    }
+}
+
+// The 4 bytes at p in every lane, broadcast from memory (a load: through a general
+// register, as set1 from a copy compiled, it was two vector ops).
+SLUICE_INLINE __m256i qp_broadcast4(const int8_t* p) {
+  return _mm256_broadcastd_epi32(_mm_loadu_si32(p));
+}
+
+// 8 int8 at v as int16 pairs (v[i], v[i]) in lane i: a group scale for vpmaddwd.
+SLUICE_INLINE __m256i qp_scale_pairs(const int8_t* v) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v));
+  return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(b, b));
+}
+
+// 8 int8 at a and at b as int16 pairs (a[i], b[i]) in lane i.
+SLUICE_INLINE __m256i qp_scale_pairs(const int8_t* a, const int8_t* b) {
+  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a));
+  const __m128i y = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+  return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, y));
+}
+
+SLUICE_INLINE __m256 qp_multipliers8(const uint16_t* s) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+}
+
+template <int BITS, int G, bool SYM, int R>
+SLUICE_INLINE void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, int K,
+                           float (*out)[kQpCols], bool ahead) {
+  constexpr int kSpanGroups = kQbSuper / G, kSteps = G / 4;
+  // Steps summed in int16 before vpmaddwd: a step adds up to 2 * 63 * 127 a half.
+  constexpr int kChunk = BITS == 6 && !SYM ? 2 : kSteps;
+  // Vectors of 8 columns a pass (16 registers): the panel's four for one row, so its
+  // lines stream in order; a 64-byte line's two for two rows; one for more.
+  constexpr int CV = R == 1 ? 4 : R == 2 ? 2 : 1;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  const int ng = K / G;
+  const int8_t* x[R];
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) x[r] = a.row(r0 + r);
+  for (int s0 = 0; s0 < K / kQbSuper; ++s0) {
+    for (int v0 = 0; v0 < kQpCols / 8; v0 += CV) {  // columns 8 v0 on
+      __m256i td[R][CV];
+      SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) for (int c = 0; c < CV; ++c) td[r][c] = _mm256_setzero_si256();
+      for (int gi = 0; gi < kSpanGroups; ++gi) {
+        const int g = s0 * kSpanGroups + gi;
+        const int8_t* dg = w.d + static_cast<int64_t>(g) * kQpCols;
+        if (ahead && v0 == 0) {  // the scales' streams: 32 bytes a group each
+          __builtin_prefetch(dg + kQbFarPrefetchBytes / 8, 0, 2);
+          if constexpr (!SYM) __builtin_prefetch(w.m + (dg - w.d) + kQbFarPrefetchBytes / 8, 0, 2);
+        }
+        __m256i scale[CV];
+        for (int c = 0; c < CV; ++c) scale[c] = qp_scale_pairs(dg + 8 * (v0 + c));
+#pragma GCC unroll 4
+        for (int c0 = 0; c0 < kSteps; c0 += kChunk) {
+          __m256i s16[R][CV];
+          SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+            const __m256i init = SYM ? _mm256_set1_epi32(a.qhalf[static_cast<int64_t>(r0 + r) * ng + g])
+                                     : _mm256_setzero_si256();
+            for (int c = 0; c < CV; ++c) s16[r][c] = init;
+          }
+#pragma GCC unroll 4
+          for (int i = c0; i < c0 + kChunk; i += 2) {  // two k4 steps a load
+            const int step = g * kSteps + i, p = step / 16, in_pair = step % 16;
+            __m256i lo[CV], hi[CV];
+            for (int c = 0; c < CV; ++c) {  // column vector v0 + c: half (v0 + c) / 2's bytes 32 ((v0 + c) % 2) on
+              const int half = (v0 + c) / 2, at = 32 * ((v0 + c) % 2);
+              const uint8_t* vp = w.w + ((static_cast<int64_t>(p) * 2 + half) * 8 + in_pair / 2) * 64;
+              const uint8_t* hp =
+                  BITS == 6 ? w.h + ((static_cast<int64_t>(p) * 2 + half) * 4 + in_pair / 4) * 64 : nullptr;
+              if (ahead && at == 0) {  // this line, ahead
+                __builtin_prefetch(vp + kQbPrefetchBytes, 0, 3);
+                __builtin_prefetch(vp + kQbFarPrefetchBytes, 0, 2);
+                if constexpr (BITS == 6)
+                  if (in_pair % 4 == 0) {
+                    __builtin_prefetch(hp + kQbPrefetchBytes / 2, 0, 3);
+                    __builtin_prefetch(hp + kQbFarPrefetchBytes / 2, 0, 2);
+                  }
+              }
+              const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + at));
+              lo[c] = _mm256_and_si256(b, low4);
+              hi[c] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+              if constexpr (BITS == 6) {  // bit pairs q and q + 1 (q = in_pair % 4) to bits 4-5
+                const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hp + at));
+                const bool q2 = in_pair % 4 != 0;
+                lo[c] = _mm256_or_si256(lo[c], _mm256_and_si256(q2 ? h : _mm256_slli_epi32(h, 4), bits45));
+                hi[c] = _mm256_or_si256(
+                    hi[c], _mm256_and_si256(q2 ? _mm256_srli_epi32(h, 2) : _mm256_slli_epi32(h, 2), bits45));
+              }
+            }
+            SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+              const __m256i xa = qp_broadcast4(x[r] + 4 * step), xb = qp_broadcast4(x[r] + 4 * step + 4);
+              for (int c = 0; c < CV; ++c) {
+                s16[r][c] = _mm256_add_epi16(s16[r][c], _mm256_maddubs_epi16(lo[c], xa));
+                s16[r][c] = _mm256_add_epi16(s16[r][c], _mm256_maddubs_epi16(hi[c], xb));
+              }
+            }
+          }
+          SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) for (int c = 0; c < CV; ++c)
+            td[r][c] = _mm256_add_epi32(td[r][c], _mm256_madd_epi16(s16[r][c], scale[c]));
+        }
+      }
+      for (int c = 0; c < CV; ++c) {
+        const int v = v0 + c;
+        const __m256 sd = qp_multipliers8(w.sd + s0 * kQpCols + 8 * v);
+        __m256 span[R];
+        SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r)
+          span[r] = _mm256_mul_ps(sd, _mm256_cvtepi32_ps(td[r][c]));
+        if constexpr (!SYM) {  // T_m: the offsets by Q, two groups a vpmaddwd
+          __m256i tm[R];
+          SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) tm[r] = _mm256_setzero_si256();
+          for (int j = 0; j < kSpanGroups / 2; ++j) {
+            const int g = s0 * kSpanGroups + 2 * j;
+            const int8_t* mg = w.m + static_cast<int64_t>(g) * kQpCols + 8 * v;
+            const __m256i m = qp_scale_pairs(mg, mg + kQpCols);
+            SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+              const __m256i q = _mm256_set1_epi32(a.qpair[static_cast<int64_t>(r0 + r) * ng + g / 2]);
+              tm[r] = _mm256_add_epi32(tm[r], _mm256_madd_epi16(m, q));
+            }
+          }
+          const __m256 sm = qp_multipliers8(w.sm + s0 * kQpCols + 8 * v);
+          SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r)
+            span[r] = _mm256_fmadd_ps(sm, _mm256_cvtepi32_ps(tm[r]), span[r]);
+        }
+        SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+          const __m256 dx = _mm256_set1_ps(a.dx[static_cast<int64_t>(r0 + r) * a.spans + s0]);
+          float* o = out[r] + 8 * v;
+          const __m256 prev = s0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o);
+          _mm256_storeu_ps(o, _mm256_fmadd_ps(span[r], dx, prev));
+        }
+      }
+    }
+  }
+}
+#endif
+
 // The panel unpacked into the GEMM's own (qblock_gemm.h's GemmPanel: values as bytes in
 // vpdpbusd's order, d and m as fp32, the products qp_rows forms): from kQpUnpackRows
 // rows on, every block of rows then reads bytes instead of unpacking nibbles and high
@@ -309,6 +465,12 @@ constexpr int kQpUnpackRows = 40;
 // 16 rows about the same (2 cores of Zen 4, ad hoc). The group and span sums of 8 rows
 // take all 32 registers; the totals live in `out`.
 constexpr int kQpRows = 8;
+// ... at avx2 (16 registers: a row's int16 and int32 sums take two).
+#if defined(SLUICE_ISA_AVX2)
+constexpr int kQpPassRows = 4;
+#else
+constexpr int kQpPassRows = kQpRows;
+#endif
 
 template <int BITS, int G>
 void qp_unpack(const QpPanel& w, int K, GemmPanel& out) {
@@ -363,8 +525,10 @@ void qpanel_rows_t(const GemmActivations& a, int M, int K, const QbWeight& wt, i
   alignas(64) float out[kQpRows][kQpCols];
 #if defined(SLUICE_ISA_AVX512)
   const bool unpack = M >= kQpUnpackRows;
+#elif defined(SLUICE_ISA_AVX2)
+  const bool unpack = false;  // its sums are its own: every row count runs qp_rows
 #else
-  const bool unpack = true;  // the portable levels run the GEMM's own loop on every panel
+  const bool unpack = true;  // the portable level runs the GEMM's own loop on every panel
 #endif
   GemmPanel unpacked;
   auto body = [&](int p) {
@@ -379,12 +543,12 @@ void qpanel_rows_t(const GemmActivations& a, int M, int K, const QbWeight& wt, i
                                   qp_hbits_bytes(BITS, K));
     }
     constexpr int kSpanGroups = kQbSuper / G;
-    const int block = unpack ? kGemmRows : kQpRows;
+    const int block = unpack ? kGemmRows : kQpPassRows;
     const int passes = (M + block - 1) / block;
     for (int i = 0, r0 = 0; i < passes; ++i) {
       // Passes of equal rows (12 rows: two of 6 on the panel, three of 4 unpacked).
       const int rows = (M - r0 + passes - i - 1) / (passes - i);
-      qb_with_rows<kQpRows>(rows, [&](auto R) {
+      qb_with_rows<kQpPassRows>(rows, [&](auto R) {
         if constexpr (R <= kGemmRows) {
           if (unpack) {
             if (sym)
@@ -394,7 +558,7 @@ void qpanel_rows_t(const GemmActivations& a, int M, int K, const QbWeight& wt, i
             return;
           }
         }
-#if defined(SLUICE_ISA_AVX512)
+#if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
         if (sym)
           qp_rows<BITS, G, true, R>(w, a, first + r0, K, out, r0 == 0);
         else
