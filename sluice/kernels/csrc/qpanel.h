@@ -464,13 +464,11 @@ constexpr int kQpUnpackRows = 40;
 // 7B gate/up-sized Q4_K weight took 2.96 -> 2.66 ms, on its Q6_K down 2.2-2.6 -> 1.8 ms;
 // 16 rows about the same (2 cores of Zen 4, ad hoc). The group and span sums of 8 rows
 // take all 32 registers; the totals live in `out`.
+// At avx2 too, though its 16 registers hold the int16 and int32 sums of 4 rows: 8 a
+// pass (some sums in memory, touched once a group) unpack the nibbles half as often,
+// 256 rows on the 1.5B's Q4_K gate/up 36.7 -> 35.1 ms, on its Q6_K down 31.0 -> 29.2
+// (best of 3 alternating runs; 6 rows between).
 constexpr int kQpRows = 8;
-// ... at avx2 (16 registers: a row's int16 and int32 sums take two).
-#if defined(SLUICE_ISA_AVX2)
-constexpr int kQpPassRows = 4;
-#else
-constexpr int kQpPassRows = kQpRows;
-#endif
 
 template <int BITS, int G>
 void qp_unpack(const QpPanel& w, int K, GemmPanel& out) {
@@ -543,12 +541,12 @@ void qpanel_rows_t(const GemmActivations& a, int M, int K, const QbWeight& wt, i
                                   qp_hbits_bytes(BITS, K));
     }
     constexpr int kSpanGroups = kQbSuper / G;
-    const int block = unpack ? kGemmRows : kQpPassRows;
+    const int block = unpack ? kGemmRows : kQpRows;
     const int passes = (M + block - 1) / block;
     for (int i = 0, r0 = 0; i < passes; ++i) {
       // Passes of equal rows (12 rows: two of 6 on the panel, three of 4 unpacked).
       const int rows = (M - r0 + passes - i - 1) / (passes - i);
-      qb_with_rows<kQpPassRows>(rows, [&](auto R) {
+      qb_with_rows<kQpRows>(rows, [&](auto R) {
         if constexpr (R <= kGemmRows) {
           if (unpack) {
             if (sym)
