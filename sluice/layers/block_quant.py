@@ -106,8 +106,10 @@ INT8_PROMPTS_ON_BLOCKS = frozenset({"avx2"})
 # and 1.24x the block kernel's rate and its decode 1.10x (2 cores of Zen 4 forced to
 # avx2, ad hoc, both models in one process, alternating).
 PANEL_LEVELS = frozenset({"avx512", "avx2"})
-# Levels of PANEL_LEVELS where an untied output head is in panels too: at avx2 the
-# 1.5B's Q6_K head in panels gave 0.95-0.98x the row-major head's rates (as above).
+# Levels of PANEL_LEVELS where an untied output head is in panels too. Not avx2: there
+# the 1.5B's decode ran 0.95-0.97x with its Q6_K head in panels (as above, twice), though
+# the head alone took 5.5 / 10.7 / 39.0 / 78.2 ms at 1 / 5 / 16 / 32 rows against the
+# row-major head's 5.5 / 14.9 / 45.0 / 91.8 (151936 x 1536, random, best of 5, ad hoc).
 HEAD_PANEL_LEVELS = frozenset({"avx512"})
 # Levels whose output head stays on its kernel at every row count. At avx2 the dense
 # path dequantizes the whole vocabulary to fp32 a step and multiplies in fp32: the
@@ -387,10 +389,12 @@ def quantized_linear(
 def panels_for(lib: Library | None, int8_prompts: bool, output_head: bool = False) -> bool:
     """Whether weights that can be (linears, expert stacks, an output head) are stored in
     panel order (sluice/kernels/qpanel.py): for a model that takes int8 prompts, at a
-    level in PANEL_LEVELS (a head: HEAD_PANEL_LEVELS); the panel kernel then runs every
+    level in PANEL_LEVELS (a head: of HEAD_PANEL_LEVELS too); the panel kernel then runs every
     row count."""
-    levels = HEAD_PANEL_LEVELS if output_head else PANEL_LEVELS
-    return int8_prompts and lib is not None and kernels.built_level(lib) in levels
+    if not int8_prompts or lib is None:
+        return False
+    level = kernels.built_level(lib)
+    return level in PANEL_LEVELS and (not output_head or level in HEAD_PANEL_LEVELS)
 
 
 def int8_gemm_for(lib: Library | None, int8_prompts: bool) -> bool:
