@@ -183,6 +183,12 @@ SLUICE_INLINE void qp_stream_prefetch(const uint8_t* vp, const uint8_t* hp) {
     }
 }
 
+// The 4 bytes at p in every lane, broadcast from memory (a load; set1 from a copy
+// compiled to a general register's broadcast, two vector ops on Zen 4).
+SLUICE_INLINE __m512i qp_broadcast4x16(const int8_t* p) {
+  return _mm512_broadcastd_epi32(_mm_loadu_si32(p));
+}
+
 // 16 int8 group scales (or offsets) at v times their multipliers, as fp32 (kept as
 // computed, qb_keep: a row's result must not depend on the batch).
 SLUICE_INLINE __m512 qp_scales16(const int8_t* v, __m512 mult) {
@@ -256,9 +262,8 @@ SLUICE_INLINE void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, i
           }
         }
         SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
-          int32_t four[2];
-          std::memcpy(four, x[r] + 4 * step, 8);
-          const __m512i xa = _mm512_set1_epi32(four[0]), xb = _mm512_set1_epi32(four[1]);
+          const __m512i xa = qp_broadcast4x16(x[r] + 4 * step);
+          const __m512i xb = qp_broadcast4x16(x[r] + 4 * step + 4);
           isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], lo0, xa);
           isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], lo1, xa);
           isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], hi0, xb);
