@@ -102,9 +102,9 @@ INT8_PROMPTS_ON_BLOCKS = frozenset({"avx2"})
 # the amx level, whose GEMM runs on AMX-INT8 tiles from the row-major layout (panels
 # there are unmeasured). At avx2 (no VNNI) the panel kernel sums each super-block's
 # group scales in int32 (maddubs, vpmaddwd) where the block kernel takes a float step
-# per group and row: with it, Qwen2.5-Coder-1.5B's 512- and 16-token prompts ran 1.22x
-# and 1.24x the block kernel's rate and its decode 1.10x (2 cores of Zen 4 forced to
-# avx2, ad hoc, both models in one process, alternating).
+# per group and row: with it, Qwen2.5-Coder-1.5B's 512- and 16-token prompts ran
+# 1.22-1.31x and 1.10-1.27x the block kernel's rate and its decode 1.01-1.10x (2 cores of
+# Zen 4 forced to avx2, ad hoc, both models in one process, alternating, 5-7 rounds).
 PANEL_LEVELS = frozenset({"avx512", "avx2"})
 # Levels of PANEL_LEVELS where an untied output head is in panels too. Not avx2: there
 # the 1.5B's decode ran 0.95-0.97x with its Q6_K head in panels (as above, twice), though

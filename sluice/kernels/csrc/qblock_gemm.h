@@ -58,7 +58,8 @@ struct GemmActivations {
   std::vector<float> qsum;      // [M, K / G]: Q as fp32 (weights with offsets)
   // kGemmInt16Sums only, two int16 in an int32: symmetric weights' implied * Q over the
   // group's K values k % 4 < 2 (low half) and k % 4 >= 2 (high), the halves maddubs
-  // sums them in, [M, K / G]; with offsets, Q of groups 2j (low) and 2j + 1, [M, K / 2G].
+  // sums them in, [M, K / G]; with offsets, Q of groups 2j (low) and 2j + 1 at j of a
+  // row (rows K / G apart, as qhalf's).
   std::vector<int32_t> qhalf, qpair;
   // The AMX-INT8 path's copies, per block of 16 rows (qblock_gemm_amx.h: amx_int8_rows).
   std::vector<int8_t> tq;
@@ -68,8 +69,7 @@ struct GemmActivations {
   const int8_t* row(int r) const { return q.data() + stride * r; }
 };
 
-// Row r of x (K values) quantized: a scale per span (absmax / 127, as quantize_rows
-// makes them), and per group of G the sum of the int8 values, as the weight needs it.
+// Two int16 in an int32, lo in the low half.
 SLUICE_INLINE int32_t gemm_int16_pair(int lo, int hi) {
   return static_cast<int32_t>(static_cast<uint16_t>(lo) | static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16);
 }
@@ -89,6 +89,8 @@ inline void gemm_int16_sums(const int8_t* q, int K, int G, int implied, bool sym
   }
 }
 
+// Row r of x (K values) quantized: a scale per span (absmax / 127, as quantize_rows
+// makes them), and per group of G the sum of the int8 values, as the weight needs it.
 template <typename T>
 void gemm_quantize_row(const T* x, int K, int span, int G, int implied, bool symmetric,
                        int8_t* q, float* dx, int32_t* qinit, float* qsum) {

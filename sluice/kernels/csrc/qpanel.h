@@ -312,19 +312,6 @@ SLUICE_INLINE void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, i
 // int16 sums (qhalf): its values then sum to at most 8 * 32 * 127 a half, in range. Its
 // sums are not the int8 GEMM's (whose float steps are a group's), so a row's result is
 // the same at every row count because every row count runs here.
-template <int BITS>
-SLUICE_INLINE void qp_stream_prefetch(const uint8_t* vp, const uint8_t* hp) {
-  for (const int half : {0, 512}) {  // both halves' lines of this step
-    __builtin_prefetch(vp + half + kQbPrefetchBytes, 0, 3);
-    __builtin_prefetch(vp + half + kQbFarPrefetchBytes, 0, 2);
-  }
-  if constexpr (BITS == 6)
-    for (const int half : {0, 256}) {
-      __builtin_prefetch(hp + half + kQbPrefetchBytes / 2, 0, 3);
-      __builtin_prefetch(hp + half + kQbFarPrefetchBytes / 2, 0, 2);
-    }
-}
-
 // The 4 bytes at p in every lane, broadcast from memory (a load: through a general
 // register, as set1 from a copy compiled, it was two vector ops).
 SLUICE_INLINE __m256i qp_broadcast4(const int8_t* p) {
