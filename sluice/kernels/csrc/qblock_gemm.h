@@ -399,9 +399,7 @@ SLUICE_INLINE void gemm_rows(const GemmPanel& panel, const GemmActivations& a, i
         const __m512i w0 = _mm512_loadu_si512(wp + 128 * s);
         const __m512i w1 = _mm512_loadu_si512(wp + 128 * s + 64);
         SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
-          // Broadcast from memory: a load (set1 from a copy compiled to a general
-          // register's broadcast, two vector ops on Zen 4).
-          const __m512i xb = _mm512_broadcastd_epi32(_mm_loadu_si32(x[r] + g * G + 4 * s));
+          const __m512i xb = broadcast4x16(x[r] + g * G + 4 * s);
           isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xb);
           isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xb);
         }

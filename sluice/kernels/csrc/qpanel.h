@@ -183,12 +183,6 @@ SLUICE_INLINE void qp_stream_prefetch(const uint8_t* vp, const uint8_t* hp) {
     }
 }
 
-// The 4 bytes at p in every lane, broadcast from memory (a load; set1 from a copy
-// compiled to a general register's broadcast, two vector ops on Zen 4).
-SLUICE_INLINE __m512i qp_broadcast4x16(const int8_t* p) {
-  return _mm512_broadcastd_epi32(_mm_loadu_si32(p));
-}
-
 // 16 int8 group scales (or offsets) at v times their multipliers, as fp32 (kept as
 // computed, qb_keep: a row's result must not depend on the batch).
 SLUICE_INLINE __m512 qp_scales16(const int8_t* v, __m512 mult) {
@@ -262,8 +256,8 @@ SLUICE_INLINE void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, i
           }
         }
         SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
-          const __m512i xa = qp_broadcast4x16(x[r] + 4 * step);
-          const __m512i xb = qp_broadcast4x16(x[r] + 4 * step + 4);
+          const __m512i xa = broadcast4x16(x[r] + 4 * step);
+          const __m512i xb = broadcast4x16(x[r] + 4 * step + 4);
           isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], lo0, xa);
           isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], lo1, xa);
           isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], hi0, xb);
@@ -302,22 +296,6 @@ SLUICE_INLINE void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, i
 #endif
 
 #if defined(SLUICE_ISA_AVX2)
-// qp_rows at avx2, which has no vpdpbusd: a vector is 8 columns (a half of the panel's
-// 64-byte vectors) and maddubs multiplies 4 values a lane into two int16 sums, which add
-// up in int16 over the group (or over `kChunk` steps where that could overflow: 6 bits
-// with offsets); vpmaddwd then multiplies each by the column's int8 group scale and adds
-// the halves in int32, so a super-block's sum over its groups is exact in int32 and
-// takes one float step: y += dx * (sd * T_d + sm * T_m), T_m the offsets' sum over the
-// groups of m * Q (vpmaddwd on group pairs). A symmetric weight's implied * Q starts the
-// int16 sums (qhalf): its values then sum to at most 8 * 32 * 127 a half, in range. Its
-// sums are not the int8 GEMM's (whose float steps are a group's), so a row's result is
-// the same at every row count because every row count runs here.
-// The 4 bytes at p in every lane, broadcast from memory (a load: through a general
-// register, as set1 from a copy compiled, it was two vector ops).
-SLUICE_INLINE __m256i qp_broadcast4(const int8_t* p) {
-  return _mm256_broadcastd_epi32(_mm_loadu_si32(p));
-}
-
 // 8 int8 at v as int16 pairs (v[i], v[i]) in lane i: a group scale for vpmaddwd.
 SLUICE_INLINE __m256i qp_scale_pairs(const int8_t* v) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v));
@@ -335,6 +313,16 @@ SLUICE_INLINE __m256 qp_multipliers8(const uint16_t* s) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
 }
 
+// qp_rows at avx2, which has no vpdpbusd: a vector is 8 columns (a half of the panel's
+// 64-byte vectors) and maddubs multiplies 4 values a lane into two int16 sums, which add
+// up in int16 over the group (or over `kChunk` steps where that could overflow: 6 bits
+// with offsets); vpmaddwd then multiplies each by the column's int8 group scale and adds
+// the halves in int32, so a super-block's sum over its groups is exact in int32 and
+// takes one float step: y += dx * (sd * T_d + sm * T_m), T_m the offsets' sum over the
+// groups of m * Q (vpmaddwd on group pairs). A symmetric weight's implied * Q starts the
+// int16 sums (qhalf): its values then sum to at most 8 * 32 * 127 a half, in range. Its
+// sums are not the int8 GEMM's (whose float steps are a group's), so a row's result is
+// the same at every row count because every row count runs here.
 template <int BITS, int G, bool SYM, int R>
 SLUICE_INLINE void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, int K,
                            float (*out)[kQpCols], bool ahead) {
@@ -399,7 +387,7 @@ SLUICE_INLINE void qp_rows(const QpPanel& w, const GemmActivations& a, int r0, i
               }
             }
             SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
-              const __m256i xa = qp_broadcast4(x[r] + 4 * step), xb = qp_broadcast4(x[r] + 4 * step + 4);
+              const __m256i xa = broadcast4x8(x[r] + 4 * step), xb = broadcast4x8(x[r] + 4 * step + 4);
               for (int c = 0; c < CV; ++c) {
                 s16[r][c] = _mm256_add_epi16(s16[r][c], _mm256_maddubs_epi16(lo[c], xa));
                 s16[r][c] = _mm256_add_epi16(s16[r][c], _mm256_maddubs_epi16(hi[c], xb));
