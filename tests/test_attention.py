@@ -21,14 +21,26 @@ def dense_reference(
     v: torch.Tensor,
     window: int | None = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [n, heads, d] attending over k/v [ctx, kv_heads, d], last n positions, causal;
-    with a window, each query sees only its last `window` positions."""
+    with a window, each query sees only its last `window` positions; with sinks, each
+    head's sink logit joins the softmax as transformers' gpt-oss adds it (a column
+    concatenated to the scores, dropped after the softmax)."""
     n, ctx = q.shape[0], k.shape[0]
     qpos = (ctx - n + torch.arange(n))[:, None]
     mask = torch.arange(ctx)[None, :] <= qpos
     if window is not None:
         mask &= torch.arange(ctx)[None, :] > qpos - window
+    if sinks is not None:
+        group = q.shape[1] // k.shape[1]
+        kf = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, d]
+        vf = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = q.double().transpose(0, 1) @ kf.transpose(1, 2) * (scale or q.shape[2] ** -0.5)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks.double().view(-1, 1, 1).expand(-1, n, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return (probs @ vf).transpose(0, 1).float()
     out = F.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None],
         k.float().transpose(0, 1)[None],
@@ -63,8 +75,12 @@ def as_stored(x: torch.Tensor, kv: str) -> torch.Tensor:
 # generic loops (the generic level has only those).
 @pytest.mark.parametrize("d", [32, 64, 128, 256])
 # Sliding windows (with a score scale of their own, as Gemma's): 4 cuts into every
-# context, mid-block; 9 leaves the shortest ones whole.
-@pytest.mark.parametrize(("window", "scale"), [(None, None), (4, 0.3), (9, None)])
+# context, mid-block; 9 leaves the shortest ones whole. Attention sinks (gpt-oss's,
+# which alternates windows of its own with full layers) with and without a window.
+@pytest.mark.parametrize(
+    ("window", "scale", "with_sinks"),
+    [(None, None, False), (4, 0.3, False), (9, None, False), (None, None, True), (4, 0.3, True)],
+)
 def test_paged_attention_matches_dense(
     kv: str,
     dtype: torch.dtype,
@@ -72,6 +88,7 @@ def test_paged_attention_matches_dense(
     d: int,
     window: int | None,
     scale: float | None,
+    with_sinks: bool,
 ) -> None:
     kernel = attention_kernel
     if kernel is not None:
@@ -150,12 +167,15 @@ def test_paged_attention_matches_dense(
             )
         ],
     )
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, window=window, scale=scale)
+    # Sinks of either sign, as large as the scores: they move every row's weights.
+    sinks = torch.randn(heads) * 2 if with_sinks else None
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, window=window, scale=scale, sinks=sinks)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     starts = [0, 1, 2, 3, 8]
     for i in range(5):
         qi = q[starts[i] : starts[i] + new[i]]
-        ref = dense_reference(qi, as_stored(full_k[i], kv), as_stored(full_v[i], kv), window, scale)
+        fk, fv = as_stored(full_k[i], kv), as_stored(full_v[i], kv)
+        ref = dense_reference(qi, fk, fv, window, scale, sinks)
         got = out[starts[i] : starts[i] + new[i]].float()
         assert torch.allclose(got, ref, atol=tol, rtol=tol), (i, (got - ref).abs().max())
 

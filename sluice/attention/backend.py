@@ -66,5 +66,8 @@ class AttentionBackend(abc.ABC):
         meta: AttentionMetadata,
         window: int | None = None,  # each query sees its last `window` positions
         scale: float | None = None,  # score scale; None: 1/sqrt(head_dim)
+        # Each head's attention-sink logit [num_heads] (gpt-oss): it joins every
+        # softmax's denominator as a key with no value. None: no sinks.
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write this step's K/V into the cache, then attend for every query token."""

@@ -181,8 +181,11 @@ class BidirectionalBackend(AttentionBackend):
         meta: AttentionMetadata,
         window: int | None = None,
         scale: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta, BidirectionalMetadata) and meta.seqs is not None
+        if sinks is not None:  # no encoder has them; refused rather than ignored
+            raise NotImplementedError("attention sinks in an encoder")
         if window not in meta.masks:
             meta.masks[window] = [group.key_mask(window) for group in meta.seqs.groups]
         return attend_groups(meta.seqs, q, k, v, meta.masks[window], scale)

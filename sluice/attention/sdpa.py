@@ -48,6 +48,7 @@ class SDPABackend(AttentionBackend):
         meta: AttentionMetadata,
         window: int | None = None,
         scale: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Every new token's K/V goes into the cache before anyone reads it, so requests
         # that share blocks within one step see each other's writes.
@@ -56,13 +57,13 @@ class SDPABackend(AttentionBackend):
         out = q.new_empty(q.shape)  # contiguous even where q is a strided slice of qkv
         n = meta.num_small_tokens
         if n and self.kernel is not None:
-            self._small_on_kernel(q[:n], k_cache, v_cache, meta, out[:n], window, scale)
+            self._small_on_kernel(q[:n], k_cache, v_cache, meta, out[:n], window, scale, sinks)
         elif n:
-            out[:n] = _small_on_sdpa(q[:n], k_cache, v_cache, meta, window, scale)
+            out[:n] = _small_on_sdpa(q[:n], k_cache, v_cache, meta, window, scale, sinks)
         for span in meta.prefills:
             s, e = span.q_start, span.q_start + span.q_len
             kp, vp, mask = _span_kv(span, k, v, k_cache, v_cache, meta, window, q)
-            out[s:e] = _attend_span(q[s:e], kp, vp, mask, scale)
+            out[s:e] = _attend_span(q[s:e], kp, vp, mask, scale, sinks)
         return out
 
     def _small_on_kernel(
@@ -74,6 +75,7 @@ class SDPABackend(AttentionBackend):
         out: torch.Tensor,
         window: int | None,
         scale: float | None,
+        sinks: torch.Tensor | None,
     ) -> None:
         """The small group (decodes and short chunks) through our paged kernel, which
         reads K/V in place from the blocks, into out."""
@@ -91,6 +93,7 @@ class SDPABackend(AttentionBackend):
             q.shape[-1] ** -0.5 if scale is None else scale,
             out=out,
             window=window,
+            sinks=sinks,
         )
 
     def _write(
@@ -127,6 +130,7 @@ def _small_on_sdpa(
     meta: AttentionMetadata,
     window: int | None,
     scale: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """The small group without the kernel: one query row per token over its request's
     blocks, gathered into a padded copy and masked to what the row may see."""
@@ -135,9 +139,11 @@ def _small_on_sdpa(
     kd = _read(k_cache[meta.row_block_tables], q).transpose(1, 2).flatten(2, 3)
     vd = _read(v_cache[meta.row_block_tables], q).transpose(1, 2).flatten(2, 3)
     mask = meta.row_mask if window is None else windows.row_mask(meta, window)
-    od = F.scaled_dot_product_attention(
-        q.unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=True, scale=scale
-    )
+    qd = q.unsqueeze(2)
+    if sinks is not None:
+        assert mask is not None  # the runner fills row_mask where the kernel is absent
+        kd, vd, mask = _with_sinks(qd, kd, vd, mask, sinks)
+    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=True, scale=scale)
     return od.squeeze(2)
 
 
@@ -172,15 +178,34 @@ def _attend_span(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """One prefill span's queries [q_len, heads, d] over its K/V [ctx, kvh, d]."""
+    qs = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
+    ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    if sinks is not None:
+        if mask is None:  # the span sees only itself: causal, as is_causal would make it
+            mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
+        ks, vs, mask = _with_sinks(qs, ks, vs, mask, sinks)
     op = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),  # [1, heads, q_len, d]
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        is_causal=mask is None,
-        enable_gqa=True,
-        scale=scale,
+        qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=True, scale=scale
     )
     return op.squeeze(0).transpose(0, 1)
+
+
+def _with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SDPA's inputs with attention sinks: k and v [B, kvh, L, d] gain a zero row, and
+    the boolean mask (broadcast to [B, heads, Q, L]) becomes an additive one whose last
+    column is each head's sink logit. That row's score is then the sink itself (q . 0 =
+    0), it joins the softmax's denominator and adds nothing to the output: the
+    reference's concatenated sink logit, exactly."""
+    b, heads, nq, _ = q.shape
+    zero = k.new_zeros(*k.shape[:2], 1, k.shape[3])
+    k, v = torch.cat([k, zero], dim=2), torch.cat([v, zero.to(v.dtype)], dim=2)
+    ctx = k.shape[2] - 1
+    bias = q.new_zeros(b, heads, nq, ctx + 1)
+    bias[..., :ctx].masked_fill_(~mask.expand(b, heads, nq, ctx), float("-inf"))
+    bias[..., ctx] = sinks.to(q.dtype).view(1, heads, 1)
+    return k, v, bias

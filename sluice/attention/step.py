@@ -55,13 +55,16 @@ def _run(
     layer: int,
     window: int | None,
     scale: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     ctx = _current
     if ctx is None:
         raise RuntimeError("attention called outside a step (use step_context)")
     k_cache, v_cache = ctx.kv_caches[layer]
     meta = ctx.meta if ctx.layer_meta is None else ctx.layer_meta[layer]
-    return ctx.backend.forward(q, k, v, k_cache, v_cache, meta, window=window, scale=scale)
+    return ctx.backend.forward(
+        q, k, v, k_cache, v_cache, meta, window=window, scale=scale, sinks=sinks
+    )
 
 
 # No mutated arguments as far as the compiler knows: the cache it writes is reached
@@ -74,8 +77,9 @@ def _attention_op(
     layer: int,
     window: int | None,
     scale: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    return _run(q, k, v, layer, window, scale)
+    return _run(q, k, v, layer, window, scale, sinks)
 
 
 @_attention_op.register_fake
@@ -86,6 +90,7 @@ def _(
     layer: int,
     window: int | None,
     scale: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     return torch.empty_like(q)
 
@@ -97,12 +102,14 @@ def attend(
     layer: int,
     window: int | None = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V for `layer` into the cache and attend; [T, heads, head_dim].
 
     window: a sliding window (each query sees its last `window` positions), None for
-    full causal attention. scale: the score scale, None for 1/sqrt(head_dim)."""
+    full causal attention. scale: the score scale, None for 1/sqrt(head_dim). sinks:
+    each head's attention-sink logit [heads] (gpt-oss), None for none."""
     if torch.compiler.is_compiling():
-        out: torch.Tensor = _attention_op(q, k, v, layer, window, scale)
+        out: torch.Tensor = _attention_op(q, k, v, layer, window, scale, sinks)
         return out
-    return _run(q, k, v, layer, window, scale)  # eager: skip the custom op's dispatch cost
+    return _run(q, k, v, layer, window, scale, sinks)  # eager: skip the custom op's dispatch cost

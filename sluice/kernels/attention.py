@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import torch
 
-from sluice.kernels._ffi import FLOAT, INT, INT64, POINTER, Library, c_function, ptr
+from sluice.kernels._ffi import (
+    FLOAT,
+    INT,
+    INT64,
+    POINTER,
+    Library,
+    c_function,
+    ptr,
+    ptr_or_null,
+)
 
 # q, k_cache, v_cache, block_tables, max_blocks, query_start, ctx_end, out, seqs, heads,
-# kv_heads, head_dim, block_size, scale, q_stride, window
+# kv_heads, head_dim, block_size, scale, q_stride, window, sinks
 _PAGED_ARGS = (
     *(POINTER, POINTER, POINTER, POINTER, INT64, POINTER, POINTER, POINTER),
-    *(INT, INT, INT, INT, INT, FLOAT, INT64, INT64),
+    *(INT, INT, INT, INT, INT, FLOAT, INT64, INT64, POINTER),
 )
 _PAGED_ATTENTION_F32 = c_function("sluice_paged_attention_f32", None, *_PAGED_ARGS)
 _PAGED_ATTENTION_BF16 = c_function("sluice_paged_attention_bf16", None, *_PAGED_ARGS)
@@ -56,6 +65,7 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [num_queries, heads, d] contiguous, written in place
     window: int | None = None,  # sliding window: each query sees its last `window` positions
+    sinks: torch.Tensor | None = None,  # [heads] fp32: each head's attention-sink logit
 ) -> torch.Tensor:
     heads, d = q.shape[1], q.shape[2]  # d, not the pool's last dim: an int8 row is longer
     if q.stride(2) != 1 or q.stride(1) != d:
@@ -63,6 +73,7 @@ def paged_attention(
     if out is None:
         out = q.new_empty(q.shape)
     bf16 = q.dtype == torch.bfloat16
+    sink_logits = None if sinks is None else _sinks(sinks, heads)  # alive through the call
     if k_cache.dtype == torch.uint8:  # int8 rows
         fn = _PAGED_ATTENTION_BF16_KV8 if bf16 else _PAGED_ATTENTION_F32_KV8
     else:
@@ -85,8 +96,16 @@ def paged_attention(
         scale,
         q.stride(0),
         window or 0,
+        ptr_or_null(sink_logits),
     )
     return out
+
+
+def _sinks(sinks: torch.Tensor, heads: int) -> torch.Tensor:
+    """Sink logits as the kernel reads them: `heads` contiguous fp32 values."""
+    if sinks.shape != (heads,):
+        raise ValueError(f"attention sinks have shape {tuple(sinks.shape)}, expected ({heads},)")
+    return sinks.float().contiguous()
 
 
 def write_kv(

@@ -521,12 +521,12 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
       sluice::attend_tasks(qkv.data(), at<sluice::kv8>(L, kKCache), at<sluice::kv8>(L, kVCache),
                            b.tables, b.max_blocks, b.q_start, b.ctx_end, attn.data(), b.seqs,
                            s.heads, s.kv_heads, s.head_dim, s.block_size, s.scale,
-                           static_cast<int64_t>(qkv_n), /*window=*/0);
+                           static_cast<int64_t>(qkv_n), /*window=*/0, /*sinks=*/nullptr);
     else
       sluice::attend_tasks(qkv.data(), at<T>(L, kKCache), at<T>(L, kVCache), b.tables,
                            b.max_blocks, b.q_start, b.ctx_end, attn.data(), b.seqs, s.heads,
                            s.kv_heads, s.head_dim, s.block_size, s.scale,
-                           static_cast<int64_t>(qkv_n), /*window=*/0);
+                           static_cast<int64_t>(qkv_n), /*window=*/0, /*sinks=*/nullptr);
 #pragma omp single
     if (!on_gemm(s, L, kOPacked, M)) quantize_for(xa, L, kOPacked, attn.data(), M, q_size);
     lora_begin(s, L, b, lora_o, attn.data(), M, q_size, lora_u);

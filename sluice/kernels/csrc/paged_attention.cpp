@@ -4,7 +4,8 @@
 #include "paged_attention.h"
 
 // window: a sliding window's size in tokens (each query sees its last `window`
-// positions), or 0 for full causal attention.
+// positions), or 0 for full causal attention. sinks: each query head's attention-sink
+// logit (fp32, gpt-oss), or null for none.
 
 namespace {
 
@@ -12,10 +13,10 @@ template <typename T, typename C>
 void attend(const T* q, const C* k, const C* v, const int64_t* bt, int64_t max_blocks,
             const int64_t* qs, const int64_t* ctx, T* out, int num_seqs, int num_heads,
             int num_kv_heads, int head_dim, int block_size, float scale, int64_t q_stride,
-            int64_t window) {
+            int64_t window, const float* sinks) {
 #pragma omp parallel
   sluice::attend_tasks(q, k, v, bt, max_blocks, qs, ctx, out, num_seqs, num_heads,
-                       num_kv_heads, head_dim, block_size, scale, q_stride, window);
+                       num_kv_heads, head_dim, block_size, scale, q_stride, window, sinks);
 }
 
 }  // namespace
@@ -31,18 +32,19 @@ void sluice_paged_attention_f32(const float* q, const float* k, const float* v,
                                 const int64_t* bt, int64_t max_blocks, const int64_t* qs,
                                 const int64_t* ctx, float* out, int num_seqs, int num_heads,
                                 int num_kv_heads, int head_dim, int block_size, float scale,
-                                int64_t q_stride, int64_t window) {
+                                int64_t q_stride, int64_t window, const float* sinks) {
   attend(q, k, v, bt, max_blocks, qs, ctx, out, num_seqs, num_heads, num_kv_heads, head_dim,
-         block_size, scale, q_stride, window);
+         block_size, scale, q_stride, window, sinks);
 }
 
 void sluice_paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                  const int64_t* bt, int64_t max_blocks, const int64_t* qs,
                                  const int64_t* ctx, uint16_t* out, int num_seqs,
                                  int num_heads, int num_kv_heads, int head_dim, int block_size,
-                                 float scale, int64_t q_stride, int64_t window) {
+                                 float scale, int64_t q_stride, int64_t window,
+                                 const float* sinks) {
   attend(q, k, v, bt, max_blocks, qs, ctx, out, num_seqs, num_heads, num_kv_heads, head_dim,
-         block_size, scale, q_stride, window);
+         block_size, scale, q_stride, window, sinks);
 }
 
 // The same over an int8 pool (kv_int8.h): k and v point at its rows' bytes.
@@ -51,10 +53,10 @@ void sluice_paged_attention_f32_kv8(const float* q, const void* k, const void* v
                                     const int64_t* ctx, float* out, int num_seqs,
                                     int num_heads, int num_kv_heads, int head_dim,
                                     int block_size, float scale, int64_t q_stride,
-                                    int64_t window) {
+                                    int64_t window, const float* sinks) {
   attend(q, static_cast<const sluice::kv8*>(k), static_cast<const sluice::kv8*>(v), bt,
          max_blocks, qs, ctx, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-         scale, q_stride, window);
+         scale, q_stride, window, sinks);
 }
 
 void sluice_paged_attention_bf16_kv8(const uint16_t* q, const void* k, const void* v,
@@ -62,10 +64,10 @@ void sluice_paged_attention_bf16_kv8(const uint16_t* q, const void* k, const voi
                                      const int64_t* ctx, uint16_t* out, int num_seqs,
                                      int num_heads, int num_kv_heads, int head_dim,
                                      int block_size, float scale, int64_t q_stride,
-                                     int64_t window) {
+                                     int64_t window, const float* sinks) {
   attend(q, static_cast<const sluice::kv8*>(k), static_cast<const sluice::kv8*>(v), bt,
          max_blocks, qs, ctx, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-         scale, q_stride, window);
+         scale, q_stride, window, sinks);
 }
 
 // New K/V rows quantized into an int8 pool; bf16: the rows are bf16, else fp32.

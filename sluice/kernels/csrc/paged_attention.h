@@ -4,7 +4,8 @@
 // query j of a sequence sees positions 0 .. ctx_end - q_len + j (causal), or with a
 // sliding window W > 0 only the last W of them (a local layer reads no K/V before
 // them, so blocks wholly outside the window may hold anything). Exact
-// two-pass softmax in fp32. Blocks are [kv_heads, block_size, head_dim]: a task reads
+// two-pass softmax in fp32; with attention sinks (gpt-oss) each head's learned logit
+// joins every softmax's denominator as a key that has no value. Blocks are [kv_heads, block_size, head_dim]: a task reads
 // its head's rows of a block as one contiguous run (DRAM-friendly, unlike 128-byte
 // pieces at a stride of all heads). An int8 pool (kv_int8.h) is read the same way, its
 // rows widened to fp32 in registers as they are used: no dequantized copy anywhere.
@@ -289,7 +290,7 @@ void attend_tasks(const Math& math, const T* q, const C* k_cache, const C* v_cac
                   const int64_t* block_tables, int64_t max_blocks, const int64_t* query_start,
                   const int64_t* ctx_end, T* out, int num_seqs, int num_heads,
                   int num_kv_heads, int block_size, float scale, int64_t q_stride,
-                  int64_t window) {
+                  int64_t window, const float* sinks) {
   const int head_dim = math.dim();  // a constant where the policy fixes it
   const int group = num_heads / num_kv_heads;
   // Block layout [kv_heads, block_size, row]: one head's tokens are contiguous. A row
@@ -347,11 +348,15 @@ void attend_tasks(const Math& math, const T* q, const C* k_cache, const C* v_cac
             mx[r] = dot > mx[r] ? dot : mx[r];
           }
         }
-        // Softmax weights over each row's visible run.
+        // Softmax weights over each row's visible run (and its head's sink, a logit
+        // that counts in the sum and the max but adds no value).
         for (int r = 0; r < rows; ++r) {
           const int64_t j = r / group, hi = first_ctx + j;  // one past the last visible
           const int64_t lo = window > 0 && hi > window ? hi - window : 0;
-          sum[r] = math.exp_sum(scores.data() + r * span + lo - t0, hi - lo, mx[r]);
+          const float sink = sinks != nullptr ? sinks[h * group + r % group] : -INFINITY;
+          const float m = sink > mx[r] ? sink : mx[r];
+          sum[r] = math.exp_sum(scores.data() + r * span + lo - t0, hi - lo, m);
+          if (sinks != nullptr) sum[r] += std::exp(sink - m);
         }
         // Pass 2: weighted sum of V.
         HeadRows<C> values(v_cache, table, ctx, block_size, block_stride, h * head_stride,
@@ -391,20 +396,20 @@ template <typename T, typename C>
 void attend_tasks(const T* q, const C* k, const C* v, const int64_t* bt, int64_t max_blocks,
                   const int64_t* qs, const int64_t* ctx, T* out, int num_seqs, int num_heads,
                   int num_kv_heads, int head_dim, int block_size, float scale,
-                  int64_t q_stride, int64_t window) {
+                  int64_t q_stride, int64_t window, const float* sinks) {
 #if defined(SLUICE_ISA_AVX512) || defined(SLUICE_ISA_AVX2)
   if (head_dim == 64)
     return attend_tasks(VecMath<64>{}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
-                        num_heads, num_kv_heads, block_size, scale, q_stride, window);
+                        num_heads, num_kv_heads, block_size, scale, q_stride, window, sinks);
   if (head_dim == 128)
     return attend_tasks(VecMath<128>{}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
-                        num_heads, num_kv_heads, block_size, scale, q_stride, window);
+                        num_heads, num_kv_heads, block_size, scale, q_stride, window, sinks);
   if (head_dim == 256)  // Gemma 3
     return attend_tasks(VecMath<256>{}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
-                        num_heads, num_kv_heads, block_size, scale, q_stride, window);
+                        num_heads, num_kv_heads, block_size, scale, q_stride, window, sinks);
 #endif
   attend_tasks(GenericMath{head_dim}, q, k, v, bt, max_blocks, qs, ctx, out, num_seqs,
-               num_heads, num_kv_heads, block_size, scale, q_stride, window);
+               num_heads, num_kv_heads, block_size, scale, q_stride, window, sinks);
 }
 
 // New K and V rows into their cache slots. k/v: [T, kv_heads, head_dim] with token
