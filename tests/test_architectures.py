@@ -5,6 +5,7 @@ equal transformers' on the same weights, token for token (fp32)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -157,3 +158,41 @@ def test_phi3_config_window_and_partial_rotary() -> None:
     for bad in (1.5, 0.72):  # more dims than the head; 23 of 32, odd
         with pytest.raises(ValueError, match="rotary dims"):
             config_from_hf({**base, "partial_rotary_factor": bad})
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        # gpt-oss's: not truncated, the attention factor from the factor alone.
+        {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+        # Qwen's long-context YaRN: truncated (the default), transformers' beta defaults.
+        {"factor": 4.0},
+        # DeepSeek's: an attention factor from the ratio of two mscales.
+        {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32.0},
+    ],
+)
+def test_yarn_rope_matches_transformers(rope: dict[str, Any]) -> None:
+    """cos and sin of YaRN rope equal transformers' (its inverse frequencies times its
+    attention factor) at positions inside and far past the trained context."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from sluice.layers.rotary import RotaryEmbedding
+
+    params = {"rope_type": "yarn", "rope_theta": 150000.0, **rope}
+    params["original_max_position_embeddings"] = 4096
+    config = transformers.LlamaConfig(
+        hidden_size=2048, num_attention_heads=32, max_position_embeddings=131072,
+        rope_parameters=params,
+    )  # fmt: skip
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    rotary = RotaryEmbedding(64, 8192, 150000.0, scaling, torch.float32, torch.device("cpu"))
+    positions = torch.tensor([0, 1, 17, 4095, 4096, 6000])
+    cos, sin = rotary.lookup(positions)
+    angles = positions[:, None].double() * inv_freq.double()[None, :]
+    # transformers' frequencies are fp32 (ours fp64): 6000 turns of the fastest pair
+    # differ by ~4e-4 radians.
+    assert torch.allclose(cos[:, 0], (angles.cos() * factor).float(), atol=1e-3, rtol=0)
+    assert torch.allclose(sin[:, 0], (angles.sin() * factor).float(), atol=1e-3, rtol=0)
+    assert factor != 1.0

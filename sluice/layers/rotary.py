@@ -32,6 +32,8 @@ def _inv_freq(
                 f"rope frequency factors: {factors.numel()} for {inv_freq.numel()} rotary pairs"
             )
         return inv_freq / factors
+    if kind == "yarn":
+        return _yarn(inv_freq, head_dim, theta, scaling)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -45,17 +47,53 @@ def _inv_freq(
         return torch.where(is_mid, mid, scaled)
     raise ValueError(
         "unsupported rope_scaling type "
-        f"{kind!r} (supported: linear, llama3, longrope, freq_factors)"
+        f"{kind!r} (supported: linear, llama3, longrope, yarn, freq_factors)"
     )
 
 
+def _yarn(
+    inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]
+) -> torch.Tensor:
+    """YaRN (gpt-oss, Qwen long context): pairs that turn fewer than `beta_slow` times
+    over the trained context are interpolated (divided by `factor`), those that turn
+    more than `beta_fast` times kept, and a linear ramp between the two correction
+    dims (floored and ceiled unless `truncate` is false, as gpt-oss sets) mixes them."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    fast = float(scaling.get("beta_fast") or 32.0)
+    slow = float(scaling.get("beta_slow") or 1.0)
+
+    def correction_dim(turns: float) -> float:
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width would divide by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _attention_factor(scaling: dict[str, Any] | None) -> float:
-    """What cos and sin are multiplied by: LongRoPE's attention factor (given, or from
-    how far the context was extended), else 1."""
-    if not scaling or scaling.get("rope_type") != "longrope":
+    """What cos and sin are multiplied by: LongRoPE's and YaRN's attention factor
+    (given, or from how far the context was extended), else 1."""
+    kind = scaling.get("rope_type") if scaling else None
+    if not scaling or kind not in ("longrope", "yarn"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if kind == "yarn":  # DeepSeek's configs give both mscales; the ratio then
+        factor = float(scaling["factor"])
+        mscale, all_dims = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and all_dims:
+            return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dims))
+        return _yarn_mscale(factor)
     factor, original = float(scaling["factor"]), int(scaling["original_max_position_embeddings"])
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
