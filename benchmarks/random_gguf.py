@@ -103,6 +103,7 @@ HF_ARCHS: dict[str, gguf.MODEL_ARCH] = {
     "Qwen2MoeForCausalLM": A.QWEN2MOE,
     "Qwen3MoeForCausalLM": A.QWEN3MOE,
     "OlmoeForCausalLM": A.OLMOE,
+    "GptOssForCausalLM": A.GPT_OSS,
 }
 
 # --type: the weight type and the general.file_type the converter writes with it.
@@ -111,9 +112,13 @@ TENSOR_TYPES: dict[str, tuple[QType, LlamaFileType]] = {
     "F16": (QType.F16, LlamaFileType.MOSTLY_F16),
     "Q8_0": (QType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "Q4_0": (QType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    # gpt-oss as released: the experts in MXFP4 (the checkpoint's own blocks), the rest
+    # as the converter's --outtype leaves it (F32 here).
+    "MXFP4": (QType.MXFP4, LlamaFileType.MOSTLY_MXFP4_MOE),
 }
 
 MIXES: dict[str, LlamaFileType] = {
+    "MXFP4": LlamaFileType.MOSTLY_MXFP4_MOE,
     "Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M,
     "Q8_0": LlamaFileType.MOSTLY_Q8_0,
 }
@@ -324,6 +329,9 @@ def _add_hf_metadata(
             w.add_expert_shared_feed_forward_length(shared_ffn)
     if arch == A.GRANITE_MOE and (shared_ffn := config.get("shared_intermediate_size")):
         w.add_expert_shared_feed_forward_length(shared_ffn)  # GraniteMoeShared
+    if arch == A.GPT_OSS:  # GptOssModel.set_gguf_parameters
+        w.add_sliding_window(config["sliding_window"])
+        w.add_expert_feed_forward_length(config["intermediate_size"])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
@@ -365,6 +373,8 @@ def converter_type(gguf_name: str, shape: Sequence[int], wanted: QType) -> QType
     if len(shape) <= 1 or gguf_name.endswith("_norm.weight") or kept_f32:
         return QType.F32
     if not gguf_name.endswith(".weight"):
+        return QType.F32
+    if wanted == QType.MXFP4 and not gguf_name.endswith("_exps.weight"):
         return QType.F32
     if shape[-1] % gguf.GGML_QUANT_SIZES[wanted][0]:
         return QType.F16  # the converter's QuantError fallback
@@ -442,6 +452,10 @@ def _hf_tensors(
                 plans.extend(_stacked_experts(st, names, int(m["bid"]), group, wanted))
                 del pending[m["layer"]]
             continue
+        if arch == A.GPT_OSS and (parts := _gpt_oss_tensor(st, name)):
+            for gguf_name, shape, load in parts:
+                add(gguf_name, shape, load)
+            continue
         if name.endswith(".shared_mlp.input_linear.weight"):
             # GraniteMoeShared's shared expert: gate rows, then up, cut in two.
             bid, size = name.split(".")[2], config["shared_intermediate_size"]
@@ -477,6 +491,46 @@ def _hf_tensors(
     if pending:
         raise ValueError(f"incomplete experts (config has {n_experts}): {sorted(pending)}")
     return plans
+
+
+def _gpt_oss_tensor(
+    st: _Safetensors, name: str
+) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
+    """GptOssModel.modify_tensors for a checkpoint in floats: the experts' gate_up_proj
+    [E, H, 2I] (gate and up interleaved column by column) as ffn_gate_exps and
+    ffn_up_exps [E, I, H], down_proj [E, I, H] as ffn_down_exps [E, H, I], their biases
+    cut likewise, the sinks as attn_sinks.weight; [] for any other tensor."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp\.experts\.(\w+)|self_attn\.sinks)", name)
+    if m is None:
+        return []
+    bid, part, shape = m[1], m[2], st.shapes[name]
+    if part is None:
+        return [(f"blk.{bid}.attn_sinks.weight", shape, lambda: st.load(name))]
+    e = shape[0]
+    if part == "gate_up_proj":
+        cut = (e, shape[2] // 2, shape[1])
+        return [
+            (f"blk.{bid}.ffn_{w}_exps.weight", cut, lambda i=i: _gate_up(st.load(name), i))
+            for i, w in enumerate(("gate", "up"))
+        ]
+    if part == "gate_up_proj_bias":
+        cut = (e, shape[1] // 2)
+        return [
+            (f"blk.{bid}.ffn_{w}_exps.bias", cut, lambda i=i: st.load(name)[:, i::2].copy())
+            for i, w in enumerate(("gate", "up"))
+        ]
+    if part == "down_proj":
+        turned = (e, shape[2], shape[1])
+        load = lambda: np.ascontiguousarray(st.load(name).transpose(0, 2, 1))  # noqa: E731
+        return [(f"blk.{bid}.ffn_down_exps.weight", turned, load)]
+    if part == "down_proj_bias":
+        return [(f"blk.{bid}.ffn_down_exps.bias", shape, lambda: st.load(name))]
+    raise ValueError(f"unknown gpt-oss expert tensor {name!r}")
+
+
+def _gate_up(data: np.ndarray, which: int) -> np.ndarray:
+    """Gate (which 0) or up (1) of gpt-oss's [E, H, 2I] gate_up_proj, as [E, I, H]."""
+    return np.ascontiguousarray(data[:, :, which::2].transpose(0, 2, 1))
 
 
 def _stacked_experts(
@@ -572,6 +626,9 @@ class Shape:
     expert_ffn: int | None = None  # expert_feed_forward_length (qwen2moe, qwen3moe)
     shared_ffn: int | None = None  # expert_shared_feed_forward_length (qwen2moe)
     llama3_rope: tuple[tuple[str, float], ...] | None = None  # rope_freqs.weight
+    # gpt-oss: the windowed layers' window, and YaRN's (factor, trained context).
+    sliding_window: int | None = None
+    yarn: tuple[float, int] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -605,6 +662,15 @@ SHAPES: dict[str, Shape] = {
     # Qwen3-30B-A3B renormalizes its top-8 weights (norm_topk_prob true). The converter
     # writes no expert_weights_norm for qwen3moe (llama.cpp's graph always renormalizes),
     # so neither does this file: a loader must know it from the arch.
+    # gpt-oss-20b: 32 experts of 2880 (4 a token) over hidden 2880, 64 query heads of
+    # 64 and 8 KV heads; q/k/v/o, router and expert biases, a sink logit per head;
+    # windows of 128 in the even layers; YaRN x32 over 4096 positions.
+    "gpt-oss-20b": Shape(
+        arch="gpt-oss", layers=24, hidden=2880, ffn=2880, heads=64, kv_heads=8,
+        vocab=201088, context=131072, rope_theta=150000.0, rms_eps=1e-5, key_length=64,
+        qkv_bias=True, experts=32, experts_used=4, expert_ffn=2880, sliding_window=128,
+        yarn=(32.0, 4096),
+    ),
     "qwen3-30b-a3b": Shape(
         arch="qwen3moe", layers=48, hidden=2048, ffn=6144, heads=32, kv_heads=4,
         vocab=151936, context=40960, rope_theta=1e6, rms_eps=1e-6, key_length=128,
@@ -618,7 +684,8 @@ def _use_more_bits(layer: int, n_layers: int) -> bool:
     return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
 
 
-MIX_BASE: dict[str, QType] = {"Q4_K_M": QType.Q4_K, "Q8_0": QType.Q8_0}
+# MXFP4: gpt-oss as ggml-org publishes it, the experts in MXFP4 and the rest in Q8_0.
+MIX_BASE: dict[str, QType] = {"Q4_K_M": QType.Q4_K, "Q8_0": QType.Q8_0, "MXFP4": QType.Q8_0}
 
 _FALLBACK = {QType.Q4_K: QType.Q5_0, QType.Q5_K: QType.Q5_1, QType.Q6_K: QType.Q8_0}
 
@@ -636,6 +703,8 @@ def mix_type(mix: str, name: str, ne0: int, n_layers: int, n_experts: int, tied:
     in the file written (`layers` of write_shaped included).
     """
     qtype = MIX_BASE[mix]
+    if mix == "MXFP4" and name.endswith("_exps.weight"):
+        return QType.MXFP4
     layer = int(m[1]) if (m := re.match(r"blk\.(\d+)\.", name)) else -1
     if mix == "Q4_K_M":
         if name == "output.weight" or (tied and name == "token_embd.weight"):
@@ -673,6 +742,7 @@ _BLOCK_FIELDS: dict[QType, list[tuple[int, bytes]]] = {
     QType.Q4_K: [(0, _h(2**-8, 7.5 * 2**-8)), (4, bytes([1] * 8 + [0x11] * 4))],
     QType.Q5_K: [(0, _h(2**-9, 15.5 * 2**-9)), (4, bytes([1] * 8 + [0x11] * 4))],
     QType.Q6_K: [(192, bytes([1] * 16) + _h(2**-10))],
+    QType.MXFP4: [(0, bytes([120]))],  # 2**-8 times the doubled E2M1 values
 }
 
 
@@ -701,16 +771,22 @@ def _shaped_layer(s: Shape, i: int) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, torch shape, kind) of layer i; kind: "w" a matrix, "one" a norm, "rand" F32."""
     h, hd, q, kv = s.hidden, s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim
     p = f"blk.{i}."
+    oss = s.arch == "gpt-oss"
     t = [
         (p + "attn_norm.weight", (h,), "one"),
         (p + "attn_q.weight", (q, h), "w"),
         (p + "attn_k.weight", (kv, h), "w"),
         (p + "attn_v.weight", (kv, h), "w"),
         (p + "attn_output.weight", (h, q), "w"),
-        (p + "ffn_norm.weight", (h,), "one"),
+        (p + ("post_attention_norm" if oss else "ffn_norm") + ".weight", (h,), "one"),
     ]
     if s.qkv_bias:
         t += [(p + f"attn_{x}.bias", (n,), "rand") for x, n in (("q", q), ("k", kv), ("v", kv))]
+    if oss:
+        t += [(p + "attn_output.bias", (h,), "rand"), (p + "attn_sinks.weight", (s.heads,), "rand")]
+        e, f = s.experts, s.expert_ffn or s.ffn
+        t += [(p + "ffn_gate_inp.bias", (e,), "rand"), (p + "ffn_down_exps.bias", (e, h), "rand")]
+        t += [(p + f"ffn_{x}_exps.bias", (e, f), "rand") for x in ("gate", "up")]
     if s.arch == "olmoe":  # over the whole projection
         t += [(p + "attn_q_norm.weight", (q,), "one"), (p + "attn_k_norm.weight", (kv,), "one")]
     elif s.arch in ("qwen3", "qwen3moe"):
@@ -801,6 +877,12 @@ def _add_shaped_metadata(w: gguf.GGUFWriter, s: Shape, ftype: LlamaFileType) -> 
         w.add_expert_feed_forward_length(s.expert_ffn)
     if s.shared_ffn is not None:
         w.add_expert_shared_feed_forward_length(s.shared_ffn)
+    if s.sliding_window is not None:
+        w.add_sliding_window(s.sliding_window)
+    if s.yarn is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s.yarn[0])
+        w.add_rope_scaling_orig_ctx_len(s.yarn[1])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 

@@ -54,8 +54,27 @@ ARCHITECTURE = {"mistral-nemo": "llama"}
 # Mixture-of-Experts: 8 experts of 64 units, a few chosen per token, as each family
 # routes (Qwen3-MoE renormalizes its top k, as the released models do; Qwen2-MoE and
 # OLMoE do not; Mixtral always does).
-MOE_KINDS = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "granitemoeshared")
+MOE_KINDS = (
+    "mixtral",
+    "qwen2moe",
+    "qwen3moe",
+    "olmoe",
+    "granitemoe",
+    "granitemoeshared",
+    "gpt_oss",
+)
 _MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+# gpt-oss's YaRN (factor 32, beta 32/1, not truncated) over a trained context of 32
+# positions: the tests' prompts run past it.
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 32,
+}
 # Granite 3.x's four scalings, of the size the released models use (8B: 12, 0.22,
 # 1/128, 16), for Granite and Granite-MoE.
 _GRANITE_SCALINGS = dict(
@@ -139,6 +158,15 @@ def hf_config(kind: str, shape: dict[str, Any]) -> Any:
             rope_theta=1e4,
             **_GRANITE_SCALINGS,
         )
+    if kind == "gpt_oss":  # a window and a YaRN context both short enough to matter
+        return transformers.GptOssConfig(
+            **{**shape, "intermediate_size": 64},
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=32,
+            sliding_window=16,
+            rope_parameters=_GPT_OSS_ROPE,
+        )
     raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS + ROPE_KINDS + MOE_KINDS)}")
 
 
@@ -155,6 +183,11 @@ def build_model(kind: str, shape: dict[str, Any], directory: Path) -> Any:
                 attn = layer.self_attn
                 for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if kind == "gpt_oss":  # biases and sinks as large as the weights' scale
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("bias", "sinks")):
+                    param.normal_(0, 0.5)
     model.save_pretrained(directory)
     return model
 

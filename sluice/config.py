@@ -108,6 +108,18 @@ class ModelConfig:
     # Whether the shared expert's output is scaled by sigmoid(a learned projection) per
     # token (Qwen2-MoE) or added as it is (GraniteMoeShared).
     shared_expert_gated: bool = True
+    # gpt-oss's experts: the router and every expert projection have biases, and an
+    # expert's activation is the clamped SwiGLU where `swiglu_limit` is set: gate =
+    # min(gate, limit), up clamped to [-limit, limit], out = (up + 1) * gate *
+    # sigmoid(swiglu_alpha * gate). None: SiLU(gate) * up.
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    # gpt-oss's attention: each head has a learned sink logit that joins every softmax's
+    # denominator as a key with no value, and the output projection has a bias
+    # (attention_bias is q/k/v's).
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
     # Encoders (embedding models): every token attends to every other token of its
     # input, before and after it; such a model keeps no KV cache and computes an input
     # in one step (sluice/models/encoder.py, EmbeddingGemma's Gemma 3 layers).
@@ -187,6 +199,9 @@ class ModelConfig:
             raise ValueError(
                 f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}"
             )
+        limit = self.swiglu_limit
+        if limit is not None and not (isinstance(limit, (int, float)) and 0 < limit < math.inf):
+            raise ValueError(f"swiglu_limit must be a positive number or None, got {limit!r}")
 
     @property
     def is_moe(self) -> bool:
@@ -477,7 +492,8 @@ class EngineConfig:
         default="auto",
         metadata=doc(
             "weight-only quantization, on CPU kernels: gguf keeps a GGUF's quantized weights "
-            "as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks, no float copy); "
+            "as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks, no float copy; "
+            "MXFP4 in a 5-bit layout); "
             "int8 and int4 quantize at load; none is dense; auto: gguf for a quantized GGUF on "
             "CPU unless --dtype float32 or float16 is asked for, else none"
         ),

@@ -80,18 +80,20 @@ def test_names_are_claimed_once_and_every_model_class_is_used() -> None:
 
 
 def test_an_unregistered_name_is_refused_naming_what_is_supported() -> None:
-    gguf_names = "llama, qwen2, qwen3, gemma3, granite, phi3, qwen2moe, qwen3moe, olmoe, granitemoe"
+    moe = "qwen2moe, qwen3moe, olmoe, granitemoe"
+    dense = "llama, qwen2, qwen3, gemma3, granite, phi3"
+    gguf_names = f"{dense}, {moe}, gpt-oss"
     hf_classes = (
         "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
         "Qwen3ForCausalLM, Gemma3ForCausalLM, Gemma3TextModel, GraniteForCausalLM, "
         "Phi3ForCausalLM, Qwen2MoeForCausalLM, "
         "Qwen3MoeForCausalLM, OlmoeForCausalLM, GraniteMoeForCausalLM, "
-        "GraniteMoeSharedForCausalLM, BertModel, BertForMaskedLM, MPNetModel, "
+        "GraniteMoeSharedForCausalLM, GptOssForCausalLM, BertModel, BertForMaskedLM, MPNetModel, "
         "MPNetForMaskedLM"
     )
     for lookup, name, known in [
         (spec_for_gguf, "gpt2", gguf_names),
-        (spec_of, "gpt2", f"{gguf_names}, bert, mpnet"),
+        (spec_of, "gpt2", f"{dense}, {moe}, gpt_oss, bert, mpnet"),
         (spec_for_hf, "PhiForCausalLM", hf_classes),
     ]:
         with pytest.raises(ValueError) as err:

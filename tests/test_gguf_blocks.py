@@ -34,6 +34,7 @@ _F16_FIELDS = {
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
     "Q6_K": (208,),
+    "MXFP4": (),
 }
 
 
@@ -46,6 +47,8 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
     for start in _F16_FIELDS[type_name]:
         scale = rng.uniform(-0.02, 0.02, size=blocks.shape[0]).astype(np.float16)
         blocks[:, start : start + 2] = scale.view(np.uint8).reshape(-1, 2)
+    if type_name == "MXFP4":  # E8M0 scales 2**-24 .. 2**15: float16's subnormals and normals
+        blocks[:, 0] = rng.integers(104, 144, size=blocks.shape[0], dtype=np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -87,6 +90,22 @@ def test_the_c_repack_writes_the_torch_paths_bytes(
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
     assert (got.bits, got.group, got.source) == (want.bits, want.group, want.source)
+
+
+@pytest.mark.parametrize("c_repack", [True, False])
+def test_an_mxfp4_scale_beyond_float16_is_refused(
+    c_repack: bool, monkeypatch: pytest.MonkeyPatch, kernel_level: str
+) -> None:
+    """An E8M0 exponent byte of 144 (2**16 with the doubled values) has no float16
+    scale: both repack paths refuse it by format, not store an infinity."""
+    from sluice.loader import gguf_blocks
+
+    raw = random_blocks("MXFP4", 2, 64)
+    raw[1, 17] = 144  # the second row's first block
+    if not c_repack:
+        monkeypatch.setattr(gguf_blocks.kernels, "load", lambda: None)
+    with pytest.raises(ValueError, match="MXFP4 block scale"):
+        repack(torch.from_numpy(raw), "MXFP4", 2, 64)
 
 
 def test_the_c_repack_refuses_rows_of_the_wrong_size(kernel_level: str) -> None:

@@ -1,5 +1,6 @@
-"""Mixture-of-Experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE and
-GraniteMoeShared) on random weights:
+"""Mixture-of-Experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE,
+GraniteMoeShared and gpt-oss, whose sinks, windows, YaRN and biases ride along) on
+random weights:
 sluice's greedy output equals transformers' token for token in fp32, from the
 safetensors directory, alone and batched, in chunks and after a prefix-cache hit;
 routing ties break as the reference breaks them; a bad checkpoint is refused by name.
@@ -25,6 +26,7 @@ ARCHITECTURE = {
     "olmoe": "olmoe",
     "granitemoe": "granitemoe",
     "granitemoeshared": "granitemoe",
+    "gpt_oss": "gpt_oss",
 }
 
 
@@ -129,6 +131,42 @@ def test_a_checkpoint_missing_an_expert_is_refused_naming_it(
     del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.up_proj.*missing \[5\]"):
+        engine(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        # The released checkpoints' MXFP4 experts: named, with what to do instead.
+        (
+            lambda t: t.update(
+                {"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(8, 128, 4, 16)}
+            ),
+            r"gate_up_proj_blocks: gpt-oss experts in MXFP4 blocks are not supported",
+        ),
+        (
+            lambda t: t.update({"model.layers.2.self_attn.sinks": torch.zeros(3)}),
+            r"model\.layers\.2\.self_attn\.sinks\.weight has shape \(3,\), expected \(4,\)",
+        ),
+        (
+            lambda t: t.update({"model.layers.1.mlp.experts.down_proj_bias": torch.zeros(8, 7)}),
+            r"down_proj_bias has shape \[8, 7\]; the config's 8 experts .* need \[8, 128\]",
+        ),
+        (
+            lambda t: t.pop("model.layers.1.mlp.router.bias"),
+            r"missing tensor 'model\.layers\.1\.mlp\.gate\.bias'",
+        ),
+    ],
+)
+def test_a_gpt_oss_checkpoint_that_does_not_fit_is_refused_naming_the_tensor(
+    change: Any, error: str, tmp_path: Path, smollm2_path: Path
+) -> None:
+    build("gpt_oss", tmp_path, smollm2_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=error):
         engine(tmp_path)
 
 

@@ -166,27 +166,38 @@ def test_malformed_rope_freqs_are_refused(
         LLM(model=str(bad), dtype="float32", quantization="none")
 
 
-@pytest.mark.parametrize("kind", ["qwen3moe", "granitemoe"])
-def test_q8_0_experts_stay_quantized_and_agree_with_their_dense_selves(
-    kind: str, tmp_path: Path, tokenizer: Path
+# In memory, a block of the file's type takes this many times its bytes: Q8_0 keeps its
+# fp16 scale beside its 32 bytes, as the file does; MXFP4 (4.25 bits a weight) is held
+# in the 5-bit layout with fp16 scales (5.5 bits).
+HELD_PER_FILE_BYTE = {"Q8_0": 1.0, "MXFP4": 5.5 / 4.25}
+
+
+@pytest.mark.parametrize(
+    ("kind", "tensor_type"),
+    [("qwen3moe", "Q8_0"), ("granitemoe", "Q8_0"), ("gpt_oss", "MXFP4")],
+)
+def test_quantized_experts_stay_quantized_and_agree_with_their_dense_selves(
+    kind: str, tensor_type: str, tmp_path: Path, tokenizer: Path
 ) -> None:
-    """A Q8_0 file on the block kernels: the expert stacks are held as the file's bytes
-    (weight_bytes within a few percent of the file: no dense copy), and each prompt's
-    next-token distribution is the one the same weights give dequantized, to the int8
-    activations' rounding (same top token, logprobs within 0.25 nats after 3 layers of
-    random weights; a wrong expert's rows would change them outright). Granite-MoE's
-    file has gate and up in one stack, cut per expert in its blocks."""
+    """A Q8_0 file (gpt-oss's: MXFP4 experts) on the block kernels: the expert stacks
+    are held as the file's blocks (weight_bytes within a few percent of the file's
+    bytes in their layout: no dense copy), and each prompt's next-token distribution
+    is the one the same weights give dequantized, to the int8 activations' rounding
+    (same top token, logprobs within 0.25 nats after 3 layers of random weights; a
+    wrong expert's rows would change them outright). Granite-MoE's file has gate and
+    up in one stack, cut per expert in its blocks."""
     model = build_model(kind, SHAPE, tmp_path / "hf")
     q8 = tmp_path / "q8.gguf"
-    hf_to_gguf(tmp_path / "hf", q8, tensor_type="Q8_0", tokenizer_gguf=tokenizer)
+    hf_to_gguf(tmp_path / "hf", q8, tensor_type=tensor_type, tokenizer_gguf=tokenizer)
     sp = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     llm = _llm(q8, dtype="float32", quantization="gguf")
     assert llm.engine.quantization == "gguf"
     gate_up = llm.engine.runner.model.layers[0].mlp.experts.gate_up_weight
     assert isinstance(gate_up, QuantizedTensor)
-    tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(q8).tensors)
-    # A Q8_0 block keeps its fp16 scale beside its 32 bytes, as the file does.
-    assert abs(llm.stats()["weight_bytes"] - tensor_bytes) <= 0.03 * tensor_bytes
+    assert gate_up.source == tensor_type
+    tensors = gguf.GGUFReader(q8).tensors
+    held = sum(int(t.n_bytes) * HELD_PER_FILE_BYTE.get(t.tensor_type.name, 1.0) for t in tensors)
+    assert abs(llm.stats()["weight_bytes"] - held) <= 0.03 * held
     got = [o.outputs[0].logprobs[0] for o in llm.generate(_prompts(), sp, use_tqdm=False)]
     del llm
     dense = _llm(q8, dtype="float32", quantization="none")

@@ -374,6 +374,10 @@ TINY_SHAPES = {
     "tiny-qwen2": dataclasses.replace(
         SHAPES["qwen2.5-3b"], hidden=256, ffn=288, heads=4, kv_heads=2, vocab=VOCAB
     ),
+    "tiny-gpt-oss": dataclasses.replace(
+        SHAPES["gpt-oss-20b"], hidden=256, ffn=256, expert_ffn=256, heads=4, kv_heads=2,
+        vocab=VOCAB, experts=8,
+    ),
     "tiny-qwen2moe": Shape(
         arch="qwen2moe", layers=24, hidden=256, ffn=512, heads=4, kv_heads=4, vocab=VOCAB,
         context=512, rope_theta=1e6, rms_eps=1e-6, qkv_bias=True, experts=4, experts_used=2,
@@ -392,8 +396,11 @@ def _sha(path: Path) -> str:
 
 
 @pytest.mark.usefixtures("tiny_shapes")
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q8_0"])
-@pytest.mark.parametrize("shape", sorted(TINY_SHAPES))
+@pytest.mark.parametrize(
+    ("shape", "mix"),
+    [(shape, mix) for shape in sorted(TINY_SHAPES) for mix in ("Q4_K_M", "Q8_0")]
+    + [("tiny-gpt-oss", "MXFP4")],
+)
 def test_write_shaped(shape: str, mix: str, tmp_path: Path, tiny_tokenizer: Path) -> None:
     """One layer of a shape: the tensors llama.cpp creates for its arch, in the types
     llama-quantize picks, their byte sizes right, values finite, small and zero-mean."""
@@ -415,7 +422,10 @@ def test_write_shaped(shape: str, mix: str, tmp_path: Path, tiny_tokenizer: Path
         assert np.isfinite(values).all(), t.name
         if t.name.endswith("norm.weight"):
             assert (values == 1).all()
-        elif t.name != "rope_freqs.weight":  # weights ~0.018: mean within 4 sigma
+        elif t.tensor_type == QType.MXFP4:  # 2**-8 times values of RMS 5.85
+            assert 0.021 < values.std() < 0.025, t.name
+            assert abs(values.mean()) < 0.001 + 4 * 0.023 / np.sqrt(values.size), t.name
+        elif t.name != "rope_freqs.weight" and values.size >= 64:  # ~0.018: mean within 4 sigma
             assert 0.015 < values.std() < 0.022, t.name
             assert abs(values.mean()) < 0.001 + 4 * 0.018 / np.sqrt(values.size), t.name
     assert path.stat().st_size == end
@@ -445,6 +455,14 @@ def _check_shaped_tensors(s: Shape, plans: dict[str, Any]) -> None:
         assert plans["blk.0.ffn_down_exps.weight"].shape == (s.experts, h, f)
     if s.shared_ffn:
         assert plans["blk.0.ffn_gate_inp_shexp.weight"].shape == (h,)
+    if s.arch == "gpt-oss":  # sinks, the output and MoE biases, the second norm's name
+        f = s.expert_ffn or s.ffn
+        assert plans["blk.0.attn_sinks.weight"].shape == (s.heads,)
+        assert plans["blk.0.attn_output.bias"].shape == (h,)
+        assert plans["blk.0.ffn_gate_inp.bias"].shape == (s.experts,)
+        assert plans["blk.0.ffn_up_exps.bias"].shape == (s.experts, f)
+        assert plans["blk.0.ffn_down_exps.bias"].shape == (s.experts, h)
+        assert "blk.0.post_attention_norm.weight" in plans and "blk.0.ffn_norm.weight" not in plans
 
 
 @pytest.mark.usefixtures("tiny_shapes")
@@ -505,6 +523,13 @@ def test_real_shapes_are_the_real_sizes() -> None:
     assert gb["qwen2.5-7b"] == pytest.approx(4.68, abs=0.02)
     assert gb["llama-3.1-8b"] == pytest.approx(4.91, abs=0.02)
     assert gb["qwen3-30b-a3b"] == pytest.approx(18.55, abs=0.1)
+    # gpt-oss-20b as MXFP4: 24 x 32 experts x 3 x 2880^2 weights at 17 bytes a 32, the
+    # rest (two 201088 x 2880 tables, attention) at Q8_0's 34.
+    mxfp4 = {p.name: p for p in shaped_tensors(SHAPES["gpt-oss-20b"], "MXFP4")}
+    experts = sum(p.nbytes for n, p in mxfp4.items() if n.endswith("_exps.weight"))
+    assert experts == 24 * 32 * 3 * 2880 * 2880 // 32 * 17
+    assert mxfp4["output.weight"].qtype == mxfp4["blk.5.attn_q.weight"].qtype == QType.Q8_0
+    assert sum(p.nbytes for p in mxfp4.values()) / 1e9 == pytest.approx(12.05, abs=0.05)
 
 
 @pytest.mark.usefixtures("tiny_shapes")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from sluice.architectures import (
     bert,
     gemma3,
+    gptoss,
     granite,
     granitemoe,
     llama,
@@ -44,6 +45,7 @@ REGISTRY: dict[Architecture, ArchitectureSpec] = {
         qwen3moe.SPEC,
         olmoe.SPEC,
         granitemoe.SPEC,
+        gptoss.SPEC,
         bert.BERT,  # and the encoders of embedding models
         bert.MPNET,
     )

@@ -42,6 +42,7 @@ Architecture = Literal[
     "qwen3moe",
     "olmoe",
     "granitemoe",
+    "gpt_oss",
     "bert",
     "mpnet",
 ]

@@ -14,7 +14,9 @@ from sluice.kernels._ffi import INT, INT64, POINTER, Library, c_function, ptr
 # The formats it writes, by the code the C function takes (its `Format` enum).
 FORMAT_CODES = {
     name: code
-    for code, name in enumerate(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
+    for code, name in enumerate(
+        ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+    )
 }
 
 # (raw, format, rows, cols, packed, hbits, scale, minimum, super)
@@ -42,5 +44,8 @@ def gguf_repack(
     if not all(t.is_contiguous() for t in outputs):
         raise ValueError("the outputs must be contiguous")
     rows = packed.shape[0]
-    if _REPACK(lib, ptr(raw), FORMAT_CODES[type_name], rows, cols, *map(ptr, outputs)) != 0:
+    code = _REPACK(lib, ptr(raw), FORMAT_CODES[type_name], rows, cols, *map(ptr, outputs))
+    if code == -2:
+        raise ValueError(f"{type_name} block scale beyond float16's range (above 2**15)")
+    if code != 0:
         raise ValueError(f"no repack for {type_name}")

@@ -47,6 +47,7 @@ class ExpertGroups:
     counts: torch.Tensor  # [E] int64: rows each expert got (the routing's load)
     # (expert, first row, end row) of each group: read once, by both projections.
     spans: tuple[tuple[int, int, int], ...]
+    row_expert: torch.Tensor  # [T * k]: the expert of each sorted row (for biases)
 
     @classmethod
     def of(cls, ids: torch.Tensor, num_experts: int) -> ExpertGroups:
@@ -60,7 +61,7 @@ class ExpertGroups:
         torch.cumsum(on_cpu[expert], 0, out=start[1:])
         bounds = start.tolist()
         spans = tuple((e, bounds[g], bounds[g + 1]) for g, e in enumerate(expert.tolist()))
-        return cls(order, start, expert, counts, spans)
+        return cls(order, start, expert, counts, spans, flat[order])
 
 
 class Experts(nn.Module):
@@ -73,6 +74,9 @@ class Experts(nn.Module):
         self.inter = intermediate_size
         self.gate_up_weight: Weight = torch.empty(0)
         self.down_weight: Weight = torch.empty(0)
+        # gpt-oss: each expert's biases, [E, 2I] (gate, then up) and [E, H]; None: none.
+        self.gate_up_bias: torch.Tensor | None = None
+        self.down_bias: torch.Tensor | None = None
         self.lib: Library | None = None
         # Rows from which an expert leaves the grouped block kernel for the int8 GEMM or
         # dequantized tiles + GEMM (block_quant's crossover for each stack's format and
@@ -121,21 +125,38 @@ class Experts(nn.Module):
         self.gate_up_weight = torch.cat(dense[:2], dim=1).contiguous()
         self.down_weight = dense[2]
 
+    def load_biases(self, gate: Weight, up: Weight, down: Weight, dtype: torch.dtype) -> None:
+        """gpt-oss's per-expert biases: gate and up [E, I], down [E, H], in `dtype`."""
+        e, h, i = self.num_experts, self.hidden, self.inter
+        dense = []
+        for name, b, shape in (("gate", gate, (e, i)), ("up", up, (e, i)), ("down", down, (e, h))):
+            if tuple(b.shape) != shape:
+                raise ValueError(
+                    f"expert {name} biases have shape {tuple(b.shape)}; the model's {e} "
+                    f"experts need {shape}"
+                )
+            value = dequantize(b, dtype) if isinstance(b, QuantizedTensor) else b.to(dtype)
+            dense.append(value.to(self.tokens.device))
+        self.gate_up_bias = torch.cat(dense[:2], dim=1).contiguous()
+        self.down_bias = dense[2].contiguous()
+
     def held(self) -> list[torch.Tensor]:
         """The tensors the weights occupy (for weight_bytes)."""
         out: list[torch.Tensor] = []
         for w in (self.gate_up_weight, self.down_weight):
             out += list(w.parts()) if isinstance(w, QuantizedTensor) else [w]
-        return out
+        return out + [b for b in (self.gate_up_bias, self.down_bias) if b is not None]
 
     def gate_up(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """[rows, 2I]: each sorted row through its expert's gate and up projections."""
         self.tokens += groups.counts.to(self.tokens.device)
-        return self._run(self.gate_up_weight, x, groups, self.gate_up_dense_rows)
+        y = self._run(self.gate_up_weight, x, groups, self.gate_up_dense_rows)
+        return _add_bias(y, self.gate_up_bias, groups)
 
     def down(self, h: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """[rows, H]: each sorted row through its expert's down projection."""
-        return self._run(self.down_weight, h, groups, self.down_dense_rows)
+        y = self._run(self.down_weight, h, groups, self.down_dense_rows)
+        return _add_bias(y, self.down_bias, groups)
 
     def _run(
         self, w: Weight, x: torch.Tensor, groups: ExpertGroups, dense_rows: int
@@ -146,6 +167,14 @@ class Experts(nn.Module):
         for e, lo, hi in groups.spans:
             y[lo:hi] = F.linear(x[lo:hi], w[e])
         return y
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None, groups: ExpertGroups) -> torch.Tensor:
+    """y's sorted rows plus their experts' biases (as the reference adds a bias after
+    the product, rounded to y's dtype); y itself where there are none."""
+    if bias is None:
+        return y
+    return y + bias[groups.row_expert.to(bias.device)]
 
 
 def _stored(lib: Library | None, w: QuantizedTensor, rows: int, panels: bool) -> QuantizedTensor:

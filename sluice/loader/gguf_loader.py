@@ -299,6 +299,15 @@ def expert_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         )
         if config.shared_expert_gated:
             shapes["ffn_gate_inp_shexp.weight"] = (h,)
+    if config.moe_bias:  # gpt-oss: the router's and every expert's biases
+        shapes.update(
+            {
+                "ffn_gate_inp.bias": (e,),
+                "ffn_gate_exps.bias": (e, i),
+                "ffn_up_exps.bias": (e, i),
+                "ffn_down_exps.bias": (e, h),
+            }
+        )
     return shapes
 
 

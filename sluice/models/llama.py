@@ -1,5 +1,7 @@
 """Llama-family decoder: Llama 2/3, SmolLM, Mistral (sliding window), Qwen2 (QKV bias),
-Qwen3 (QK-norm). Gemma 3 (sluice/models/gemma3.py) reuses its attention and loading.
+Qwen3 (QK-norm), the Mixture-of-Experts families (sluice/models/moe.py) and gpt-oss
+(attention sinks, an output-projection bias). Gemma 3 (sluice/models/gemma3.py) reuses
+its attention and loading.
 
 It runs on the flat ragged batch of a step: tokens [T], positions [T]. Attention is
 reached through the step context (sluice/attention/step.py), which holds the batch
@@ -65,7 +67,13 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        # gpt-oss: each head's sink logit, in fp32 as the paged kernel reads it.
+        self.sinks = (
+            nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32), requires_grad=False)
+            if config.attention_sinks
+            else None
+        )
         # Per head (Qwen3, Gemma 3) or over the whole projection (OLMoE).
         self.qk_norm_per_head = config.qk_norm_per_head
         if config.qk_norm:
@@ -96,7 +104,7 @@ class Attention(nn.Module):
                 qk = torch.cat(normed, dim=1).view(t, -1, self.head_dim)
         # q and k heads rotate together, in place where fused.
         q, k = fused.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = attend(q, k, v, self.layer_index, self.window, self.scale)
+        out = attend(q, k, v, self.layer_index, self.window, self.scale, self.sinks)
         projected: torch.Tensor = self.o_proj(out.reshape(t, self.q_size))
         return projected
 
@@ -129,6 +137,14 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm.add_forward(x if m == 1.0 else x * m, residual)
         out = self.mlp(x)
         return out if m == 1.0 else out * m, residual
+
+
+def _sinks(ck: Checkpoint, name: str, heads: int) -> torch.Tensor:
+    """A layer's attention-sink logits, one per head, in fp32."""
+    sinks = ck.dense_float(ck.take(name))
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"{name} has shape {tuple(sinks.shape)}, expected ({heads},)")
+    return sinks
 
 
 class LlamaForCausalLM(nn.Module):
@@ -291,6 +307,10 @@ class LlamaForCausalLM(nn.Module):
             biases = [ck.dense(ck.take(p + f"self_attn.{n}_proj.bias")) for n in "qkv"]
             ck.put(att.qkv_proj.bias, torch.cat(biases))
         ck.put_linear(att.o_proj, [p + "self_attn.o_proj.weight"])
+        if att.o_proj.bias is not None:  # config.o_proj_bias
+            ck.put(att.o_proj.bias, ck.dense(ck.take(p + "self_attn.o_proj.bias")))
+        if att.sinks is not None:  # config.attention_sinks
+            att.sinks.copy_(_sinks(ck, p + "self_attn.sinks.weight", att.num_heads))
         if att.q_norm is not None and att.k_norm is not None:
             self._put_norm(ck, att.q_norm, p + "self_attn.q_norm.weight")
             self._put_norm(ck, att.k_norm, p + "self_attn.k_norm.weight")

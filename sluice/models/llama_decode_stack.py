@@ -346,6 +346,10 @@ class LlamaDecodeStack:
         # Granite's scalings are (the embeddings' and the logits' outside it).
         if c.softmax_after_top_k:
             return None
+        # gpt-oss's parts (sinks, biases on the output projection, the router and the
+        # experts, the clamped SwiGLU) are not in it either.
+        if c.attention_sinks or c.o_proj_bias or c.moe_bias or c.swiglu_limit is not None:
+            return None
         dtype = model.embed_tokens.weight.dtype
         if (
             getattr(backend, "kernel", None) is None

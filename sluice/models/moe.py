@@ -49,6 +49,16 @@ def route(
     return weights, ids
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation of [rows, 2I] (gate, then up), in the reference's
+    order of operations: the gate clamped above at `limit`, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class SparseMoE(nn.Module):
     """The MLP of a Mixture-of-Experts layer, with a shared expert where the model has
     one (Qwen2-MoE's gated, GraniteMoeShared's added as it is)."""
@@ -65,6 +75,17 @@ class SparseMoE(nn.Module):
             requires_grad=False,
         )
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        # gpt-oss: a bias on the router's logits and on every expert projection, and the
+        # clamped SwiGLU as the experts' activation.
+        self.router_bias = (
+            nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False)
+            if config.moe_bias
+            else None
+        )
+        self.moe_bias = config.moe_bias
+        self.swiglu = (
+            None if config.swiglu_limit is None else (config.swiglu_alpha, config.swiglu_limit)
+        )
         shared = config.shared_expert_intermediate_size
         self.shared_expert = MLP(config.hidden_size, shared) if shared else None
         gated = shared and config.shared_expert_gated
@@ -94,7 +115,7 @@ class SparseMoE(nn.Module):
         groups = ExpertGroups.of(local, self.experts.num_experts)
         pair = groups.order if pairs is None else pairs[groups.order]
         tokens = pair // self.top_k  # the token of each sorted pair
-        h = fused.silu_and_mul(self.experts.gate_up(x[tokens], groups))
+        h = self._activate(self.experts.gate_up(x[tokens], groups))
         y = self.experts.down(h, groups)
         y = y * weights.flatten()[pair].to(y.dtype)[:, None]
         out = torch.zeros_like(x).index_add_(0, tokens, y)
@@ -103,6 +124,13 @@ class SparseMoE(nn.Module):
             gate = self.shared_expert_gate
             out = out + (shared if gate is None else torch.sigmoid(gate(x)) * shared)
         return out if self.reduce is None else self.reduce(out)
+
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The experts' activation of [rows, 2I] (gate, then up): SiLU(gate) * up, or
+        gpt-oss's clamped SwiGLU."""
+        if self.swiglu is None:
+            return fused.silu_and_mul(gate_up)
+        return clamped_swiglu(gate_up, *self.swiglu)
 
     def _local_pairs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(this rank's expert of each of its pairs, those pairs' flat indices token * k
@@ -120,14 +148,16 @@ class SparseMoE(nn.Module):
         experts exactly as this layer does."""
         lib, k = self.experts.lib, self.top_k
         kernel = x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES
-        if lib is not None and kernel and not self.softmax_after_top_k:  # softmax first
+        kernel = kernel and self.router_bias is None and not self.softmax_after_top_k
+        if lib is not None and kernel:  # softmax first, no bias
             return fused_kernels.moe_route(lib, x.contiguous(), self.router, k, self.renormalize)
-        logits = F.linear(x.float(), self.router)
+        logits = F.linear(x.float(), self.router, self.router_bias)
         return route(logits, self.top_k, self.renormalize, self.softmax_after_top_k)
 
     def held(self) -> list[torch.Tensor]:
         """The router (for weight_bytes; the experts and shared expert count themselves)."""
-        return [self.router]
+        held: list[torch.Tensor] = [self.router]
+        return held if self.router_bias is None else [*held, self.router_bias]
 
     def load(
         self, ck: Checkpoint, prefix: str, keep_quantized: bool, int8_prompts: bool = False
@@ -142,6 +172,14 @@ class SparseMoE(nn.Module):
                 f"expected {tuple(self.router.shape)}"
             )
         self.router.copy_(router)
+        if self.router_bias is not None:
+            bias = ck.dense_float(ck.take(prefix + "gate.bias"))
+            if tuple(bias.shape) != tuple(self.router_bias.shape):
+                raise ValueError(
+                    f"{prefix}gate.bias has shape {tuple(bias.shape)}, "
+                    f"expected {tuple(self.router_bias.shape)}"
+                )
+            self.router_bias.copy_(bias)
         self.experts.load(
             ck.take(prefix + "experts.gate_proj.weight"),
             ck.take(prefix + "experts.up_proj.weight"),
@@ -150,6 +188,10 @@ class SparseMoE(nn.Module):
             keep_quantized=keep_quantized,
             int8_prompts=int8_prompts,
         )
+        if self.moe_bias:
+            p = prefix + "experts."
+            gate, up, down = (ck.take(f"{p}{n}_proj.bias") for n in ("gate", "up", "down"))
+            self.experts.load_biases(gate, up, down, dtype=ck.dtype)
         if self.shared_expert is not None:
             p = prefix + "shared_expert."
             shared = self.shared_expert

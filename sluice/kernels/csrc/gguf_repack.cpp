@@ -14,7 +14,7 @@
 namespace {
 
 // Format codes (gguf_blocks.REPACK_CODES).
-enum Format { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kFormats };
+enum Format { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kMXFP4, kFormats };
 
 struct Spec {
   int values, bytes, bits, group;
@@ -26,7 +26,22 @@ constexpr Spec kSpecs[kFormats] = {
     {32, 22, 5, 32, false, false},  {32, 24, 5, 32, true, false},
     {32, 34, 8, 32, false, false},  {256, 144, 4, 32, true, true},
     {256, 176, 5, 32, true, true},  {256, 210, 6, 16, false, true},
+    {32, 17, 5, 32, false, false},
 };
+
+// MXFP4's E2M1 values doubled (ggml's kvalues_mxfp4): integers -12..12, which the
+// 5-bit symmetric layout holds as u = value + 16.
+constexpr int8_t kE2M1Doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// An MXFP4 block's scale 2^(e - 128) (the half of ggml's E8M0 scale that goes with the
+// doubled values) as fp16 bits: exact from 2^-24 to 2^15, zero below; false above.
+bool mxfp4_scale(uint8_t e, uint16_t* h) {
+  const int x = e - 128;
+  if (x > 15) return false;
+  *h = x >= -14 ? static_cast<uint16_t>((x + 15) << 10)
+                : x >= -24 ? static_cast<uint16_t>(1u << (x + 24)) : 0;
+  return true;
+}
 
 uint16_t f16_at(const uint8_t* p) {
   uint16_t h;
@@ -57,9 +72,14 @@ void k_scales(const uint8_t* s, int8_t* sc, int8_t* mn) {
 
 // One block of `f` at b into values u (natural order) and its groups' scales: fp16
 // bits (d16, m16) or int8 (d8, m8) with the multipliers sup[0] (d) and sup[1] (-dmin).
-void decode_block(int f, const uint8_t* b, uint8_t* u, uint16_t* d16, uint16_t* m16, int8_t* d8,
+// False for a block the layout cannot hold (an MXFP4 scale beyond fp16).
+bool decode_block(int f, const uint8_t* b, uint8_t* u, uint16_t* d16, uint16_t* m16, int8_t* d8,
                   int8_t* m8, uint16_t* sup) {
   switch (f) {
+    case kMXFP4:
+      nibbles32(b + 1, u);
+      for (int j = 0; j < 32; ++j) u[j] = static_cast<uint8_t>(kE2M1Doubled[u[j]] + 16);
+      return mxfp4_scale(b[0], d16);
     case kQ4_0: d16[0] = f16_at(b), nibbles32(b + 2, u); break;
     case kQ4_1: d16[0] = f16_at(b), m16[0] = f16_at(b + 2), nibbles32(b + 4, u); break;
     case kQ5_0: d16[0] = f16_at(b), nibbles32(b + 6, u), fifth_bits32(b + 2, u); break;
@@ -98,6 +118,7 @@ void decode_block(int f, const uint8_t* b, uint8_t* u, uint16_t* d16, uint16_t* 
       break;
     }
   }
+  return true;
 }
 
 }  // namespace
@@ -108,7 +129,8 @@ extern "C" {
 // cols or cols / 2], hbits [rows, cols / 8 or cols / 4] (5 and 6 bits), scale and
 // minimum [rows, cols / group] (fp16 bits, or int8 for the K-quants; minimum only for
 // formats with offsets) and super [rows, 1 or 2, cols / 256] (K-quants). cols is a
-// multiple of 64 and of the format's block. Returns 0, or -1 for an unknown format.
+// multiple of 64 and of the format's block. Returns 0, -1 for an unknown format, or -2
+// for a block the layout cannot hold (an MXFP4 scale above 2^15).
 int sluice_gguf_repack(const void* raw, int format, int64_t rows, int cols, void* packed,
                        void* hbits, void* scale, void* minimum, void* super) {
   if (format < 0 || format >= kFormats) return -1;
@@ -119,6 +141,7 @@ int sluice_gguf_repack(const void* raw, int format, int64_t rows, int cols, void
   const int64_t hbits_row = s.bits == 5 ? cols / 8 : s.bits == 6 ? cols / 4 : 0;
   const int supers = s.integer ? (s.offsets ? 2 : 1) : 0;
   const auto* in = static_cast<const uint8_t*>(raw);
+  int unfit = 0;
 #pragma omp parallel
   {
     std::vector<uint8_t> u(cols);
@@ -132,16 +155,20 @@ int sluice_gguf_repack(const void* raw, int format, int64_t rows, int cols, void
       for (int b = 0; b < blocks; ++b) {
         uint16_t pair[2] = {0, 0};
         const int g = b * per_block;
-        decode_block(format, in + r * row_bytes + b * s.bytes, u.data() + b * s.values,
-                     s.integer ? nullptr : d16 + g, s.integer || !s.offsets ? nullptr : m16 + g,
-                     s.integer ? d8 + g : nullptr, s.integer && s.offsets ? m8 + g : nullptr, pair);
+        if (!decode_block(format, in + r * row_bytes + b * s.bytes, u.data() + b * s.values,
+                          s.integer ? nullptr : d16 + g,
+                          s.integer || !s.offsets ? nullptr : m16 + g, s.integer ? d8 + g : nullptr,
+                          s.integer && s.offsets ? m8 + g : nullptr, pair)) {
+#pragma omp atomic write
+          unfit = 1;
+        }
         for (int j = 0; j < supers; ++j) sup[j * blocks + b] = pair[j];
       }
       sluice::qb_pack_row(u.data(), cols, s.bits, static_cast<uint8_t*>(packed) + r * packed_row,
                static_cast<uint8_t*>(hbits) + r * hbits_row);
     }
   }
-  return 0;
+  return unfit ? -2 : 0;
 }
 
 }  // extern "C"
