@@ -493,7 +493,7 @@ class EngineConfig:
         metadata=doc(
             "weight-only quantization, on CPU kernels: gguf keeps a GGUF's quantized weights "
             "as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks, no float copy; "
-            "MXFP4 in a 5-bit layout); "
+            "MXFP4's 4-bit codes with a float16 scale a block); "
             "int8 and int4 quantize at load; none is dense; auto: gguf for a quantized GGUF on "
             "CPU unless --dtype float32 or float16 is asked for, else none"
         ),

@@ -167,9 +167,9 @@ def test_malformed_rope_freqs_are_refused(
 
 
 # In memory, a block of the file's type takes this many times its bytes: Q8_0 keeps its
-# fp16 scale beside its 32 bytes, as the file does; MXFP4 (4.25 bits a weight) is held
-# in the 5-bit layout with fp16 scales (5.5 bits).
-HELD_PER_FILE_BYTE = {"Q8_0": 1.0, "MXFP4": 5.5 / 4.25}
+# fp16 scale beside its 32 bytes, as the file does; MXFP4 (4.25 bits a weight) keeps
+# its 4-bit codes with an fp16 scale where the file has an 8-bit exponent (4.5 bits).
+HELD_PER_FILE_BYTE = {"Q8_0": 1.0, "MXFP4": 4.5 / 4.25}
 
 
 @pytest.mark.parametrize(

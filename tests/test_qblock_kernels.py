@@ -20,7 +20,12 @@ from sluice.core.quantized_tensor import INTEGER_SCALE_LAYOUTS
 from sluice.kernels import qblock
 from tests.conftest import kernels_at
 
-FORMATS = sorted(qblock.FORMATS)  # (bits, group): 4, 5, 6 and 8 bits in groups of 16 and 32
+# (bits, group): 4, 5, 6 and 8 bits in groups of 16 and 32, and MXFP4's E2M1 codes in 32s
+FORMATS = sorted(qblock.FORMATS)
+E2M1 = 20  # the kernels' code for MXFP4's codes (csrc/qblock.h's kQbE2M1)
+# Each code's value u: the E2M1 number (sign, 2 exponent bits, 1 mantissa bit: 0, 0.5,
+# 1, 1.5, 2, 3, 4, 6) doubled, plus 16; the weight's offset is then -16 scales.
+E2M1_U = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]) + 16
 ROWS = (1, 3, 4, 7, 64, 130)
 
 
@@ -33,9 +38,9 @@ def natural_of_position() -> torch.Tensor:
 
 @dataclass
 class Weight:
-    u: torch.Tensor  # [N, K] int64, natural order
+    u: torch.Tensor  # [N, K] int64, natural order (E2M1: the codes)
     d: torch.Tensor  # [N, K / G] fp16, or int8 (integer scales)
-    m: torch.Tensor  # as d; empty for a symmetric weight: m = -2**(bits - 1) * d
+    m: torch.Tensor  # as d; empty for a symmetric weight: m = -2**(bits - 1) * d (E2M1: -16 d)
     s: torch.Tensor  # integer scales: fp16 [N, 1 or 2, K / 256] multipliers of d (and m)
     bits: int
     group: int
@@ -56,9 +61,10 @@ class Weight:
         """W (fp64, exact) and |d * u| + |m| per weight."""
         n, k = self.u.shape
         g = self.group
-        u = self.u.double().view(n, k // g, g)
+        u = (E2M1_U[self.u] if self.bits == E2M1 else self.u).double().view(n, k // g, g)
         d = self.scales(self.d, 0).double()
-        m = self.scales(self.m, 1).double() if self.m.numel() else -(2.0 ** (self.bits - 1)) * d
+        implied = -16.0 if self.bits == E2M1 else -(2.0 ** (self.bits - 1))
+        m = self.scales(self.m, 1).double() if self.m.numel() else implied * d
         du = d[..., None] * u
         return (du + m[..., None]).view(n, k), (du.abs() + m.abs()[..., None]).view(n, k)
 
@@ -108,7 +114,7 @@ def random_weight(
     integer: bool = False,
 ) -> Weight:
     gen = torch.Generator().manual_seed(seed)
-    u = torch.randint(0, 1 << bits, (n, k), generator=gen)
+    u = torch.randint(0, 16 if bits == E2M1 else 1 << bits, (n, k), generator=gen)
     if integer:  # as the K-quants: int8 scales (signed, as Q6_K's) and offsets
         d = torch.randint(-128, 128, (n, k // group), generator=gen).to(torch.int8)
         m = torch.randint(-128, 128, (n, k // group), generator=gen).to(torch.int8)

@@ -3,8 +3,8 @@
 Every GGUF block format is repacked once, at load, into one of four layouts that our
 kernels read (sluice/kernels/csrc/qblock.h): 4, 5, 6 or 8 unsigned bits a value, with
 one scale d and offset m per group of G = 16 or 32 values along the input dimension,
-W = d * u + m. One structure for every format keeps one kernel per layout instead of
-one per file type. A symmetric weight (Q4_0, Q5_0, Q8_0, Q6_K: the file stores no
+W = d * u + m (and MXFP4's 4-bit E2M1 codes, looked up into u: E2M1 below). One
+structure for every format keeps one kernel per layout instead of one per file type. A symmetric weight (Q4_0, Q5_0, Q8_0, Q6_K: the file stores no
 offsets) stores no m: it is -2**(bits - 1) * d, and `minimum` is an empty tensor.
 
 Scales are float16 a group (Q4_0, Q4_1, Q5_x, Q8_0: what the file has), or integer
@@ -35,7 +35,18 @@ import torch
 
 from sluice.core import host_memory
 
-LAYOUT_BITS = (4, 5, 6, 8)
+# MXFP4's values (gpt-oss's experts): 4-bit codes, packed as 4-bit values are, each
+# naming an E2M1 number. Where a layout's bit count is asked for, E2M1 stands for
+# them (csrc/qblock.h's kQbE2M1, the same code): a code's value u is E2M1_VALUES[code]
+# (its E2M1 number doubled, as ggml keeps them, + 16: 4..28) and the weight is
+# symmetric with the implied offset -16 scales, a 5-bit weight's.
+E2M1 = 20
+E2M1_VALUES = torch.tensor([16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4])
+# u -> its code (negative zero, code 8, packs as code 0: the same weight); -1: no code.
+_E2M1_CODES = torch.tensor(
+    [min((c for c, v in enumerate(E2M1_VALUES.tolist()) if v == u), default=-1) for u in range(29)]
+)
+LAYOUT_BITS = (4, 5, 6, 8, E2M1)
 GROUPS = (16, 32)
 # Values under one multiplier of integer scales (a K-quant super-block), and the
 # layouts the kernels read with integer scales: Q4_K's, Q5_K's, and Q6_K's (which
@@ -49,7 +60,7 @@ _EMPTY_F16 = torch.empty(0, dtype=torch.float16)
 class QuantizedTensor:
     """W [rows, cols] = scale * u + minimum per group of `group` values along cols."""
 
-    bits: int  # 4, 5, 6 or 8
+    bits: int  # 4, 5, 6 or 8, or E2M1 (MXFP4's codes)
     group: int  # 16 or 32
     packed: torch.Tensor  # uint8 [rows, cols * min(bits, 4 or 8) / 8]: nibbles or bytes
     hbits: torch.Tensor  # uint8 [rows, cols / 8] for 5 bits, [rows, cols / 4] for 6, else empty
@@ -75,7 +86,7 @@ class QuantizedTensor:
     @property
     def implied(self) -> float:
         """A symmetric weight's offset as a multiple of its scale."""
-        return -float(1 << (self.bits - 1))
+        return -16.0 if self.bits == E2M1 else -float(1 << (self.bits - 1))
 
     def _expand(self, values: torch.Tensor, which: int) -> torch.Tensor:
         """Per-group values as fp32, times their multipliers (integer scales)."""
@@ -135,10 +146,10 @@ class QuantizedTensor:
         """The same values in a layout of at least as many bits and as fine a group:
         exact (u is unchanged; a finer group repeats the scale and offset)."""
         self.row_major()
-        if bits < self.bits or group > self.group:
-            raise ValueError(f"cannot widen {self.bits}/{self.group} to {bits}/{group}")
         if (bits, group) == (self.bits, self.group):
             return self
+        if bits == E2M1 or _width(bits) < _width(self.bits) or group > self.group:
+            raise ValueError(f"cannot widen {self.bits}/{self.group} to {bits}/{group}")
         # Explicit offsets: a symmetric weight's implied ones depend on its bits.
         w = self.with_offsets()
         repeat = self.group // group
@@ -180,7 +191,9 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     Integer scales are kept where every part has them in a layout that has them."""
     if len(parts) == 1:
         return parts[0]
-    bits = max(p.bits for p in parts)
+    formats = {p.bits for p in parts}
+    # E2M1 joins only E2M1; with others, the values it stands for (5 bits) are widened.
+    bits = E2M1 if formats == {E2M1} else max(_width(b) for b in formats)
     group = min(p.group for p in parts)
     integer = all(p.integer_scales for p in parts) and (bits, group) in INTEGER_SCALE_LAYOUTS
     if not integer:
@@ -216,6 +229,11 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tensors, out=host_memory.zeroed(shape, tensors[0].dtype, tensors[0].device))
 
 
+def _width(bits: int) -> int:
+    """The bits a layout's values u need (E2M1's 4..28: 5)."""
+    return 5 if bits == E2M1 else bits
+
+
 def _to_positions(u: torch.Tensor) -> torch.Tensor:
     """[N, K] natural order -> [N, K/64, 64] pair positions."""
     n, k = u.shape
@@ -243,9 +261,10 @@ def pack(
     source: str = "",
     super_scale: torch.Tensor | None = None,
 ) -> QuantizedTensor:
-    """Pack unsigned values u [N, K] (uint8, each below 2**bits) with their per-group
-    scale and offset [N, K / group] into the layout; minimum None (or empty) for a
-    symmetric weight (offset -2**(bits - 1) * scale, not stored). Float scales are
+    """Pack unsigned values u [N, K] (uint8, each below 2**bits; for E2M1 entries of
+    E2M1_VALUES) with their per-group scale and offset [N, K / group] into the layout;
+    minimum None (or empty) for a symmetric weight (offset -2**(bits - 1) * scale, -16
+    for E2M1, not stored). Float scales are
     stored as float16; with `super_scale` [N, 1 or 2, K / 256] the scales and offsets
     are integers in int8's range, multiplied by it (see QuantizedTensor)."""
     if bits not in LAYOUT_BITS or group not in GROUPS:
@@ -261,6 +280,11 @@ def pack(
         if tuple(super_scale.shape) != (n, 1 if minimum is None else 2, k // SUPER):
             raise ValueError(f"super_scale must be [{n}, 1 or 2, {k // SUPER}]")
     fmt = torch.float16 if super_scale is None else torch.int8
+    if bits == E2M1:  # the values as their codes
+        codes = _E2M1_CODES[u.long().clamp(0, 28)]
+        if bool((codes < 0).any() | (u > 28).any()):
+            raise ValueError("E2M1 values must be E2M1_VALUES entries (doubled E2M1 + 16)")
+        u = codes
     pos = _to_positions(u.to(torch.uint8))
     hbits = torch.empty(0, dtype=torch.uint8)
     if bits == 8:
@@ -313,6 +337,8 @@ def unpack_values(qt: QuantizedTensor) -> torch.Tensor:
     elif qt.bits == 6:
         high = (qt.hbits.reshape(n, k // 64, 1, 16) >> _PAIR_SHIFTS.view(1, 1, 4, 1)) & 3
         pos = pos | (high << 4).reshape(n, k // 64, 64)
+    elif qt.bits == E2M1:
+        pos = E2M1_VALUES.to(torch.uint8)[pos.long()]
     return _from_positions(pos)
 
 

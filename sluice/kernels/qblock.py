@@ -3,8 +3,9 @@ quantized in memory, in the three layouts of issue 13 (restated in csrc/qblock.h
 
 A weight is (packed, hbits, scale, minimum, super_scale, bits, group): W[n, k] =
 scale[n, k // group] * u[n, k] + minimum[n, k // group], u of `bits` bits (4, 5, 6 or
-8) in pair-permuted order; `hbits` holds the bits above the fourth and is an empty
-uint8 tensor unless bits is 5 or 6; `minimum` is empty for a symmetric weight (minimum
+8; or E2M1: MXFP4's 4-bit codes, u looked up from them) in pair-permuted order;
+`hbits` holds the bits above the fourth and is an empty uint8 tensor unless bits is 5
+or 6; `minimum` is empty for a symmetric weight (minimum
 = -2**(bits - 1) * scale). Scales are float16, or int8 times the float16 multipliers
 `super_scale` [N, 1 or 2, K / 256] (empty for float16 scales). Rows are independent,
 so row slices of the five tensors are weights too (sluice/core/quantized_tensor.py).
@@ -16,7 +17,7 @@ from typing import Literal, get_args
 
 import torch
 
-from sluice.core.quantized_tensor import INTEGER_SCALE_LAYOUTS, SUPER
+from sluice.core.quantized_tensor import E2M1, INTEGER_SCALE_LAYOUTS, SUPER
 from sluice.kernels._ffi import (
     INT,
     INT64,
@@ -29,7 +30,7 @@ from sluice.kernels._ffi import (
 )
 
 # The formats the kernels take: (bits, group); with integer scales, INTEGER_SCALE_LAYOUTS.
-FORMATS = frozenset({(b, g) for b in (4, 5, 6, 8) for g in (32, 16)})
+FORMATS = frozenset({(b, g) for b in (4, 5, 6, 8) for g in (32, 16)} | {(E2M1, 32)})
 # Where the output head's first int8 level comes from: the block kernel, the int8 GEMM,
 # or that GEMM on AMX-INT8 tiles; in the order of csrc/qblock.cpp's HeadFirstLevel.
 HeadFirstLevel = Literal["blocks", "gemm", "tiles"]

@@ -7,10 +7,11 @@ tests/test_gguf_blocks.py). The values are never widened to floats: a 4-bit file
 stays 4 bits in memory.
 
 Layouts chosen (bits / group): Q4_0, Q4_1, Q4_K -> 4/32; Q5_0, Q5_1, Q5_K -> 5/32;
-Q8_0 -> 8/32; Q6_K -> 6/16; MXFP4 (its doubled E2M1 values are integers from -12 to
-12) -> 5/32, at 5.5 bits a weight for the file's 4.25. The symmetric formats (Q4_0,
-Q5_0, Q8_0, Q6_K, MXFP4: an offset of -2**(bits - 1) scales) store no offsets; they
-are implied. Q6_K then costs 7 bits a
+Q8_0 -> 8/32; Q6_K -> 6/16; MXFP4 -> E2M1/32 (its 4-bit codes as stored, looked up
+by the kernels), at 4.5 bits a weight for the file's 4.25 (a float16 scale a block
+where the file has an 8-bit exponent). The symmetric formats (Q4_0, Q5_0, Q8_0, Q6_K,
+MXFP4: an offset of -2**(bits - 1) scales, -16 for E2M1) store no offsets; they are
+implied. Q6_K then costs 7 bits a
 weight against the file's 6.56 (as bytes with fp16 offsets it was 10, and Q6_K holds
 a Q4_K_M file's output head and half its down projections: ~20% of a decode step's
 weight reads on Qwen2.5-Coder-1.5B); Q5_0 5.5 for the file's 5.5, Q8_0 8.5 for 8.5.
@@ -29,7 +30,7 @@ import torch
 
 from sluice import kernels
 from sluice.core import host_memory
-from sluice.core.quantized_tensor import QuantizedTensor, pack
+from sluice.core.quantized_tensor import E2M1, E2M1_VALUES, QuantizedTensor, pack
 from sluice.kernels import repack as repack_kernel
 
 # (values, scale, offset, multipliers): u [blocks, block values] uint8, scale/offset
@@ -78,24 +79,22 @@ def _q8_0(raw: torch.Tensor) -> Decoded:
     return u, _f16(raw, 0), None, None  # offset -128 * d
 
 
-# MXFP4's 4-bit values (E2M1: sign, 2 exponent bits, 1 mantissa bit) doubled, as ggml
-# keeps them (kvalues_mxfp4): integers, against a block scale of 2**(e - 128).
-_E2M1_DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12])
 # The largest power of two a float16 scale holds; smaller than 2**-24 flushes to zero.
 _F16_MAX_EXPONENT = 15
 
 
 def _mxfp4(raw: torch.Tensor) -> Decoded:
-    """MXFP4 (gpt-oss's experts): an E8M0 exponent byte e, then 32 E2M1 values as
-    Q4_0 orders nibbles; W = kvalues[q] * 2**(e - 128). They fit the 5-bit symmetric
-    layout exactly: u = kvalues[q] + 16 (4..28), offset -16 * scale, the scale a power
-    of two that float16 holds from 2**-24 to 2**15. (A block scaled below 2**-24,
-    |W| < 4e-7, is flushed to zero; one above 2**15 is refused.)"""
+    """MXFP4 (gpt-oss's experts): an E8M0 exponent byte e, then 32 E2M1 codes as Q4_0
+    orders nibbles; W = kvalues[code] * 2**(e - 128), kvalues the E2M1 numbers doubled
+    (ggml's kvalues_mxfp4, integers -12..12). As the E2M1 layout holds them: u =
+    kvalues + 16 (E2M1_VALUES[code]), offset -16 * scale, the scale a power of two that
+    float16 holds from 2**-24 to 2**15 (a block scaled below 2**-24, |W| < 4e-7, is
+    flushed to zero; one above 2**15 is refused)."""
     exponent = raw[:, 0:1].to(torch.int32) - 128
     if int(exponent.max()) > _F16_MAX_EXPONENT:
         top = int(exponent.max())
         raise ValueError(f"MXFP4 block scale 2**{top} is beyond float16's range (above 2**15)")
-    u = (_E2M1_DOUBLED[_nibbles(raw[:, 1:17]).long()] + 16).to(torch.uint8)
+    u = E2M1_VALUES.to(torch.uint8)[_nibbles(raw[:, 1:17]).long()]
     return u, torch.ldexp(torch.ones(1), exponent.float()), None, None
 
 
@@ -148,7 +147,7 @@ FORMATS: dict[str, tuple[int, int, Callable[[torch.Tensor], Decoded], int, int]]
     "Q4_K": (256, 144, _q4_k, 4, 32),
     "Q5_K": (256, 176, _q5_k, 5, 32),
     "Q6_K": (256, 210, _q6_k, 6, 16),
-    "MXFP4": (32, 17, _mxfp4, 5, 32),
+    "MXFP4": (32, 17, _mxfp4, E2M1, 32),
 }
 
 

@@ -26,12 +26,8 @@ constexpr Spec kSpecs[kFormats] = {
     {32, 22, 5, 32, false, false},  {32, 24, 5, 32, true, false},
     {32, 34, 8, 32, false, false},  {256, 144, 4, 32, true, true},
     {256, 176, 5, 32, true, true},  {256, 210, 6, 16, false, true},
-    {32, 17, 5, 32, false, false},
+    {32, 17, sluice::kQbE2M1, 32, false, false},
 };
-
-// MXFP4's E2M1 values doubled (ggml's kvalues_mxfp4): integers -12..12, which the
-// 5-bit symmetric layout holds as u = value + 16.
-constexpr int8_t kE2M1Doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // An MXFP4 block's scale 2^(e - 128) (the half of ggml's E8M0 scale that goes with the
 // doubled values) as fp16 bits: exact from 2^-24 to 2^15, zero below; false above.
@@ -76,9 +72,9 @@ void k_scales(const uint8_t* s, int8_t* sc, int8_t* mn) {
 bool decode_block(int f, const uint8_t* b, uint8_t* u, uint16_t* d16, uint16_t* m16, int8_t* d8,
                   int8_t* m8, uint16_t* sup) {
   switch (f) {
-    case kMXFP4:
+    case kMXFP4:  // the codes as stored, negative zero (8) as zero (0): the same weight
       nibbles32(b + 1, u);
-      for (int j = 0; j < 32; ++j) u[j] = static_cast<uint8_t>(kE2M1Doubled[u[j]] + 16);
+      for (int j = 0; j < 32; ++j) u[j] = u[j] == 8 ? 0 : u[j];
       return mxfp4_scale(b[0], d16);
     case kQ4_0: d16[0] = f16_at(b), nibbles32(b + 2, u); break;
     case kQ4_1: d16[0] = f16_at(b), m16[0] = f16_at(b + 2), nibbles32(b + 4, u); break;

@@ -83,9 +83,21 @@ inline void qb_pack_row(const uint8_t* u, int K, int bits, uint8_t* packed, uint
   }
 }
 
+// MXFP4's values (gpt-oss's experts): 4-bit codes stored as 4-bit values are, each
+// naming an E2M1 number; doubled as ggml keeps them they are integers -12..12, so the
+// kernels unpack a code to u = value + 16 (kQbE2M1Values, 4..28) by a table lookup
+// (vpshufb) and treat the weight as a symmetric 5-bit one, offset -16 d: a power of
+// two, as every implied offset is, so the block kernel's and the GEMM's sums agree
+// bit for bit (an offset of -12 d rounded differently in the two). kQbE2M1 is the
+// format's code where kernels take a bit count: not a width; every `BITS == 5 / 6 / 8`
+// test leaves it on the 4-bit paths, the lookup added where they unpack.
+constexpr int kQbE2M1 = 20;
+constexpr uint8_t kQbE2M1Values[16] = {16, 17, 18, 19, 20, 22, 24, 28,
+                                       16, 15, 14, 13, 12, 10, 8,  4};
+
 // The offset factor of a symmetric weight: m = qb_implied_m<BITS> * d (qb_implied for
 // a run-time bit count).
-constexpr int qb_implied(int bits) { return -(1 << (bits - 1)); }
+constexpr int qb_implied(int bits) { return bits == kQbE2M1 ? -16 : -(1 << (bits - 1)); }
 template <int BITS>
 constexpr float qb_implied_m = static_cast<float>(qb_implied(BITS));
 
@@ -289,7 +301,10 @@ SLUICE_INLINE __m512i qb_unpack(const QbRow& w, int p) {
     __m512i u = _mm512_and_si512(
         _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1),
         _mm512_set1_epi8(0x0F));
-    if constexpr (BITS == 5) {
+    if constexpr (BITS == kQbE2M1) {
+      const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kQbE2M1Values));
+      u = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(table), u);
+    } else if constexpr (BITS == 5) {
       uint64_t hb;
       std::memcpy(&hb, w.h + 8 * p, sizeof(hb));
       u = _mm512_mask_add_epi8(u, static_cast<__mmask64>(hb), u, _mm512_set1_epi8(16));
@@ -444,7 +459,12 @@ SLUICE_INLINE void qb_unpack(const QbRow& w, int p, __m256i& lo, __m256i& hi) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.w + 32 * p));
     lo = _mm256_and_si256(raw, nibble);
     hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-    if constexpr (BITS == 5) {
+    if constexpr (BITS == kQbE2M1) {
+      const __m256i table = _mm256_broadcastsi128_si256(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(kQbE2M1Values)));
+      lo = _mm256_shuffle_epi8(table, lo);
+      hi = _mm256_shuffle_epi8(table, hi);
+    } else if constexpr (BITS == 5) {
       // Each byte tests its own bit of the 32 bits covering its half.
       const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
@@ -623,7 +643,9 @@ SLUICE_INLINE void qb_unpack(const QbRow& w, int p, uint8_t* u) {
       u[j] = b[j] & 0x0F;
       u[32 + j] = b[j] >> 4;
     }
-    if constexpr (BITS == 5) {
+    if constexpr (BITS == kQbE2M1) {
+      for (int i = 0; i < 64; ++i) u[i] = kQbE2M1Values[u[i]];
+    } else if constexpr (BITS == 5) {
       uint64_t hb;
       std::memcpy(&hb, w.h + 8 * p, sizeof(hb));
       for (int i = 0; i < 64; ++i) u[i] |= static_cast<uint8_t>(((hb >> i) & 1) << 4);
@@ -861,7 +883,8 @@ void qblock_rows_t(const QBlockActivations& xa, int M, int K, const QbWeight& wt
 
 // The runtime format (bits, group; integer scales where the weight has multipliers s)
 // as the constants B, G and IQ inside `call`. Integer scales come with the K-quants'
-// layouts only: Q4_K 4/32, Q5_K 5/32, Q6_K (and what is widened to it) 6/16.
+// layouts only: Q4_K 4/32, Q5_K 5/32, Q6_K (and what is widened to it) 6/16. MXFP4's
+// codes are kQbE2M1 in groups of 32.
 #define SLUICE_QB_DISPATCH(bits, group, iq, call)                                      \
   switch ((bits) * 100 + (group) + ((iq) ? 1000 : 0)) {                                \
     case 432: { constexpr int B = 4, G = 32; constexpr bool IQ = false; call; } break;  \
@@ -875,6 +898,7 @@ void qblock_rows_t(const QBlockActivations& xa, int M, int K, const QbWeight& wt
     case 1432: { constexpr int B = 4, G = 32; constexpr bool IQ = true; call; } break;  \
     case 1532: { constexpr int B = 5, G = 32; constexpr bool IQ = true; call; } break;  \
     case 1616: { constexpr int B = 6, G = 16; constexpr bool IQ = true; call; } break;  \
+    case 2032: { constexpr int B = ::sluice::kQbE2M1, G = 32; constexpr bool IQ = false; call; } break; \
     default: break; /* the bindings reject other formats */                            \
   }
 

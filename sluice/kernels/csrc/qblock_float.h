@@ -24,8 +24,10 @@ SLUICE_INLINE const uint8_t* qb_pair_bytes(const QbRow& w, int p, uint8_t* buf) 
 #if defined(SLUICE_ISA_AVX512)
   // 4 and 8 bits: qb_run reads the row itself. 5 and 6 bits: their high bits are
   // merged once a pair, bytewise (a third of the instructions of merging them into
-  // each run's 32-bit lanes, which left the output head compute-bound).
-  if constexpr (BITS == 5 || BITS == 6) _mm512_store_si512(buf, qb_unpack<BITS>(w, p));
+  // each run's 32-bit lanes, which left the output head compute-bound); MXFP4's codes
+  // looked up likewise.
+  if constexpr (BITS == 5 || BITS == 6 || BITS == kQbE2M1)
+    _mm512_store_si512(buf, qb_unpack<BITS>(w, p));
   return buf;
 #else
   if constexpr (BITS == 8) {

@@ -162,6 +162,7 @@ void gemm_unpack_natural(const QbRow& w, int p, uint8_t* out) {
   const uint8_t* b = w.w + kQbPairBytes<BITS> * p;
   for (int i = 0; i < 64; ++i) {  // i: pair position
     int v = BITS == 8 ? b[i] : i < 32 ? (b[i] & 0x0F) : (b[i - 32] >> 4);
+    if (BITS == kQbE2M1) v = kQbE2M1Values[v];
     if (BITS == 5) v |= static_cast<int>((w.h[8 * p + i / 8] >> (i % 8)) & 1) << 4;
     if (BITS == 6) v |= ((w.h[16 * p + i % 16] >> (2 * (i / 16))) & 3) << 4;
     out[qb_run_k(0, i / 16) + i % 16] = static_cast<uint8_t>(v);

@@ -126,7 +126,7 @@ template <int BITS, int G, bool IQ>
 SLUICE_INLINE void amx_int8_unpack(const QbRow* w, int live, int K, int c0, int len,
                                    bool symmetric, AmxInt8Chunk& c) {
   const int p0 = c0 / 64, np = len / 64, ng = len / G;
-  const __m512i offset = _mm512_set1_epi8(static_cast<char>(symmetric ? 1 << (BITS - 1) : 0));
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(symmetric ? -qb_implied(BITS) : 0));
   const __mmask16 k = static_cast<__mmask16>((1u << ng) - 1);
   constexpr int pair_bytes = BITS == 8 ? 64 : 32, hpair_bytes = BITS == 5 ? 8 : 16;
   const int64_t ahead = 2 * kTileWRows * qb_row_bytes(BITS, K);
