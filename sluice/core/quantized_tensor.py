@@ -4,8 +4,9 @@ Every GGUF block format is repacked once, at load, into one of four layouts that
 kernels read (sluice/kernels/csrc/qblock.h): 4, 5, 6 or 8 unsigned bits a value, with
 one scale d and offset m per group of G = 16 or 32 values along the input dimension,
 W = d * u + m (and MXFP4's 4-bit E2M1 codes, looked up into u: E2M1 below). One
-structure for every format keeps one kernel per layout instead of one per file type. A symmetric weight (Q4_0, Q5_0, Q8_0, Q6_K: the file stores no
-offsets) stores no m: it is -2**(bits - 1) * d, and `minimum` is an empty tensor.
+structure for every format keeps one kernel per layout instead of one per file type.
+A symmetric weight (Q4_0, Q5_0, Q8_0, Q6_K: the file stores no offsets) stores no m:
+it is -2**(bits - 1) * d, and `minimum` is an empty tensor.
 
 Scales are float16 a group (Q4_0, Q4_1, Q5_x, Q8_0: what the file has), or integer
 (the K-quants): int8 d and m a group times float16 multipliers per 256 values, the
