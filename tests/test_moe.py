@@ -57,6 +57,7 @@ def engine(directory: Path, **kwargs: Any) -> LLM:
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
 
 
 @pytest.mark.parametrize("kind", MOE_KINDS)
@@ -134,15 +135,46 @@ def test_a_checkpoint_missing_an_expert_is_refused_naming_it(
         engine(tmp_path)
 
 
+def _u8(*shape: int, fill: int = 0) -> torch.Tensor:
+    return torch.full(shape, fill, dtype=torch.uint8)
+
+
 @pytest.mark.parametrize(
     ("change", "error"),
     [
-        # The released checkpoints' MXFP4 experts: named, with what to do instead.
+        # MXFP4 experts (the released checkpoints') that do not fit, or lack a half.
         (
             lambda t: t.update(
-                {"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(8, 128, 4, 16)}
+                {
+                    "model.layers.0.mlp.experts.gate_up_proj_blocks": _u8(8, 96, 4, 16),
+                    "model.layers.0.mlp.experts.gate_up_proj_scales": _u8(8, 96, 4),
+                }
             ),
-            r"gate_up_proj_blocks: gpt-oss experts in MXFP4 blocks are not supported",
+            r"gate_up_proj_blocks holds 768 rows of 128 values; the config's 8 experts of "
+            r"64 units \(hidden size 128\) need 1024 rows of 128",
+        ),
+        (
+            lambda t: t.update(
+                {
+                    "model.layers.2.mlp.experts.down_proj_blocks": _u8(8, 128, 2, 16),
+                    "model.layers.2.mlp.experts.down_proj_scales": _u8(8, 128, 2, fill=255),
+                }
+            ),
+            r"down_proj_scales: MXFP4 block scale.* beyond float16's range",
+        ),
+        (
+            lambda t: t.update({"model.layers.1.mlp.experts.down_proj_blocks": _u8(8, 128, 2, 16)}),
+            r"down_proj_blocks but no model\.layers\.1\.mlp\.experts\.down_proj_scales",
+        ),
+        (
+            lambda t: t.update(
+                {
+                    "model.layers.1.mlp.experts.down_proj_blocks": _u8(8, 128, 2, 16),
+                    "model.layers.1.mlp.experts.down_proj_scales": _u8(8, 128, 3),
+                }
+            ),
+            r"down_proj_scales has shape \[8, 128, 3\]; its blocks \[8, 128, 2, 16\] need "
+            r"\[8, 128, 2\]",
         ),
         (
             lambda t: t.update({"model.layers.2.self_attn.sinks": torch.zeros(3)}),
@@ -168,6 +200,94 @@ def test_a_gpt_oss_checkpoint_that_does_not_fit_is_refused_naming_the_tensor(
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=error):
         engine(tmp_path)
+
+
+def _as_released_mxfp4(model: Any, directory: Path) -> None:
+    """The saved gpt-oss with random MXFP4 experts in place of its float ones, stored as
+    the released checkpoints store them (X_blocks [E, rows, K / 32, 16] and X_scales
+    [E, rows, K / 32], rows out by in), and `model` given their values as transformers
+    itself dequantizes them (convert_moe_packed_tensors): the reference."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(7)
+    for n, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        for proj in ("gate_up_proj", "down_proj"):
+            param = getattr(experts, proj)  # [E, in, out]
+            e, k, rows = param.shape
+            blocks = torch.randint(0, 256, (e, rows, k // 32, 16), generator=gen)
+            # |W| up to 6 * 2**-4: the random model's own weights' scale.
+            scales = torch.randint(119, 124, (e, rows, k // 32), generator=gen)
+            blocks, scales = blocks.to(torch.uint8), scales.to(torch.uint8)
+            with torch.no_grad():
+                param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            name = f"model.layers.{n}.mlp.experts.{proj}"
+            del tensors[name]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads_them_as_stored(
+    tmp_path: Path, smollm2_path: Path
+) -> None:
+    """The released checkpoints' form: fp32 greedy equals transformers token for token
+    (the experts dequantized), and on the block kernels the experts stay 4-bit codes
+    whose values are exactly transformers' dequantized ones (every expert's gate rows,
+    then its up rows: the interleaved gate_up split right), each prompt's next-token
+    distribution the dense run's to the int8 activations' rounding (as the GGUF files'
+    MXFP4 experts in test_moe_gguf.py)."""
+    from sluice.core.quantized_tensor import E2M1, QuantizedTensor, dequantize
+
+    model = build("gpt_oss", tmp_path, smollm2_path)
+    _as_released_mxfp4(model, tmp_path)
+    batch = prompts((5, 23, 40))
+    want = [reference(model, ids, 16) for ids in batch]
+    dense = engine(tmp_path, quantization="none")
+    assert [o.outputs[0].token_ids for o in dense.generate(batch, GREEDY, use_tqdm=False)] == want
+    first = [o.outputs[0].logprobs[0] for o in dense.generate(batch, FIRST, use_tqdm=False)]
+    del dense
+    llm = engine(tmp_path, quantization="gguf")
+    for n, layer in enumerate(llm.engine.runner.model.layers):
+        gate_up = layer.mlp.experts.gate_up_weight
+        assert isinstance(gate_up, QuantizedTensor) and gate_up.bits == E2M1
+        ref = model.model.layers[n].mlp.experts.gate_up_proj.detach()  # [E, H, 2I]
+        held = dequantize(gate_up).reshape(ref.shape[0], ref.shape[2], ref.shape[1])
+        i = ref.shape[2] // 2
+        assert torch.equal(held[:, :i], ref[:, :, 0::2].transpose(1, 2))
+        assert torch.equal(held[:, i:], ref[:, :, 1::2].transpose(1, 2))
+    got = [o.outputs[0].logprobs[0] for o in llm.generate(batch, FIRST, use_tqdm=False)]
+    for g, w in zip(got, first, strict=True):
+        assert next(iter(g)) == next(iter(w))  # the greedy pick
+        for token, lp in w.items():
+            if token in g:
+                assert abs(g[token].logprob - lp.logprob) < 0.25, token
+
+
+@pytest.mark.parametrize("blocks_a_row", [1, 2, 6])
+def test_mxfp4_weights_hold_transformers_values(blocks_a_row: int) -> None:
+    """One MXFP4 pair as a weight: E2M1 codes where the row is a whole number of the
+    layout's 64-value pairs (2 and 6 blocks), float32 where not (1 block); either way
+    exactly the values transformers dequantizes the pair to."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from sluice.core.quantized_tensor import E2M1, QuantizedTensor, dequantize
+    from sluice.loader import hf_mxfp4
+
+    gen = torch.Generator().manual_seed(blocks_a_row)
+    blocks = torch.randint(0, 256, (3, 5, blocks_a_row, 16), generator=gen).to(torch.uint8)
+    # 2**(e - 128) over float16's powers of two, 2**-24..2**15: held exactly.
+    scales = torch.randint(104, 144, (3, 5, blocks_a_row), generator=gen).to(torch.uint8)
+    weight = hf_mxfp4.to_weight("w", blocks, scales)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [3, K, 5]
+    want = want.transpose(1, 2).reshape(15, 32 * blocks_a_row)
+    if blocks_a_row == 1:
+        assert isinstance(weight, torch.Tensor)
+        assert torch.equal(weight, want)
+    else:
+        assert isinstance(weight, QuantizedTensor) and weight.bits == E2M1
+        assert torch.equal(dequantize(weight), want)
 
 
 def test_top_k_beyond_the_expert_count_is_refused(tmp_path: Path, smollm2_path: Path) -> None:

@@ -11,8 +11,9 @@ and up interleaved column by column) and down_proj [E, I, H], with biases beside
 (gate_up_proj_bias [E, 2I], interleaved too); llama.cpp's converter writes them as
 ffn_gate_exps / ffn_up_exps / ffn_down_exps and their .bias tensors, the router as
 ffn_gate_inp, the sinks as attn_sinks and the second norm as post_attention_norm.
-The released checkpoints keep the experts in MXFP4 (`*_blocks` / `*_scales`), which
-sluice does not read yet: a clear error says so.
+The released checkpoints keep the experts in MXFP4 (`*_blocks` / `*_scales`, rows out
+by in): the loader reads each pair as one weight of 4-bit codes (loader/hf_mxfp4.py),
+cut here into the gate, up and down stacks as the dense ones are.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from sluice.architectures.spec import (
     moe_from_hf,
 )
 from sluice.config import ModelConfig
-from sluice.core.quantized_tensor import Weight
+from sluice.core.quantized_tensor import QuantizedTensor, Weight
 
 # What every gpt-oss has that its files do not say (llama.cpp fixes the same values).
 _FIXED: Fields = {
@@ -94,14 +95,9 @@ def split_weight(name: str, weight: Weight, config: ModelConfig) -> dict[str, We
     prefix, sep, part = name.rpartition(_EXPERTS)
     if not sep or "." in part:
         return {name: weight}
-    if part.endswith(("_blocks", "_scales")):
-        raise ValueError(
-            f"{name}: gpt-oss experts in MXFP4 blocks are not supported yet; convert the "
-            "checkpoint to bf16 (transformers' Mxfp4Config(dequantize=True))"
-        )
-    if not isinstance(weight, torch.Tensor):
-        raise ValueError(f"{name}: expected a dense tensor")
     e, i, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    if isinstance(weight, QuantizedTensor):
+        return _split_quantized(prefix + _EXPERTS, part, weight, (e, i, h))
     expected = {
         "gate_up_proj": (e, h, 2 * i),
         "gate_up_proj_bias": (e, 2 * i),
@@ -130,6 +126,30 @@ def split_weight(name: str, weight: Weight, config: ModelConfig) -> dict[str, We
     if part == "down_proj":
         return {p + "down_proj.weight": weight.transpose(1, 2).contiguous()}
     return {p + "down_proj.bias": weight}
+
+
+def _split_quantized(
+    p: str, part: str, weight: QuantizedTensor, sizes: tuple[int, int, int]
+) -> dict[str, Weight]:
+    """The released checkpoint's MXFP4 experts (loader/hf_mxfp4.py), rows already out
+    by in: gate_up_proj [E * 2I, H], gate and up alternating rows; down_proj [E * H, I]."""
+    e, i, h = sizes
+    expected = {"gate_up_proj": (e * 2 * i, h), "down_proj": (e * h, i)}
+    if part not in expected:
+        raise ValueError(f"{p}{part}: MXFP4 blocks where gpt-oss has none")
+    if weight.shape != expected[part]:
+        raise ValueError(
+            f"{p}{part}_blocks holds {weight.shape[0]} rows of {weight.shape[1]} values; "
+            f"the config's {e} experts of {i} units (hidden size {h}) need "
+            f"{expected[part][0]} rows of {expected[part][1]}"
+        )
+    if part == "down_proj":
+        return {p + "down_proj.weight": weight}
+    gate_rows = torch.arange(0, e * 2 * i, 2)
+    return {
+        p + "gate_proj.weight": weight.rows(gate_rows),
+        p + "up_proj.weight": weight.rows(gate_rows + 1),
+    }
 
 
 SPEC = ArchitectureSpec(

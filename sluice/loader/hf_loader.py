@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,9 @@ from safetensors.torch import load_file
 from sluice.architectures import rope_from_hf, spec_for_hf, spec_of
 from sluice.config import ModelConfig
 from sluice.core.errors import ModelFileError
+from sluice.core.quantized_tensor import Weight
 
+from . import hf_mxfp4
 from .tokenizer import Tokenizer
 
 
@@ -90,18 +93,35 @@ def read_json(path: Path) -> dict[str, Any]:
     return value
 
 
-def tensors_from_hf_dir(directory: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+def _checkpoint_weights(shards: list[Path]) -> Iterator[tuple[str, Weight]]:
+    """Each weight of the shards under its checkpoint name: floats as float32, MXFP4
+    pairs (`X_blocks` and `X_scales`, in any shard) as one weight X kept in its codes
+    (hf_mxfp4); a pair missing its other half is named."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for shard in shards:
+        for name, tensor in _load_shard(shard).items():
+            base = hf_mxfp4.base_name(name)
+            if base is None or tensor.dtype != torch.uint8:
+                yield name, tensor.float()
+                continue
+            pair = pending.setdefault(base, {})
+            pair[name.removeprefix(base)] = tensor
+            if len(pair) == 2:
+                del pending[base]
+                yield base, hf_mxfp4.to_weight(base, pair["_blocks"], pair["_scales"])
+    for base, pair in pending.items():
+        (missing,) = set(hf_mxfp4.SUFFIXES) - set(pair)
+        raise ValueError(f"checkpoint has {base}{next(iter(pair))} but no {base}{missing}")
+
+
+def tensors_from_hf_dir(directory: Path, config: ModelConfig) -> dict[str, Weight]:
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{directory} has no *.safetensors weights")
     spec = spec_of(config.architecture)
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        for name, tensor in _load_shard(shard).items():
-            parts = spec.split_weight(spec.hf_checkpoint_name(name), tensor.float(), config)
-            for part, weight in parts.items():
-                assert isinstance(weight, torch.Tensor), part  # dense in, dense out
-                tensors[part] = weight
+    tensors: dict[str, Weight] = {}
+    for name, weight in _checkpoint_weights(shards):
+        tensors.update(spec.split_weight(spec.hf_checkpoint_name(name), weight, config))
     if not spec.encoder and not any(n.startswith("model.") for n in tensors):
         # A bare backbone (transformers' *Model classes: EmbeddingGemma's
         # Gemma3TextModel) saves its layers without the causal LM's "model." prefix.
@@ -116,7 +136,7 @@ def tensors_from_hf_dir(directory: Path, config: ModelConfig) -> dict[str, torch
 _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+_proj\.weight)")
 
 
-def stack_experts(tensors: dict[str, torch.Tensor], num_experts: int) -> None:
+def stack_experts(tensors: dict[str, Weight], num_experts: int) -> None:
     """Checkpoints store each expert's projections apart (mlp.experts.N.gate_proj); the
     model takes each projection of all experts as one [E, out, in] tensor, as a GGUF
     stores it (mlp.experts.gate_proj). In place; a missing expert is named."""
@@ -124,7 +144,10 @@ def stack_experts(tensors: dict[str, torch.Tensor], num_experts: int) -> None:
     for name in [n for n in tensors if _EXPERT.fullmatch(n)]:
         m = _EXPERT.fullmatch(name)
         assert m is not None
-        found.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = tensors.pop(name)
+        weight = tensors.pop(name)
+        if not isinstance(weight, torch.Tensor):
+            raise ValueError(f"{name}: an expert of its own must be a float tensor")
+        found.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = weight
     for name, experts in found.items():
         missing = sorted(set(range(num_experts)) - set(experts))
         if missing or len(experts) != num_experts:
@@ -137,7 +160,7 @@ def stack_experts(tensors: dict[str, torch.Tensor], num_experts: int) -> None:
 
 def load_hf_dir(
     path: str | os.PathLike[str],
-) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+) -> tuple[ModelConfig, dict[str, Weight], Tokenizer]:
     directory = Path(path)
     cfg = read_json(directory / "config.json")
     config = config_from_hf(cfg, name=model_dir_name(directory))
