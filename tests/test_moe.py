@@ -361,17 +361,23 @@ def test_compile_is_refused_for_experts(tmp_path: Path, smollm2_path: Path) -> N
         engine(tmp_path, compile=True)
 
 
-def test_the_engine_features_compose_with_experts(tmp_path: Path, smollm2_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_the_engine_features_compose_with_experts(
+    kind: str, tmp_path: Path, smollm2_path: Path
+) -> None:
     """Nothing else in the engine knows a layer has experts: int8 KV with suffix
     speculation is lossless against int8 KV alone (the second time a prompt is asked,
     the drafts are the first answer's, and verified), a pool too small for the batch
-    preempts and recomputes to the same tokens, and a choice constraint holds."""
-    build("mixtral", tmp_path, smollm2_path)  # head size 32, as int8 KV needs
+    preempts and recomputes to the same tokens, and a choice constraint holds. gpt-oss
+    brings its sinks and windowed layers (a split KV pool) to the same checks."""
+    build(kind, tmp_path, smollm2_path)  # head size 32, as int8 KV needs
     batch = prompts((30, 30, 30, 30))
     base = engine(tmp_path, kv_cache_dtype="int8", enable_prefix_caching=False)
     want = [o.outputs[0].token_ids for o in base.generate(batch, GREEDY, use_tqdm=False)]
-    per_block = 0.02 / base.stats()["kv_total_blocks"]  # GiB
     del base
+    one_pool = engine(tmp_path, kv_cache_dtype="int8", split_kv_pool=False)
+    per_block = 0.02 / one_pool.stats()["kv_total_blocks"]  # GiB
+    del one_pool
     spec = engine(
         tmp_path,
         kv_cache_dtype="int8",
@@ -385,11 +391,14 @@ def test_the_engine_features_compose_with_experts(tmp_path: Path, smollm2_path: 
     assert spec.stats()["spec_accepted_tokens"] > 0
     del spec
     # 12 blocks of 8 tokens for four 46-token sequences: they cannot all stay resident.
+    # (gpt-oss's in one pool, so that kv_total_blocks sizes it; a split pool's
+    # preemption is tests/test_sliding_window.py's.)
     small = engine(
         tmp_path,
         kv_cache_dtype="int8",
         kv_cache_memory=12.5 * per_block,
         enable_prefix_caching=False,
+        split_kv_pool=False,
     )
     got = [o.outputs[0].token_ids for o in small.generate(batch, GREEDY, use_tqdm=False)]
     assert got == want and small.stats()["num_preemptions"] > 0
