@@ -538,9 +538,10 @@ class EngineConfig:
     reasoning_parser: ReasoningParserName | None = field(
         default=None,
         metadata=doc(
-            "split a reasoning model's thinking (<think>...</think>) from its answer in the "
-            "server's replies: reasoning_content in chat completions, thinking blocks in "
-            "the Messages API; tool calls are parsed from the answer only",
+            "split a reasoning model's thinking (<think>...</think>; gpt-oss's analysis "
+            "channel with openai_gptoss) from its answer in the server's replies: "
+            "reasoning_content in chat completions, thinking blocks in the Messages API; "
+            "tool calls are parsed from the answer only",
             default_text="off: the thinking stays in the reply's text",
         ),
     )

@@ -32,6 +32,11 @@ from sluice.server.routes import messages as messages_route
 from sluice.structured.compiler import GrammarCompiler
 
 QWEN3, R1 = REASONING_FORMATS["qwen3"], REASONING_FORMATS["deepseek_r1"]
+HARMONY = REASONING_FORMATS["openai_gptoss"]
+# gpt-oss's markers, as its reply is decoded (special tokens kept).
+A = "<|channel|>analysis<|message|>"
+F = "<|start|>assistant<|channel|>final<|message|>"
+TO_TOOL = "<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>"
 
 CASES = [
     # (format, prompt's end, output, reasoning, content)
@@ -46,6 +51,22 @@ CASES = [
     (R1, "", "thinking without the tag</think>\n\nanswer", "thinking without the tag", "answer"),
     (R1, "", "<think>with it</think>answer", "with it", "answer"),
     (R1, "", "never closed", "never closed", ""),
+    # gpt-oss's harmony (the prompt ends with <|start|>assistant).
+    (HARMONY, "", f"{A}Let me see.<|end|>{F}Paris.", "Let me see.", "Paris."),
+    (HARMONY, "", f"{A}  a <|end|>{F} b <|return|>", "a", "b"),
+    (HARMONY, "", "<|channel|>final<|message|>Just the answer.", "", "Just the answer."),
+    (HARMONY, "", "No markers at all.", "", "No markers at all."),
+    (HARMONY, "", "<|chan", "", "<|chan"),  # not a marker after all
+    (HARMONY, "", f"{A}cut off while thi", "cut off while thi", ""),
+    (HARMONY, "", f"{A}x<|end|><|start|>assistant<|chan", "x", ""),  # cut in a header
+    # Two analysis messages, a preamble to the user (commentary to no one), the answer.
+    (HARMONY, "", f"{A}one<|end|><|start|>assistant{A}two<|end|>"
+     "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+     f"{F}Done.", "one\n\ntwo", "Checking.\n\nDone."),
+    # A message to a tool is not a call yet: its arguments join the answer.
+    (HARMONY, "", f'{A}use add<|end|>{TO_TOOL}{{"a": 1}}<|call|>', "use add", '{"a": 1}'),
+    # A body whose <|end|> the model left out ends at the next header.
+    (HARMONY, "", f"{A}think{F}answer", "think", "answer"),
 ]  # fmt: skip
 
 
@@ -154,6 +175,56 @@ def test_template_kwargs_pass_through_and_reserved_names_are_refused(server: Ser
     assert r.status_code == 400 and "chat_template_kwargs.messages" in r.json()["error"]["param"]
 
 
+# ---- gpt-oss's harmony on a real server ----------------------------------------------------
+
+# SmolLM2 made to reply in harmony's shape: its markers spelled in text (SmolLM2 has no
+# such tokens), and one special token of SmolLM2's own (<|im_start|>, id 1) inside the
+# thinking, which the reply keeps: the parser reads the markers, which in gpt-oss's
+# vocabulary are special tokens, only because the reply is decoded with them. The reply
+# opens with a full header (<|start|>assistant..., as harmony allows) so that from its
+# second token it is this grammar's, not the free thinking with_thinking allows first.
+HARMONY_REPLY = (
+    'start: "<|start|>assistant<|channel|>analysis<|message|>" WORDS <[1]> "<|end|>" '
+    '"<|start|>assistant<|channel|>final<|message|>The answer is " WORD "."\n'
+    "WORDS: /[a-z]{1,8}( [a-z]{1,8}){2,5}\\./\n"
+    "WORD: /[a-z]{1,8}/\n"
+)
+
+
+@pytest.fixture(scope="module")
+def harmony_server() -> Iterator[Server]:
+    with serve(
+        "--reasoning-parser", "openai_gptoss",
+        "--max-model-len", "1024",
+        "--kv-cache-memory", "0.25",
+        "--dtype", "float32",
+    ) as srv:  # fmt: skip
+        yield srv
+
+
+def test_a_harmony_reply_splits_its_channels(harmony_server: Server) -> None:
+    body = _body(tools=None, structured_outputs={"grammar": HARMONY_REPLY})
+    r = harmony_server.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    thought, answer = message["reasoning_content"], message["content"]
+    assert thought.endswith(".<|im_start|>") and "<|" not in thought[: -len("<|im_start|>")]
+    assert answer.startswith("The answer is ") and "<|" not in answer
+    reasoning = content = ""
+    stream = json.dumps(body | {"stream": True})
+    headers = {**harmony_server.headers, "Content-Type": "application/json"}
+    with httpx.stream(
+        "POST", f"{harmony_server.url}/v1/chat/completions", content=stream, headers=headers,
+        timeout=60,
+    ) as s:  # fmt: skip
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                reasoning += delta.get("reasoning_content") or ""
+                content += delta.get("content") or ""
+    assert (reasoning, content) == (thought, answer)
+
+
 # ---- the Messages API's thinking blocks, as the SDK reads them -----------------------------
 
 
@@ -259,6 +330,27 @@ def test_a_constraint_holds_the_answer_after_the_thinking(
     assert accepts(answer if not opened else f"</think>{answer}")  # no thinking, or empty
     assert not accepts(f"{start}x</think>not the answer")
     assert not accepts(f"{start}x</think>\n\n\n\n{answer}")  # no free whitespace before it
+
+
+@pytest.mark.parametrize(("constraint", "answer"), CONSTRAINTS)
+def test_a_constraint_holds_the_answer_after_harmony_thinking(
+    constraint: StructuredOutput, answer: str
+) -> None:
+    """gpt-oss's analysis channel, its markers special tokens, before a constrained
+    final answer: the span is the format's start and end, as with_thinking builds it."""
+    backend = _byte_tokenizer(["<|channel|>", "<|message|>", "<|end|>", "<|start|>"])
+    compiler = GrammarCompiler(backend, backend.get_vocab_size(), [0])
+    span = ThinkingSpan(HARMONY.start, HARMONY.end, False)
+    matcher = compiler.matcher(dataclasses.replace(constraint, thinking=span))
+
+    def accepts(text: str) -> bool:
+        m = matcher.deep_copy()
+        ids = backend.encode(text, add_special_tokens=False).ids
+        return bool(m.consume_tokens(ids) and m.is_accepting())
+
+    assert accepts(f"{HARMONY.start}free text, with <b> and {{braces}}{HARMONY.end}{answer}")
+    assert accepts(answer)
+    assert not accepts(f"{HARMONY.start}x{HARMONY.end}not the answer")
 
 
 def test_the_engine_thinks_then_answers_to_the_schema(llm_fp32: Any) -> None:

@@ -106,8 +106,9 @@ SpeculativeMethod = Literal["ngram", "suffix", "draft", "eagle"]
 SPECULATIVE_METHODS: tuple[SpeculativeMethod, ...] = get_args(SpeculativeMethod)
 
 # How a reasoning model marks its thinking (sluice/server/reasoning.py): "qwen3" and
-# "deepseek_r1" both write <think>...</think>; R1's output may lack the opening tag.
-ReasoningParserName = Literal["qwen3", "deepseek_r1"]
+# "deepseek_r1" both write <think>...</think>; R1's output may lack the opening tag;
+# "openai_gptoss" (vLLM's name): gpt-oss's harmony channels.
+ReasoningParserName = Literal["qwen3", "deepseek_r1", "openai_gptoss"]
 REASONING_PARSERS: tuple[ReasoningParserName, ...] = get_args(ReasoningParserName)
 
 # How data-parallel replicas run: "mp", processes on this machine; "ray", Ray actors

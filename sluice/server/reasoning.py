@@ -13,7 +13,16 @@ also treats an output without the opening tag as thinking, as R1's older templat
 leave the tag to the model and it sometimes drops it. An output that ends while
 still thinking (cut off by max_tokens) is all thinking.
 
-Like the tool-call parser, it is incremental and decides only on the text seen, so
+gpt-oss (``openai_gptoss``, vLLM's name) writes OpenAI's harmony format instead: a
+sequence of messages, each a header naming its channel and a body,
+``<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>
+...``, the markers special tokens (so the reply is decoded with them kept). The
+analysis channel is the thinking; the final channel, and commentary addressed to no
+one (a preamble to the user), the answer. A message addressed to a tool (``to=...`` in
+its header) is not parsed as a call yet: its body joins the answer. An output that
+does not open with a marker is all answer.
+
+Like the tool-call parser, both are incremental and decide only on the text seen, so
 the streamed pieces reassemble into exactly the non-streamed split: a possible tag's
 first characters wait for the next piece, and the whitespace around the thinking is
 left out.
@@ -21,7 +30,9 @@ left out.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Protocol
 
 from sluice.core.choices import ReasoningParserName
 from sluice.server.tool_calls import TrimmedText, partial_suffix
@@ -30,28 +41,46 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 
 
+class ReasoningSplitter(Protocol):
+    """Splits one output, fed in pieces, into (reasoning, content) deltas."""
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]: ...
+
+
 @dataclass(frozen=True)
 class ReasoningFormat:
-    """How one family marks its thinking."""
+    """How one family marks its thinking. `start` and `end` bound it for a constraint's
+    grammar (structured.with_thinking) as well as for the parser."""
 
     name: ReasoningParserName
     start: str = THINK_START
     end: str = THINK_END
     # The output begins inside the thinking even without the opening tag.
     always_open: bool = False
+    # Harmony's channels (gpt-oss), not tags: the markers are special tokens, which the
+    # reply must be decoded with.
+    harmony: bool = False
 
     def opens(self, prompt_text: str) -> bool:
         """Whether an output of a prompt ending in `prompt_text` starts inside the thinking."""
         return self.always_open or prompt_text.rstrip().endswith(self.start)
 
-    def parser(self, prompt_text: str) -> ReasoningParser:
+    def parser(self, prompt_text: str) -> ReasoningSplitter:
         """A parser for one output of a prompt whose text is `prompt_text`."""
+        if self.harmony:
+            return HarmonyParser()
         return ReasoningParser(self, self.opens(prompt_text))
 
 
 REASONING_FORMATS: dict[ReasoningParserName, ReasoningFormat] = {
     "qwen3": ReasoningFormat("qwen3"),
     "deepseek_r1": ReasoningFormat("deepseek_r1", always_open=True),
+    "openai_gptoss": ReasoningFormat(
+        "openai_gptoss",
+        start="<|channel|>analysis<|message|>",
+        end="<|end|><|start|>assistant<|channel|>final<|message|>",
+        harmony=True,
+    ),
 }
 
 
@@ -91,3 +120,80 @@ class ReasoningParser:
             self._buf, self._state = self._buf[k + len(self.fmt.end) :], "answer"
         content, self._buf = self._content.add(self._buf) if self.thought else self._buf, ""
         return reasoning, content
+
+
+# Harmony's markers: a header runs up to <|message|>; a body ends at <|end|> (another
+# message follows), <|return|> or <|call|> (the last), or a <|start|> (a header whose
+# message's end the model left out).
+_MESSAGE = "<|message|>"
+_BODY_END = re.compile(r"<\|(end|return|call)\|>|(?=<\|start\|>)")
+_BODY_MARKERS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>")
+_CHANNEL = re.compile(r"<\|channel\|>\s*([\w-]+)")
+_OPENERS = ("<|channel|>", "<|start|>")
+
+
+class HarmonyParser:
+    """Splits one gpt-oss output in harmony's channels: analysis to the reasoning, the
+    rest to the content (see the module's description)."""
+
+    def __init__(self) -> None:
+        # "open": nothing decided; "header"; "body"; "plain": not harmony, all content.
+        self._state = "open"
+        self._buf = ""
+        self._to_reasoning = False
+        self._new_message = False
+        self._reasoning = TrimmedText()
+        self._content = TrimmedText()
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        self._buf += text
+        reasoning: list[str] = []
+        content: list[str] = []
+        while self._step(final, reasoning, content):
+            pass
+        return "".join(reasoning), "".join(content)
+
+    def _step(self, final: bool, reasoning: list[str], content: list[str]) -> bool:
+        """Consume what the buffer decides; False when it needs more text."""
+        if self._state == "open":
+            head = self._buf.lstrip()
+            if any(head.startswith(m) for m in _OPENERS):
+                self._state = "header"
+            elif not final and any(m.startswith(head) for m in _OPENERS):
+                return False  # maybe a marker: wait
+            else:
+                self._state = "plain"
+        if self._state == "plain":
+            content.append(self._content.add(self._buf))
+            self._buf = ""
+            return False
+        if self._state == "header":
+            k = self._buf.find(_MESSAGE)
+            if k < 0:
+                if final:  # cut off inside a header: nothing of it is text
+                    self._buf = ""
+                return False
+            channel = _CHANNEL.search(self._buf[:k])
+            self._to_reasoning = channel is not None and channel.group(1) == "analysis"
+            self._buf, self._state = self._buf[k + len(_MESSAGE) :], "body"
+            self._new_message = True
+            return True
+        end = _BODY_END.search(self._buf)
+        stop = len(self._buf) if end is None else end.start()
+        if end is None and not final:
+            stop -= max(partial_suffix(self._buf, 0, m) for m in _BODY_MARKERS)
+        self._emit(self._buf[:stop], reasoning, content)
+        if end is None:
+            self._buf = self._buf[stop:]
+            return False
+        self._buf, self._state = self._buf[end.end() :], "header"
+        return True
+
+    def _emit(self, body: str, reasoning: list[str], content: list[str]) -> None:
+        target, out = (
+            (self._reasoning, reasoning) if self._to_reasoning else (self._content, content)
+        )
+        if self._new_message and target.started:  # a paragraph between two messages
+            body = "\n\n" + body
+        self._new_message = False
+        out.append(target.add(body))

@@ -24,7 +24,7 @@ from sluice.server.errors import error_body
 from sluice.server.generation import Tracked, merge, usage
 from sluice.server.logprobs import chat_logprobs, completion_logprobs
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
-from sluice.server.reasoning import ReasoningParser
+from sluice.server.reasoning import ReasoningSplitter
 from sluice.server.tool_calls import ToolCallParser, stream_delta
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -55,7 +55,7 @@ class StreamSpec:
     # Chat with tools: each choice's text goes through its own parser (tool_calls.py).
     tool_parser: Callable[[], ToolCallParser] | None = None
     # --reasoning-parser: each choice's thinking is split off first (reasoning.py).
-    reasoning_parser: Callable[[], ReasoningParser] | None = None
+    reasoning_parser: Callable[[], ReasoningSplitter] | None = None
 
 
 class _Chunks:
@@ -193,7 +193,7 @@ def streamed_response(
     tracked: list[Tracked],
     prompts: list[list[int]],
     tool_parser: Callable[[], ToolCallParser] | None = None,
-    reasoning_parser: Callable[[], ReasoningParser] | None = None,
+    reasoning_parser: Callable[[], ReasoningSplitter] | None = None,
 ) -> StreamingResponse:
     """The streamed answer to a submitted completion or chat request (with tools, parsed
     for calls by `tool_parser`'s parsers)."""

@@ -181,10 +181,11 @@ def _after_thinking(
 ) -> str:
     """A Lark grammar that lets the model think first (free text up to the end tag, then
     up to two newlines) and holds its answer to the constraint, as vLLM starts the grammar
-    after the reasoning ends. An end tag that is an added token ends the thinking's
-    text on its own (text cannot contain it); one that is plain text stops a lazy rule."""
+    after the reasoning ends. An end tag that is (or opens with) an added token ends the
+    thinking's text on its own (text cannot contain it: Qwen3's </think>, harmony's
+    <|end|><|start|>assistant...); one that is plain text stops a lazy rule."""
     end = lark_text(span.end, added)
-    if span.end in added:
+    if any(token and span.end.startswith(token) for token in added):
         think = f"think: THINK {end} {_AFTER}\nTHINK: /(.|\\n)*/"
     else:
         think = f"think: think_text {_AFTER}\nthink_text[stop={json.dumps(span.end)}]: /(.|\\n)*/"

@@ -23,7 +23,7 @@ from sluice.server.generation import collect, submit, until_disconnected, usage
 from sluice.server.logprobs import chat_logprobs
 from sluice.server.messages import check_chat_unsupported, render_chat
 from sluice.server.protocol import ChatCompletionRequest
-from sluice.server.reasoning import ReasoningParser
+from sluice.server.reasoning import ReasoningSplitter
 from sluice.server.streaming import streamed_response
 from sluice.server.structured import constrained, with_thinking
 from sluice.server.tool_calls import message_fields
@@ -79,11 +79,13 @@ async def prepare_chat(
     structured output, a required or named tool call, and with a reasoning parser the
     room to think before them. Every API that arrives as a chat request goes here."""
     params, ids, plan = validate_chat(ctx, req)
+    if ctx.reasoning is not None and ctx.reasoning.harmony:  # its markers are special tokens
+        params = params.clone(skip_special_tokens=False)
     params = await with_tool_constraint(ctx, await constrained(ctx, req, params), plan)
     return await with_thinking(ctx, params, ids), ids, plan
 
 
-def reasoning_for(ctx: ServerContext, ids: list[int]) -> Callable[[], ReasoningParser] | None:
+def reasoning_for(ctx: ServerContext, ids: list[int]) -> Callable[[], ReasoningSplitter] | None:
     """A new reasoning parser for each output of the prompt `ids` (None: not split).
     The prompt's end says whether the template already opened the thinking."""
     if ctx.reasoning is None:
@@ -93,7 +95,7 @@ def reasoning_for(ctx: ServerContext, ids: list[int]) -> Callable[[], ReasoningP
 
 
 def _message(
-    c: CompletionOutput, plan: ToolPlan, reasoning: Callable[[], ReasoningParser] | None
+    c: CompletionOutput, plan: ToolPlan, reasoning: Callable[[], ReasoningSplitter] | None
 ) -> tuple[dict[str, Any], str | None]:
     """One choice's message and finish_reason: the thinking split off first, then the
     answer parsed for tool calls (each choice on its own)."""

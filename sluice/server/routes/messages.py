@@ -31,7 +31,7 @@ from sluice.server.context import ServerContext, server_context
 from sluice.server.errors import anthropic_error_body, renamed_params
 from sluice.server.generation import Tracked, collect, submit, until_disconnected
 from sluice.server.messages import render_chat
-from sluice.server.reasoning import ReasoningParser
+from sluice.server.reasoning import ReasoningSplitter
 from sluice.server.routes.chat import prepare_chat, reasoning_for
 from sluice.server.streaming import event_stream
 from sluice.server.tool_calls import ToolCallParser, parse_all
@@ -57,7 +57,7 @@ def _usage(prompt_tokens: int, cached: int, output: int) -> dict[str, int]:
 def _content(
     c: CompletionOutput,
     new_parser: Callable[[], ToolCallParser] | None,
-    reasoning: Callable[[], ReasoningParser] | None,
+    reasoning: Callable[[], ReasoningSplitter] | None,
 ) -> list[Any]:
     """The reply's blocks: its thinking, its text, its calls (found in the answer only)."""
     answer, thought = c.text, ""
@@ -89,7 +89,7 @@ def _message(
     rid: str,
     final: RequestOutput,
     new_parser: Callable[[], ToolCallParser] | None,
-    reasoning: Callable[[], ReasoningParser] | None,
+    reasoning: Callable[[], ReasoningSplitter] | None,
 ) -> dict[str, Any]:
     (c,) = final.outputs
     content = _content(c, new_parser, reasoning)
@@ -172,7 +172,7 @@ class _Blocks:
 def _pieces(
     c: CompletionOutput,
     parser: ToolCallParser | None,
-    thinking: ReasoningParser | None,
+    thinking: ReasoningSplitter | None,
     blocks: _Blocks,
 ) -> list[str]:
     """The events for what this output of the reply adds."""
@@ -196,7 +196,7 @@ async def _events(
     prompt_len: int,
     tracked: Tracked,
     new_parser: Callable[[], ToolCallParser] | None,
-    reasoning: Callable[[], ReasoningParser] | None,
+    reasoning: Callable[[], ReasoningSplitter] | None,
 ) -> AsyncIterator[str]:
     parser = new_parser() if new_parser else None
     thinking = reasoning() if reasoning else None

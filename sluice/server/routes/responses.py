@@ -23,7 +23,7 @@ from sluice.outputs import CompletionOutput, RequestOutput
 from sluice.server.context import ServerContext, server_context
 from sluice.server.errors import renamed_params
 from sluice.server.generation import Tracked, collect, submit, until_disconnected
-from sluice.server.reasoning import ReasoningParser
+from sluice.server.reasoning import ReasoningSplitter
 from sluice.server.responses import (
     ResponsesRequest,
     conversation,
@@ -54,7 +54,7 @@ class _Output:
     """One reply's output items, built from its pieces; each piece returns the stream
     events it makes (the non-streamed path feeds the whole text and drops them)."""
 
-    def __init__(self, parser: ToolCallParser | None, thinking: ReasoningParser | None) -> None:
+    def __init__(self, parser: ToolCallParser | None, thinking: ReasoningSplitter | None) -> None:
         self.parser, self.thinking = parser, thinking
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
