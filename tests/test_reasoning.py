@@ -63,8 +63,12 @@ CASES = [
     (HARMONY, "", f"{A}one<|end|><|start|>assistant{A}two<|end|>"
      "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
      f"{F}Done.", "one\n\ntwo", "Checking.\n\nDone."),
-    # A message to a tool is not a call yet: its arguments join the answer.
-    (HARMONY, "", f'{A}use add<|end|>{TO_TOOL}{{"a": 1}}<|call|>', "use add", '{"a": 1}'),
+    # A message to a function: the call block the tool-call parser reads.
+    (HARMONY, "", f'{A}use add<|end|>{TO_TOOL}{{"a": 1}}<|call|>', "use add",
+     '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'),
+    (HARMONY, "", '<|start|>assistant to=functions.add<|channel|>commentary json'
+     '<|message|>{"b": 2}', "", '<tool_call>\n{"name": "add", "arguments": {"b": 2}}\n'
+     "</tool_call>"),  # the recipient before the channel; cut off: closed all the same
     # A body whose <|end|> the model left out ends at the next header.
     (HARMONY, "", f"{A}think{F}answer", "think", "answer"),
 ]  # fmt: skip
@@ -181,10 +185,12 @@ def test_template_kwargs_pass_through_and_reserved_names_are_refused(server: Ser
 # such tokens), and one special token of SmolLM2's own (<|im_start|>, id 1) inside the
 # thinking, which the reply keeps: the parser reads the markers, which in gpt-oss's
 # vocabulary are special tokens, only because the reply is decoded with them. The reply
-# opens with a full header (<|start|>assistant..., as harmony allows) so that from its
-# second token it is this grammar's, not the free thinking with_thinking allows first.
+# opens with a newline (which the parser skips), which with_thinking's optional free
+# thinking cannot start with, and a bias on it ("\n" is SmolLM2's token 198, allowed
+# nowhere else in these grammars) takes that branch: the reply is the grammar's.
+FIRST_NEWLINE = {"198": 10.0}
 HARMONY_REPLY = (
-    'start: "<|start|>assistant<|channel|>analysis<|message|>" WORDS <[1]> "<|end|>" '
+    'start: "\\n<|start|>assistant<|channel|>analysis<|message|>" WORDS <[1]> "<|end|>" '
     '"<|start|>assistant<|channel|>final<|message|>The answer is " WORD "."\n'
     "WORDS: /[a-z]{1,8}( [a-z]{1,8}){2,5}\\./\n"
     "WORD: /[a-z]{1,8}/\n"
@@ -194,6 +200,7 @@ HARMONY_REPLY = (
 @pytest.fixture(scope="module")
 def harmony_server() -> Iterator[Server]:
     with serve(
+        "--chat-template", "hermes_tools",
         "--reasoning-parser", "openai_gptoss",
         "--max-model-len", "1024",
         "--kv-cache-memory", "0.25",
@@ -203,7 +210,9 @@ def harmony_server() -> Iterator[Server]:
 
 
 def test_a_harmony_reply_splits_its_channels(harmony_server: Server) -> None:
-    body = _body(tools=None, structured_outputs={"grammar": HARMONY_REPLY})
+    body = _body(
+        tools=None, structured_outputs={"grammar": HARMONY_REPLY}, logit_bias=FIRST_NEWLINE
+    )
     r = harmony_server.post("/v1/chat/completions", body)
     assert r.status_code == 200, r.text
     message = r.json()["choices"][0]["message"]
@@ -225,7 +234,28 @@ def test_a_harmony_reply_splits_its_channels(harmony_server: Server) -> None:
     assert (reasoning, content) == (thought, answer)
 
 
-# ---- the Messages API's thinking blocks, as the SDK reads them -----------------------------
+# A call in harmony: thinking, then a message to the function with its arguments.
+HARMONY_CALL = (
+    'start: "\\n<|start|>assistant<|channel|>analysis<|message|>" WORDS "<|end|>" '
+    '"<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>" '
+    '"{\\"a\\": 1, \\"b\\": 2}"\n'
+    "WORDS: /[a-z]{1,8}( [a-z]{1,8}){2,5}\\./\n"
+)
+
+
+def test_a_harmony_call_is_a_tool_call(harmony_server: Server) -> None:
+    body = _body(structured_outputs={"grammar": HARMONY_CALL}, logit_bias=FIRST_NEWLINE)
+    r = harmony_server.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    message = choice["message"]
+    assert message["reasoning_content"] and "<|" not in message["reasoning_content"]
+    assert message["content"] is None and choice["finish_reason"] == "tool_calls"
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "add"
+    assert json.loads(call["function"]["arguments"]) == {"a": 1, "b": 2}
+
+
 
 
 class _Outputs:

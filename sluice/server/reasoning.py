@@ -18,9 +18,9 @@ sequence of messages, each a header naming its channel and a body,
 ``<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>
 ...``, the markers special tokens (so the reply is decoded with them kept). The
 analysis channel is the thinking; the final channel, and commentary addressed to no
-one (a preamble to the user), the answer. A message addressed to a tool (``to=...`` in
-its header) is not parsed as a call yet: its body joins the answer. An output that
-does not open with a marker is all answer.
+one (a preamble to the user), the answer. A message addressed to a function
+(``to=functions.f`` in its header) is a tool call, its body the arguments. An output
+that does not open with a marker is all answer.
 
 Like the tool-call parser, both are incremental and decide only on the text seen, so
 the streamed pieces reassemble into exactly the non-streamed split: a possible tag's
@@ -30,12 +30,13 @@ left out.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Protocol
 
 from sluice.core.choices import ReasoningParserName
-from sluice.server.tool_calls import TrimmedText, partial_suffix
+from sluice.server.tool_calls import HERMES_END, HERMES_START, TrimmedText, partial_suffix
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -129,18 +130,23 @@ _MESSAGE = "<|message|>"
 _BODY_END = re.compile(r"<\|(end|return|call)\|>|(?=<\|start\|>)")
 _BODY_MARKERS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([\w-]+)")
+_RECIPIENT = re.compile(r"\bto=functions\.([\w.-]+)")
 _OPENERS = ("<|channel|>", "<|start|>")
 
 
 class HarmonyParser:
     """Splits one gpt-oss output in harmony's channels: analysis to the reasoning, the
-    rest to the content (see the module's description)."""
+    rest to the content (see the module's description). A message to a function
+    (``to=functions.f``) joins the content as the call block the tool-call parser reads
+    (Hermes's ``<tool_call>`` with its body as the arguments), so calls need nothing
+    new downstream: streamed, checked against the request's functions, finish_reason."""
 
     def __init__(self) -> None:
         # "open": nothing decided; "header"; "body"; "plain": not harmony, all content.
         self._state = "open"
         self._buf = ""
         self._to_reasoning = False
+        self._call = False  # the open body is a call's arguments
         self._new_message = False
         self._reasoning = TrimmedText()
         self._content = TrimmedText()
@@ -168,26 +174,40 @@ class HarmonyParser:
             self._buf = ""
             return False
         if self._state == "header":
-            k = self._buf.find(_MESSAGE)
-            if k < 0:
-                if final:  # cut off inside a header: nothing of it is text
-                    self._buf = ""
-                return False
-            channel = _CHANNEL.search(self._buf[:k])
-            self._to_reasoning = channel is not None and channel.group(1) == "analysis"
-            self._buf, self._state = self._buf[k + len(_MESSAGE) :], "body"
-            self._new_message = True
-            return True
+            return self._header(final, content)
+        return self._body(final, reasoning, content)
+
+    def _header(self, final: bool, content: list[str]) -> bool:
+        k = self._buf.find(_MESSAGE)
+        if k < 0:
+            if final:  # cut off inside a header: nothing of it is text
+                self._buf = ""
+            return False
+        header, self._buf = self._buf[:k], self._buf[k + len(_MESSAGE) :]
+        channel, recipient = _CHANNEL.search(header), _RECIPIENT.search(header)
+        self._to_reasoning = channel is not None and channel.group(1) == "analysis"
+        self._to_reasoning &= recipient is None
+        self._state, self._new_message = "body", True
+        if recipient is not None:
+            self._call = True
+            opening = f'{HERMES_START}\n{{"name": {json.dumps(recipient.group(1))}, "arguments": '
+            self._emit(opening, [], content)
+        return True
+
+    def _body(self, final: bool, reasoning: list[str], content: list[str]) -> bool:
         end = _BODY_END.search(self._buf)
         stop = len(self._buf) if end is None else end.start()
         if end is None and not final:
             stop -= max(partial_suffix(self._buf, 0, m) for m in _BODY_MARKERS)
         self._emit(self._buf[:stop], reasoning, content)
-        if end is None:
+        if end is None and not final:
             self._buf = self._buf[stop:]
             return False
-        self._buf, self._state = self._buf[end.end() :], "header"
-        return True
+        if self._call:  # the call's block closes with its message
+            self._emit(f"}}\n{HERMES_END}", reasoning, content)
+            self._call = False
+        self._buf, self._state = ("" if end is None else self._buf[end.end() :]), "header"
+        return end is not None
 
     def _emit(self, body: str, reasoning: list[str], content: list[str]) -> None:
         target, out = (
