@@ -542,7 +542,10 @@ class EngineConfig:
             "channel with openai_gptoss) from its answer in the server's replies: "
             "reasoning_content in chat completions, thinking blocks in the Messages API; "
             "tool calls are parsed from the answer only",
-            default_text="off: the thinking stays in the reply's text",
+            default_text=(
+                "off (the thinking stays in the reply's text), except openai_gptoss for a "
+                "model whose chat template writes harmony (gpt-oss)"
+            ),
         ),
     )
     speculative_method: SpeculativeMethod | None = field(

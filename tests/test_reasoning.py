@@ -96,6 +96,16 @@ def test_parser_on_whole_and_streamed_text(
         assert _split(fmt, prompt, pieces) == (reasoning, content), pieces
 
 
+def test_a_harmony_template_gets_the_harmony_split_unasked() -> None:
+    from sluice.server.reasoning import reasoning_format
+
+    harmony = "{{- '<|start|>' + role + '<|channel|>' + channel + '<|message|>' -}}"
+    chatml = "{{- '<|im_start|>' + role + '\\n' + content + '<|im_end|>' -}}"
+    assert reasoning_format(None, harmony) is HARMONY
+    assert reasoning_format(None, chatml) is None and reasoning_format(None, None) is None
+    assert reasoning_format("qwen3", harmony) is QWEN3  # asked for: as asked
+
+
 # ---- a real server -----------------------------------------------------------------------
 
 # The constraint makes SmolLM2 think (a few words), write a call inside its thinking,

@@ -27,7 +27,7 @@ from sluice.server.auth import ApiKeyMiddleware
 from sluice.server.context import ServerContext
 from sluice.server.errors import install_error_handlers
 from sluice.server.metrics import ServerMetrics
-from sluice.server.reasoning import REASONING_FORMATS
+from sluice.server.reasoning import reasoning_format
 from sluice.server.routes import ROUTERS
 from sluice.server.routes.playground import static_files
 from sluice.server.validation import max_body_bytes
@@ -64,7 +64,7 @@ def build_app(
         max_body_bytes=max_body_bytes(llm.max_model_len),
         metrics=ServerMetrics(model_name),
         created=int(time.time()),
-        reasoning=None if reasoning_parser is None else REASONING_FORMATS[reasoning_parser],
+        reasoning=reasoning_format(reasoning_parser, tokenizer.chat_template),
     )
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, metrics_public=metrics_without_auth)

@@ -85,6 +85,24 @@ REASONING_FORMATS: dict[ReasoningParserName, ReasoningFormat] = {
 }
 
 
+def reasoning_format(
+    name: ReasoningParserName | None, chat_template: str | None
+) -> ReasoningFormat | None:
+    """The format --reasoning-parser names; without one, harmony's where the model's
+    chat template writes harmony (gpt-oss's: its markers are special tokens, so without
+    the split a reply would reach the client with its channel names run into the
+    text; llama.cpp and Ollama split it unasked too). None: replies are not split."""
+    if name is not None:
+        return REASONING_FORMATS[name]
+    if chat_template is not None and all(m in chat_template for m in _HARMONY_TEMPLATE):
+        return REASONING_FORMATS["openai_gptoss"]
+    return None
+
+
+# What a harmony chat template writes (gpt-oss's).
+_HARMONY_TEMPLATE = ("<|channel|>", "<|message|>", "<|start|>")
+
+
 class ReasoningParser:
     """Splits one output, fed in pieces, into (reasoning, content) deltas."""
 
