@@ -185,7 +185,7 @@ class BidirectionalBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(meta, BidirectionalMetadata) and meta.seqs is not None
         if sinks is not None:  # no encoder has them; refused rather than ignored
-            raise NotImplementedError("attention sinks in an encoder")
+            raise ValueError("attention sinks are not supported in an encoder's attention")
         if window not in meta.masks:
             meta.masks[window] = [group.key_mask(window) for group in meta.seqs.groups]
         return attend_groups(meta.seqs, q, k, v, meta.masks[window], scale)
