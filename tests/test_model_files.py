@@ -264,9 +264,9 @@ def test_hostile_safetensors_name_the_file(tmp_path: Path) -> None:
         path = tmp_path / f"{case}.safetensors"
         path.write_bytes(data)
         with pytest.raises(ModelFileError, match="not a valid safetensors file") as info:
-            _load_shard(path)
+            dict(_load_shard(path))  # read tensor by tensor
         assert str(path) in str(info.value), case
-    assert _load_shard(good)["w"].shape == (4, 4)
+    assert dict(_load_shard(good))["w"].shape == (4, 4)
 
 
 def _safetensors_bytes() -> bytes:
@@ -305,7 +305,7 @@ def test_random_safetensors_headers_end_in_model_file_error(
         path.write_bytes(data)
         try:
             check_safetensors(path)
-            tensors = _load_shard(path)
+            tensors = dict(_load_shard(path))
         except ModelFileError as exc:
             assert str(path) in str(exc)
             return

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 
 from sluice.architectures import rope_from_hf, spec_for_hf, spec_of
 from sluice.config import ModelConfig
@@ -54,11 +53,14 @@ def config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
     return ModelConfig(architecture=spec.name, **fields)
 
 
-def _load_shard(shard: Path) -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors; safetensors checks its header against the file
-    (lengths, offsets, dtypes) and a defect names the file."""
+def _load_shard(shard: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """A safetensors file's tensors, one at a time (a shard is gigabytes: read whole, it
+    would sit in memory beside everything converted from it); safetensors checks its
+    header against the file (lengths, offsets, dtypes) and a defect names the file."""
     try:
-        return load_file(shard)
+        with safe_open(str(shard), "pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
     except (SafetensorError, OSError, ValueError) as exc:
         raise ModelFileError(str(shard), f"not a valid safetensors file: {exc}") from None
 
@@ -99,7 +101,7 @@ def _checkpoint_weights(shards: list[Path]) -> Iterator[tuple[str, Weight]]:
     (hf_mxfp4); a pair missing its other half is named."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for shard in shards:
-        for name, tensor in _load_shard(shard).items():
+        for name, tensor in _load_shard(shard):
             base = hf_mxfp4.base_name(name)
             if base is None or tensor.dtype != torch.uint8:
                 yield name, tensor.float()
