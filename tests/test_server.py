@@ -863,6 +863,7 @@ class FakeEngine:
 
 class FakeTokenizer:
     vocab_size = 100
+    chat_template = None  # build_app reads it (a harmony template gets its parser)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % 100 for c in text]
