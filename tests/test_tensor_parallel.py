@@ -451,13 +451,18 @@ def test_shard_checkpoint_shapes() -> None:
     assert shapes == (2, 1, 6, 6)
 
 
-def test_expert_parallel_greedy_equals_one_rank(tmp_path: Path, smollm2_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["qwen2moe", "gpt_oss"])
+def test_expert_parallel_greedy_equals_one_rank(
+    kind: str, tmp_path: Path, smollm2_path: Path
+) -> None:
     """`enable_expert_parallel`: each of 2 ranks holds 4 of the 8 experts (attention split
     by heads as without it); the greedy tokens are one rank's, Qwen2-MoE's replicated
-    shared expert added once; per step still 2 all-reduces a layer."""
+    shared expert added once; per step still 2 all-reduces a layer. gpt-oss brings its
+    experts' biases (whole experts a rank), its heads' sinks, the output projection's
+    bias (added once) and its windowed layers."""
     from benchmarks.random_models import SMALL, build_model
 
-    build_model("qwen2moe", SMALL, tmp_path)
+    build_model(kind, SMALL, tmp_path)
     tokenizer_from_gguf(smollm2_path).save(tmp_path)
     expected = greedy(engine(tmp_path, 1))
     with pytest.raises(ConfigError, match="set enable_expert_parallel"):

@@ -167,6 +167,5 @@ SPEC = ArchitectureSpec(
     },
     hf_renames=((".mlp.router.", ".mlp.gate."), (".self_attn.sinks", ".self_attn.sinks.weight")),
     split_weight=split_weight,
-    tensor_parallel=False,
     eagle_head=False,
 )

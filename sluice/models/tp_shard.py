@@ -5,7 +5,8 @@ holds its own heads), gate/up by rows of the intermediate size, and their biases
 Row-parallel (inputs split): o_proj and down_proj by columns; their partial outputs are
 all-reduced, and a bias on them is kept by rank 0 alone so the sum adds it once.
 Expert-parallel (Mixture-of-Experts layers): each rank keeps whole experts, 1/N of
-them; the router and Qwen2-MoE's shared expert are replicated (sluice/models/moe.py).
+them, with their biases (gpt-oss); the router and Qwen2-MoE's shared expert are
+replicated (sluice/models/moe.py). gpt-oss's sink logits go with their query heads.
 Vocab-parallel: the embedding and the output head by rows of the vocabulary, padded
 to equal slices (the padding rows are zeros: never looked up, and their logits are cut
 off after the gather). A tied head takes the same slice as the embedding.
@@ -132,7 +133,10 @@ def _columns(w: Weight, start: int, stop: int, name: str, dtype: torch.dtype) ->
     )
 
 
-_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\w+_proj\.weight")
+# Stacked expert projections and (gpt-oss) their biases [E, out]: whole experts a rank.
+_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\w+_proj\.(weight|bias)")
+# gpt-oss's sink logit per query head: a rank's heads' own.
+_SINKS = re.compile(r"model\.layers\.\d+\.self_attn\.sinks\.weight")
 
 
 def _experts(w: Weight, num_experts: int, rank: int, world_size: int) -> Weight:
@@ -169,6 +173,10 @@ def shard_checkpoint(
             continue
         if _EXPERTS.fullmatch(name):
             tensors[name] = _experts(w, config.num_experts, rank, world_size)
+            continue
+        if _SINKS.fullmatch(name):
+            heads = config.num_heads // world_size
+            tensors[name] = _rows(w, rank * heads, (rank + 1) * heads)
             continue
         match = _LAYER.fullmatch(name)
         if match is None:
