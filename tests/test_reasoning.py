@@ -292,10 +292,18 @@ class _Outputs:
         pass  # a finished fake request: nothing to abort
 
 
-def test_messages_stream_thinking_blocks_for_the_sdk() -> None:
-    pieces = ["<th", "ink>\nhm", "m, two", " and one</th", "ink>\n\nThree", "."]
+@pytest.mark.parametrize(
+    ("fmt", "pieces"),
+    [
+        (QWEN3, ["<th", "ink>\nhm", "m, two", " and one</th", "ink>\n\nThree", "."]),
+        # gpt-oss's harmony, cut inside its markers.
+        (HARMONY, ["<|chan", "nel|>analysis<|mess", "age|>hmm, two", " and one<|e",
+                   "nd|><|start|>assistant<|channel|>final<|message|>Three", "."]),
+    ],
+)  # fmt: skip
+def test_messages_stream_thinking_blocks_for_the_sdk(fmt: Any, pieces: list[str]) -> None:
     ctx: Any = type("Ctx", (), {"model_name": "m"})()
-    reasoning = lambda: QWEN3.parser("assistant\n")  # noqa: E731
+    reasoning = lambda: fmt.parser("assistant\n")  # noqa: E731
 
     async def events() -> bytes:
         stream = messages_route._events(ctx, "msg_1", 3, _Outputs(pieces), None, reasoning)  # type: ignore[arg-type]

@@ -82,7 +82,6 @@ class SparseMoE(nn.Module):
             if config.moe_bias
             else None
         )
-        self.moe_bias = config.moe_bias
         self.swiglu = (
             None if config.swiglu_limit is None else (config.swiglu_alpha, config.swiglu_limit)
         )
@@ -188,7 +187,7 @@ class SparseMoE(nn.Module):
             keep_quantized=keep_quantized,
             int8_prompts=int8_prompts,
         )
-        if self.moe_bias:
+        if self.router_bias is not None:  # config.moe_bias: the experts' too
             p = prefix + "experts."
             gate, up, down = (ck.take(f"{p}{n}_proj.bias") for n in ("gate", "up", "down"))
             self.experts.load_biases(gate, up, down, dtype=ck.dtype)
