@@ -173,8 +173,9 @@ class HarmonyParser:
         self._buf += text
         reasoning: list[str] = []
         content: list[str] = []
-        while self._step(final, reasoning, content):
-            pass
+        progressing = True
+        while progressing:  # each step consumes what the buffer decides
+            progressing = self._step(final, reasoning, content)
         return "".join(reasoning), "".join(content)
 
     def _step(self, final: bool, reasoning: list[str], content: list[str]) -> bool:
