@@ -159,9 +159,10 @@ def test_chat_reply_splits_thinking_from_answer(server: Server) -> None:
     assert streamed == (message["reasoning_content"], message["content"])
 
 
-def _streamed(server: Server) -> tuple[str, str]:
+def _streamed(server: Server, request: dict[str, Any] | None = None) -> tuple[str, str]:
+    """(reasoning, content) of `request` (default `_body()`) streamed, pieces joined."""
     reasoning = content = ""
-    body = json.dumps(_body(stream=True))
+    body = json.dumps((request or _body()) | {"stream": True})
     headers = {**server.headers, "Content-Type": "application/json"}
     with httpx.stream(
         "POST", f"{server.url}/v1/chat/completions", content=body, headers=headers, timeout=60
@@ -229,19 +230,7 @@ def test_a_harmony_reply_splits_its_channels(harmony_server: Server) -> None:
     thought, answer = message["reasoning_content"], message["content"]
     assert thought.endswith(".<|im_start|>") and "<|" not in thought[: -len("<|im_start|>")]
     assert answer.startswith("The answer is ") and "<|" not in answer
-    reasoning = content = ""
-    stream = json.dumps(body | {"stream": True})
-    headers = {**harmony_server.headers, "Content-Type": "application/json"}
-    with httpx.stream(
-        "POST", f"{harmony_server.url}/v1/chat/completions", content=stream, headers=headers,
-        timeout=60,
-    ) as s:  # fmt: skip
-        for line in s.iter_lines():
-            if line.startswith("data: {"):
-                delta = json.loads(line[6:])["choices"][0]["delta"]
-                reasoning += delta.get("reasoning_content") or ""
-                content += delta.get("content") or ""
-    assert (reasoning, content) == (thought, answer)
+    assert _streamed(harmony_server, body) == (thought, answer)
 
 
 # A call in harmony: thinking, then a message to the function with its arguments.

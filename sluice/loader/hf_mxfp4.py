@@ -12,9 +12,12 @@ length the layout cannot take is dequantized to float32 instead.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
-from sluice.core.quantized_tensor import E2M1_VALUES, QuantizedTensor
+from sluice.core.quantized_tensor import QuantizedTensor
 
 from . import gguf_blocks
 
@@ -71,13 +74,9 @@ def to_weight(
     try:
         if gguf_blocks.can_keep("MXFP4", cols):
             return gguf_blocks.repack(read_rows, "MXFP4", rows, cols)
-        return _dequantized(flat_blocks, flat_scales).reshape(rows, cols)
+        # As the GGUF loader widens a type it keeps no layout for: gguf's dequantize.
+        values = dequantize(read_rows(0, rows).numpy(), GGMLQuantizationType.MXFP4)
+        return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(rows, cols))
     except ValueError as exc:
         raise ValueError(f"{name}_scales: {exc}") from None
 
-
-def _dequantized(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """W as float32: E2M1_VALUES holds the doubled values + 16, against 2**(e - 128)."""
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()
-    doubled = (E2M1_VALUES[codes] - 16).float()
-    return torch.ldexp(doubled, (scales.int() - 128).unsqueeze(-1).float())

@@ -31,6 +31,16 @@ class Checkpoint:
             return dequantize(value, torch.float32)
         return value.float()
 
+    def put_float(self, param: torch.Tensor, name: str) -> None:
+        """Weight `name` into fp32 `param` (a router, its bias, sink logits: kept in fp32
+        whatever the model's dtype), its shape checked against the parameter's."""
+        value = self.dense_float(self.take(name))
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{name} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+            )
+        param.copy_(value)
+
     def dense(self, value: Weight) -> torch.Tensor:
         if isinstance(value, QuantizedTensor):
             return dequantize(value, self.dtype)  # quantization="none", int8 or int4

@@ -139,14 +139,6 @@ class DecoderLayer(nn.Module):
         return out if m == 1.0 else out * m, residual
 
 
-def _sinks(ck: Checkpoint, name: str, heads: int) -> torch.Tensor:
-    """A layer's attention-sink logits, one per head, in fp32."""
-    sinks = ck.dense_float(ck.take(name))
-    if tuple(sinks.shape) != (heads,):
-        raise ValueError(f"{name} has shape {tuple(sinks.shape)}, expected ({heads},)")
-    return sinks
-
-
 class LlamaForCausalLM(nn.Module):
     # What a subclass changes: its MLP's activation, its decoder layer.
     hidden_acts: tuple[str, ...] = ("silu",)
@@ -310,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
         if att.o_proj.bias is not None:  # config.o_proj_bias
             ck.put(att.o_proj.bias, ck.dense(ck.take(p + "self_attn.o_proj.bias")))
         if att.sinks is not None:  # config.attention_sinks
-            att.sinks.copy_(_sinks(ck, p + "self_attn.sinks.weight", att.num_heads))
+            ck.put_float(att.sinks, p + "self_attn.sinks.weight")
         if att.q_norm is not None and att.k_norm is not None:
             self._put_norm(ck, att.q_norm, p + "self_attn.q_norm.weight")
             self._put_norm(ck, att.k_norm, p + "self_attn.k_norm.weight")

@@ -164,21 +164,9 @@ class SparseMoE(nn.Module):
         """This layer's router, experts and shared expert (`prefix`: "model.layers.N.mlp.");
         keep_quantized: experts a GGUF stores in blocks stay in them; int8_prompts: their
         many-row matmuls take int8 activations (BlockQuantized's)."""
-        router = ck.dense_float(ck.take(prefix + "gate.weight"))
-        if tuple(router.shape) != tuple(self.router.shape):
-            raise ValueError(
-                f"{prefix}gate.weight has shape {tuple(router.shape)}, "
-                f"expected {tuple(self.router.shape)}"
-            )
-        self.router.copy_(router)
+        ck.put_float(self.router, prefix + "gate.weight")
         if self.router_bias is not None:
-            bias = ck.dense_float(ck.take(prefix + "gate.bias"))
-            if tuple(bias.shape) != tuple(self.router_bias.shape):
-                raise ValueError(
-                    f"{prefix}gate.bias has shape {tuple(bias.shape)}, "
-                    f"expected {tuple(self.router_bias.shape)}"
-                )
-            self.router_bias.copy_(bias)
+            ck.put_float(self.router_bias, prefix + "gate.bias")
         self.experts.load(
             ck.take(prefix + "experts.gate_proj.weight"),
             ck.take(prefix + "experts.up_proj.weight"),
