@@ -115,7 +115,11 @@ TENSOR_TYPES: dict[str, tuple[QType, LlamaFileType]] = {
     # gpt-oss as released: the experts in MXFP4 (the checkpoint's own blocks), the rest
     # as the converter's --outtype leaves it (F32 here).
     "MXFP4": (QType.MXFP4, LlamaFileType.MOSTLY_MXFP4_MOE),
+    # As ggml-org publishes gpt-oss: the experts in MXFP4, the other matrices in Q8_0.
+    "MXFP4_Q8_0": (QType.MXFP4, LlamaFileType.MOSTLY_MXFP4_MOE),
 }
+# The type of an MXFP4 file's matrices other than the experts, by --type (F32 else).
+MXFP4_REST: dict[str, QType] = {"MXFP4_Q8_0": QType.Q8_0}
 
 MIXES: dict[str, LlamaFileType] = {
     "MXFP4": LlamaFileType.MOSTLY_MXFP4_MOE,
@@ -367,15 +371,18 @@ def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def converter_type(gguf_name: str, shape: Sequence[int], wanted: QType) -> QType:
-    """The type convert_hf_to_gguf.py gives a tensor when asked for `wanted`."""
+def converter_type(
+    gguf_name: str, shape: Sequence[int], wanted: QType, rest: QType = QType.F32
+) -> QType:
+    """The type convert_hf_to_gguf.py gives a tensor when asked for `wanted`; `rest`:
+    with MXFP4, the type of the matrices other than the experts."""
     kept_f32 = re.search(r"\.ffn_gate_inp(_shexp)?\.weight$", gguf_name)
     if len(shape) <= 1 or gguf_name.endswith("_norm.weight") or kept_f32:
         return QType.F32
     if not gguf_name.endswith(".weight"):
         return QType.F32
     if wanted == QType.MXFP4 and not gguf_name.endswith("_exps.weight"):
-        return QType.F32
+        return QType.F32 if rest == QType.F32 else converter_type(gguf_name, shape, rest)
     if shape[-1] % gguf.GGML_QUANT_SIZES[wanted][0]:
         return QType.F16  # the converter's QuantError fallback
     return wanted
@@ -418,6 +425,7 @@ def _hf_tensors(
     arch: gguf.MODEL_ARCH,
     wanted: QType,
     shexp_gate_1d: bool,
+    rest: QType = QType.F32,
 ) -> list[TensorPlan]:
     """The converter's tensors, in its order: extra (rope_freqs) first, then the
     safetensors names sorted, each layer's experts where its last one comes."""
@@ -427,7 +435,7 @@ def _hf_tensors(
     plans: list[TensorPlan] = []
 
     def add(gguf_name: str, shape: tuple[int, ...], load: Callable[[], np.ndarray]) -> None:
-        qtype = converter_type(gguf_name, shape, wanted)
+        qtype = converter_type(gguf_name, shape, wanted, rest)
         plans.append(TensorPlan(gguf_name, shape, qtype, lambda: iter([_as_type(load(), qtype)])))
 
     rope = _rope(config)
@@ -579,7 +587,8 @@ def hf_to_gguf(
 ) -> None:
     """Convert a transformers-saved model directory into a GGUF as llama.cpp's
     convert_hf_to_gguf.py lays it out (see the module docstring), with the tokenizer of
-    `tokenizer_gguf`. `tensor_type`: F32, F16, Q8_0 or Q4_0 for the weight matrices.
+    `tokenizer_gguf`. `tensor_type`: F32, F16, Q8_0 or Q4_0 for the weight matrices;
+    MXFP4 (the experts; the rest F32) or MXFP4_Q8_0 (the rest Q8_0) for gpt-oss.
     `shexp_gate_1d`: Qwen2-MoE's ffn_gate_inp_shexp as [H] (llama-quantize's files)
     rather than the converter's [1, H]."""
     hf_dir, out = Path(hf_dir), Path(out)
@@ -591,6 +600,7 @@ def hf_to_gguf(
         raise ValueError(f"{hf_arch} is not one of {', '.join(HF_ARCHS)}")
     arch = HF_ARCHS[hf_arch]
     wanted, ftype = TENSOR_TYPES[tensor_type]
+    rest = MXFP4_REST.get(tensor_type, QType.F32)
     writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(hf_dir.name)
     _add_hf_metadata(writer, config, arch, ftype)
@@ -598,7 +608,7 @@ def hf_to_gguf(
     out.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         st = _Safetensors(hf_dir, stack)
-        write_gguf(writer, _hf_tensors(st, config, arch, wanted, shexp_gate_1d))
+        write_gguf(writer, _hf_tensors(st, config, arch, wanted, shexp_gate_1d, rest))
 
 
 # ---- random weights in a real model's shape ------------------------------------------------

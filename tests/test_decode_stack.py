@@ -4,7 +4,9 @@ not, with int4 and int8 weights, on the real model and on random Llama (head siz
 generic attention math) and Qwen2 (QKV biases) models, with the formats mixed per
 linear as GGUF files mix them (qblock layouts beside int4 and int8), and on random
 GGUF files of the QK-norm (Qwen3) and Mixture-of-Experts families (Qwen3-MoE, OLMoE,
-Mixtral: routing, grouped experts and their weighted sum in the stack)."""
+Mixtral, Granite-MoE: routing, grouped experts and their weighted sum in the stack) and
+of gpt-oss (attention sinks, windowed layers, biases, MXFP4 experts, the clamped
+SwiGLU)."""
 
 from __future__ import annotations
 
@@ -315,6 +317,11 @@ def random_prompts(seed: int, count: int = 3) -> list[list[int]]:
         ("mixtral", "Q8_0", "bfloat16"),  # no QK-norm, top 2 renormalized
         ("granite", "Q8_0", "float32"),  # its scalings of embeddings, sublayers, scores
         ("granite", "Q4_0", "bfloat16"),
+        ("granitemoe", "Q8_0", "bfloat16"),  # a softmax over the top k logits
+        # Sinks, a 16-token window on even layers, q/k/v/o, router and expert biases, a
+        # softmax over the top k, the clamped SwiGLU, MXFP4 experts beside Q8_0.
+        ("gpt_oss", "MXFP4_Q8_0", "float32"),
+        ("gpt_oss", "MXFP4_Q8_0", "bfloat16"),
     ],
 )
 def test_stack_equals_model_on_random_gguf_models(
@@ -330,10 +337,16 @@ def test_stack_equals_model_on_random_gguf_models(
     stack = built_stack(llm)
     config = llm.engine.model_config
     assert stack.shape.experts == config.num_experts
-    no_norm = kind in ("mixtral", "granite")
+    no_norm = kind in ("mixtral", "granite", "granitemoe", "gpt_oss")
     assert stack.shape.qk_norm == (0 if no_norm else 1 if "qwen" in kind else 2)
     assert stack.shape.residual_scale == config.residual_multiplier
     assert stack.max_rows == stack_rows("gguf")
+    if kind == "gpt_oss":  # its own parts are in the table, not left out
+        rows = [dict(zip(stack.table.names, row, strict=True)) for row in stack.table.tensors]
+        assert [row["window"] for row in rows[:2]] == [16, 0]
+        parts = ("sinks", "o_bias", "router_bias", "gate_up_bias", "down_bias")
+        assert all(row[name] is not None for row in rows for name in parts)
+        assert stack.shape.softmax_after_top_k and stack.shape.swiglu_limit > 0
     experts = [layer.mlp.experts for layer in llm.engine.runner.model.layers if config.is_moe]
     # Decode steps of as many rows as the stack takes (an expert may get every row), and
     # a 5-token prompt alone: its prefill is a 5-row step of the stack.

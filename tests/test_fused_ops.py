@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from sluice import kernels
+from sluice.kernels import fused as kernel_ops
 from sluice.layers import fused
+from sluice.models.moe import route
 
 
 @pytest.fixture
@@ -95,6 +98,52 @@ def test_silu_and_mul(
     out = fused.silu_and_mul(gate_up)
     monkeypatch.setattr(fused.kernels, "load", lambda: None)
     assert close(out, fused.silu_and_mul(gate_up), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamped_swiglu(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, fused_kernels: str
+) -> None:
+    # gpt-oss's activation (alpha 1.702, limit 7): values well past the limit on both
+    # sides, so the clamps of gate (above only) and up (both ways) are exercised.
+    gate_up = torch.randn(5, 2 * 640, dtype=dtype) * 6
+    assert (gate_up.abs() > 7).any() and (gate_up < -7).any()
+    out = fused.clamped_swiglu(gate_up, 1.702, 7.0)
+    monkeypatch.setattr(fused.kernels, "load", lambda: None)
+    assert close(out, fused.clamped_swiglu(gate_up, 1.702, 7.0), dtype)
+
+
+@pytest.mark.parametrize(
+    ("renormalize", "softmax_after_top_k", "bias"),
+    [
+        (False, False, False),
+        (True, False, False),
+        (True, False, True),
+        (False, True, False),
+        (False, True, True),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_route_as_the_reference_routes(
+    renormalize: bool, softmax_after_top_k: bool, bias: bool, dtype: torch.dtype,
+    fused_kernels: str,
+) -> None:  # fmt: skip
+    # Our routing kernel (the eager layer's and the decode stack's) against the torch
+    # reference, with a router bias (gpt-oss) and a softmax over the top k (Granite-MoE,
+    # gpt-oss): the same experts in the same order, weights to fp32 rounding.
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 96, generator=gen).to(dtype)
+    router = torch.randn(32, 96, generator=gen)
+    b = torch.randn(32, generator=gen) * 3 if bias else None
+    lib = kernels.load()
+    assert lib is not None
+    weights, ids = kernel_ops.moe_route(lib, x, router, 4, renormalize, b, softmax_after_top_k)
+    logits = F.linear(x.float(), router, b)
+    want_w, want_ids = route(logits, 4, renormalize, softmax_after_top_k)
+    assert torch.equal(ids, want_ids)
+    assert torch.allclose(weights, want_w, atol=1e-5)
+    if softmax_after_top_k:  # the k weights alone sum to 1
+        assert torch.allclose(weights.sum(-1), torch.ones(7))
 
 
 def test_other_dtypes_and_layouts_use_torch(monkeypatch: pytest.MonkeyPatch) -> None:

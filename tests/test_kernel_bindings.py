@@ -112,11 +112,13 @@ def test_the_parser_reads_the_prototypes() -> None:
     assert PROTOTYPES["sluice_variant"] == (ctypes.c_char_p, ())
     assert PROTOTYPES["sluice_fused_max_dim"] == (ctypes.c_int, ())
     restype, args = PROTOTYPES["sluice_decode_stack"]
-    assert restype is None and len(args) == 32 and args[9:11] == (ctypes.c_float,) * 2
+    assert restype is None and len(args) == 35 and args[9:11] == (ctypes.c_float,) * 2
     assert args[21] == ctypes.c_int  # kv_int8: the pools hold int8 rows
     assert args[29] == ctypes.c_float  # residual_scale: Granite's sublayer factor
     assert args[30] == ctypes.c_int  # gemm_min_rows: where the int8 GEMM takes over
     assert args[31] == ctypes.c_int  # gemm_tiles: that GEMM on AMX-INT8 tiles
+    # softmax_after_top_k, then the clamped SwiGLU's alpha and limit (gpt-oss)
+    assert args[32:] == (ctypes.c_int, ctypes.c_float, ctypes.c_float)
     assert PROTOTYPES["sluice_write_kv"][1][2] == ctypes.c_int64
 
 

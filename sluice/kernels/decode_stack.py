@@ -6,7 +6,8 @@ their names in order (`field_names`). A caller fills each layer as a mapping fro
 names to tensors, and `LayerTable` orders it by the library's names, so a field that is
 added, removed or moved on the C++ side cannot shift the table silently: a name the
 caller does not fill, or one the library does not know, is an error. A field is a
-tensor (its address), None (null) or an int stored as is (a linear's format).
+tensor (its address), None (null) or an int stored as is (a linear's format, a
+layer's window).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ _DECODE_STACK = c_function(
     *(INT, INT, INT, INT, INT),
     # lora_slots, lora_rank, residual_scale, gemm_min_rows, gemm_tiles
     *(POINTER, INT, FLOAT, INT, INT),
+    # softmax_after_top_k, swiglu_alpha, swiglu_limit
+    *(INT, FLOAT, FLOAT),
 )
 
 
@@ -123,6 +126,11 @@ class StackShape:
     top_k: int = 0
     moe_inter: int = 0
     renormalize: bool = False
+    # The k largest logits, then a softmax over those (Granite-MoE, gpt-oss).
+    softmax_after_top_k: bool = False
+    # The experts' activation: gpt-oss's clamped SwiGLU where swiglu_limit > 0, else SiLU.
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
     # The LoRA slots' rank per slice (sluice/layers/lora.py); 0 without LoRA.
     lora_rank: int = 0
     # Each sublayer's output times this before it joins the residual stream (Granite's
@@ -186,5 +194,8 @@ def decode_stack(
         shape.residual_scale,
         shape.gemm_min_rows,
         int(shape.gemm_tiles),
+        int(shape.softmax_after_top_k),
+        shape.swiglu_alpha,
+        shape.swiglu_limit,
     )
     return h

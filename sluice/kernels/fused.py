@@ -35,9 +35,16 @@ _ADD_RMS_NORM_F32_WEIGHT = c_function(
 _ROTARY = c_function("sluice_rotary", None, INT, POINTER, INT64, INT64, INT, INT, POINTER, POINTER)
 # bf16, gate_up, out, rows, inter
 _SILU_AND_MUL = c_function("sluice_silu_and_mul", None, INT, POINTER, POINTER, INT64, INT)
-# bf16, x, rows, hidden, router, experts, k, renormalize, weights, ids
+# bf16, gate_up, out, rows, inter, alpha, limit
+_CLAMPED_SWIGLU = c_function(
+    "sluice_clamped_swiglu", None, INT, POINTER, POINTER, INT64, INT, FLOAT, FLOAT
+)
+# bf16, x, rows, hidden, router, router bias (may be null), experts, k, renormalize,
+# softmax_after_top_k, weights, ids
 _MOE_ROUTE = c_function(
-    "sluice_moe_route", None, INT, POINTER, INT, INT, POINTER, INT, INT, INT, POINTER, POINTER
+    "sluice_moe_route",
+    None,
+    *(INT, POINTER, INT, INT, POINTER, POINTER, INT, INT, INT, INT, POINTER, POINTER),
 )
 
 
@@ -99,16 +106,30 @@ def silu_and_mul(lib: Library, gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def clamped_swiglu(lib: Library, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's (up + 1) * gate * sigmoid(alpha * gate), the gate clamped above at limit
+    and up to [-limit, limit], for gate_up = [gate | up] (contiguous); the decode stack
+    runs the same compiled code."""
+    inter = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    rows = gate_up.numel() // (2 * inter)
+    _CLAMPED_SWIGLU(lib, is_bf16(gate_up), ptr(gate_up), ptr(out), rows, inter, alpha, limit)
+    return out
+
+
 def moe_route(
     lib: Library,
     x: torch.Tensor,  # [T, hidden] contiguous, fp32 or bf16
     router: torch.Tensor,  # [E, hidden] fp32 contiguous
     top_k: int,
     renormalize: bool,
+    bias: torch.Tensor | None = None,  # [E] fp32 (gpt-oss)
+    softmax_after_top_k: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] fp32, expert ids [T, k] int64): a softmax of x @ router.T (in fp32)
-    over the experts, its k largest (largest first), renormalized to sum 1 where asked;
-    the decode stack routes with the same compiled code."""
+    """(weights [T, k] fp32, expert ids [T, k] int64): a softmax of x @ router.T (+ bias,
+    in fp32) over the experts, its k largest (largest first), renormalized to sum 1 where
+    asked; or, where softmax_after_top_k, the k largest logits and a softmax over them.
+    The decode stack routes with the same compiled code."""
     t, hidden = x.shape
     weights = torch.empty(t, top_k, dtype=torch.float32)
     ids = torch.empty(t, top_k, dtype=torch.int64)
@@ -119,9 +140,11 @@ def moe_route(
         t,
         hidden,
         ptr(router),
+        ptr_or_null(bias),
         router.shape[0],
         top_k,
         int(renormalize),
+        int(softmax_after_top_k),
         ptr(weights),
         ptr(ids),
     )

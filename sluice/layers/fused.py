@@ -84,6 +84,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return fused_kernels.silu_and_mul(lib, gate_up)
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation of gate_up = [gate | up]: the gate clamped above at
+    `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate). Our
+    kernel on the CPU (the decode stack's too, so both paths round alike), else torch in
+    the reference's order of operations."""
+    lib = _lib(gate_up)
+    if lib is not None and gate_up.is_contiguous():
+        return fused_kernels.clamped_swiglu(lib, gate_up, alpha, limit)
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu(gate, tanh approximation) * up for gate_up = [gate | up] (GeGLU: Gemma).
     Plain torch ops: no model that runs it is on the fused decode path yet."""

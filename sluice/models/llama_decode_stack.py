@@ -8,8 +8,9 @@ one parallel region with the same kernels, so it returns exactly what the model'
 forward would. It applies where every one of those kernels is ours: CPU, every linear on one of our
 weight kernels (int4, per-channel int8, or a GGUF weight kept in a qblock layout; each
 linear has its own format, as GGUF files mix them per layer), the paged attention
-kernel; QK-norm (per head or over the whole projections) and Mixture-of-Experts MLPs
-whose expert stacks stay in GGUF blocks (no shared expert); and to steps whose every
+kernel; QK-norm (per head or over the whole projections), sliding windows per layer,
+Mixture-of-Experts MLPs whose expert stacks stay in GGUF blocks (no shared expert), and
+gpt-oss's sinks, biases, routing and clamped SwiGLU; and to steps whose every
 token is a short-chunk query with fewer rows than any of those linears (or experts)
 hands to its dense path.
 Anything else goes through the model as usual.
@@ -156,7 +157,8 @@ def _mlp_fields(mlp: MLP | SparseMoE) -> tuple[list[tuple[int, Fields] | None], 
             _linear_fields("gate_up", mlp.gate_up_proj, bias_allowed=False),
             _linear_fields("down", mlp.down_proj, bias_allowed=False),
         ]
-        return linears, {"router": None, "expert_tokens": None}
+        none: Fields = {"router": None, "expert_tokens": None, "router_bias": None}
+        return linears, {**none, "gate_up_bias": None, "down_bias": None}
     experts = mlp.experts
     if mlp.shared_expert is not None or experts.lib is None:
         return None
@@ -164,7 +166,14 @@ def _mlp_fields(mlp: MLP | SparseMoE) -> tuple[list[tuple[int, Fields] | None], 
         _expert_fields("gate_up", experts.gate_up_weight),
         _expert_fields("down", experts.down_weight),
     ]
-    return stacks, {"router": mlp.router.contiguous(), "expert_tokens": experts.tokens}
+    fields: Fields = {
+        "router": mlp.router.contiguous(),
+        "expert_tokens": experts.tokens,
+        "router_bias": mlp.router_bias,  # gpt-oss's, fp32; and its experts' biases
+        "gate_up_bias": experts.gate_up_bias,
+        "down_bias": experts.down_bias,
+    }
+    return stacks, fields
 
 
 def layer_fields(
@@ -178,7 +187,7 @@ def layer_fields(
         return None
     linears = [
         _linear_fields("qkv", attn.qkv_proj, bias_allowed=True),
-        _linear_fields("o", attn.o_proj, bias_allowed=False),
+        _linear_fields("o", attn.o_proj, bias_allowed=True),
         *mlp[0],
     ]
     qk = (attn.q_norm, attn.k_norm)
@@ -190,14 +199,18 @@ def layer_fields(
     # The pools hold the activations' type, or int8 rows (one byte tensor, every layer).
     if any(w.dtype != dtype for w in norms) or k_cache.dtype not in (dtype, torch.uint8):
         return None
-    bias = attn.qkv_proj.bias
-    if bias is not None and bias.dtype != dtype:
+    # Biases in the activations' type (the router's is fp32, as its weight).
+    biases = [attn.qkv_proj.bias, attn.o_proj.bias, mlp[1]["gate_up_bias"], mlp[1]["down_bias"]]
+    if any(isinstance(b, torch.Tensor) and b.dtype != dtype for b in biases):
         return None
     fields: Fields = {
         "input_norm": norms[0],
-        "qkv_bias": bias,
+        "qkv_bias": biases[0],
+        "o_bias": biases[1],
         "q_norm": None if qk[0] is None else qk[0].weight,
         "k_norm": None if qk[1] is None else qk[1].weight,
+        "sinks": attn.sinks,  # fp32 [heads] (gpt-oss), as the paged kernel reads them
+        "window": attn.window or 0,
         "post_norm": norms[1],
         "k_cache": k_cache,
         "v_cache": v_cache,
@@ -318,6 +331,9 @@ class LlamaDecodeStack:
             top_k=c.num_experts_per_tok,
             moe_inter=c.moe_intermediate_size,
             renormalize=c.norm_topk_prob,
+            softmax_after_top_k=c.softmax_after_top_k,
+            swiglu_alpha=c.swiglu_alpha,
+            swiglu_limit=0.0 if c.swiglu_limit is None else c.swiglu_limit,
             lora_rank=_lora_rank(model),
             residual_scale=c.residual_multiplier,
             gemm_min_rows=gemm_min_rows,
@@ -333,23 +349,11 @@ class LlamaDecodeStack:
     ) -> LlamaDecodeStack | None:
         """The stack for this model, or None where some part is not on our kernels."""
         lib = kernels.load()
-        # Llama's own layer only (Gemma's norms and GeGLU are not in the stack), and no
-        # sliding window: the stack's per-layer table holds tensors, not per-layer
-        # scalars such as a window, so windowed models decode layer by layer (whose
-        # paged kernel takes each layer's window).
+        # Llama's own layer only (Gemma's norms and GeGLU are not in the stack). Each
+        # layer's window, sinks and biases are fields of its row (gpt-oss, Mistral).
         if lib is None or type(model) is not LlamaForCausalLM:
             return None
         c = model.config
-        if any(c.layer_window(i) is not None for i in range(c.num_layers)):
-            return None
-        # Granite-MoE's routing (a softmax over the top k logits) is not in the stack;
-        # Granite's scalings are (the embeddings' and the logits' outside it).
-        if c.softmax_after_top_k:
-            return None
-        # gpt-oss's parts (sinks, biases on the output projection, the router and the
-        # experts, the clamped SwiGLU) are not in it either.
-        if c.attention_sinks or c.o_proj_bias or c.moe_bias or c.swiglu_limit is not None:
-            return None
         dtype = model.embed_tokens.weight.dtype
         if (
             getattr(backend, "kernel", None) is None

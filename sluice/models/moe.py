@@ -49,16 +49,6 @@ def route(
     return weights, ids
 
 
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's expert activation of [rows, 2I] (gate, then up), in the reference's
-    order of operations: the gate clamped above at `limit`, up to [-limit, limit], then
-    (up + 1) * gate * sigmoid(alpha * gate)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-
 class SparseMoE(nn.Module):
     """The MLP of a Mixture-of-Experts layer, with a shared expert where the model has
     one (Qwen2-MoE's gated, GraniteMoeShared's added as it is)."""
@@ -129,7 +119,7 @@ class SparseMoE(nn.Module):
         gpt-oss's clamped SwiGLU."""
         if self.swiglu is None:
             return fused.silu_and_mul(gate_up)
-        return clamped_swiglu(gate_up, *self.swiglu)
+        return fused.clamped_swiglu(gate_up, *self.swiglu)
 
     def _local_pairs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(this rank's expert of each of its pairs, those pairs' flat indices token * k
@@ -146,10 +136,16 @@ class SparseMoE(nn.Module):
         (sluice/models/llama_decode_stack.py) shares: its steps then pick and weigh the
         experts exactly as this layer does."""
         lib, k = self.experts.lib, self.top_k
-        kernel = x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES
-        kernel = kernel and self.router_bias is None and not self.softmax_after_top_k
-        if lib is not None and kernel:  # softmax first, no bias
-            return fused_kernels.moe_route(lib, x.contiguous(), self.router, k, self.renormalize)
+        if lib is not None and x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES:
+            return fused_kernels.moe_route(
+                lib,
+                x.contiguous(),
+                self.router,
+                k,
+                self.renormalize,
+                self.router_bias,
+                self.softmax_after_top_k,
+            )
         logits = F.linear(x.float(), self.router, self.router_bias)
         return route(logits, self.top_k, self.renormalize, self.softmax_after_top_k)
 

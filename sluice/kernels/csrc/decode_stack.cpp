@@ -18,7 +18,10 @@
 // QK-norm (Qwen3 per head, OLMoE over the whole projections) and Mixture-of-Experts
 // MLPs (sluice/models/moe.py: the router, its top k, each chosen expert's gate/up and
 // down in one grouped qblock pass over the step's (row, expert) pairs, the weighted sum
-// in expert order) run here too, with the eager layers' kernels and roundings.
+// in expert order) run here too, with the eager layers' kernels and roundings; so do
+// gpt-oss's parts (attention sinks, per-layer sliding windows, the output projection's,
+// router's and experts' biases, routing by a softmax over the top k, the clamped
+// SwiGLU), each a field or Shape member that is null or off in other models.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -92,6 +95,12 @@ struct Shape {
   // expert's intermediate size, whether the top k's weights are renormalized to sum 1.
   int experts, top_k, moe_inter;
   bool renormalize;
+  // The k largest logits first, then a softmax over them (Granite-MoE, gpt-oss), in
+  // place of a softmax over all experts then the top k.
+  bool softmax_after_top_k;
+  // The experts' activation: gpt-oss's clamped SwiGLU (fused_ops.h) where swiglu_limit
+  // > 0, else SiLU(gate) * up.
+  float swiglu_alpha, swiglu_limit;
   int lora_rank;  // the LoRA slots' rank per slice (0: no LoRA)
   // Each sublayer's output times this before it joins the residual stream, rounded to
   // the activations' type as the eager layer rounds it (Granite's residual_multiplier).
@@ -302,6 +311,18 @@ void qk_norm(const Shape& s, const int64_t* L, T* qkv, int M, int qkv_n) {
   }
 }
 
+// A linear's bias [n] (null: a no-op) added to M rows of y [M, n], each sum rounded to T
+// as the eager Linear's `y + bias`.
+template <typename T>
+void add_bias(const T* bias, T* y, int M, int n) {
+  if (bias == nullptr) return;
+  for (int r = 0; r < M; ++r)
+    for (int i = 0; i < n; ++i) {
+      T* p = y + static_cast<int64_t>(r) * n + i;
+      *p = sluice::round_to(p, sluice::to_float(*p) + sluice::to_float(bias[i]));
+    }
+}
+
 // A Mixture-of-Experts step's scratch, sized for M rows.
 template <typename T>
 struct MoeScratch {
@@ -330,8 +351,8 @@ struct MoeScratch {
   // Route (weights, ids), group the pairs by expert, count each expert's rows.
   void group(const Shape& s, int M, int64_t* tokens) {
     const int pairs = M * s.top_k;
-    sluice::route_top_k(logits.data(), M, s.experts, s.top_k, s.renormalize, weights.data(),
-                        ids.data());
+    sluice::route_top_k(logits.data(), M, s.experts, s.top_k, s.renormalize,
+                        s.softmax_after_top_k, weights.data(), ids.data());
     int n = 0;
     groups = 0;
     start[0] = 0;
@@ -402,13 +423,23 @@ void weighted_sum(int M, int H, int k, MoeScratch<T>& m, T* out) {
   for (int64_t i = 0; i < static_cast<int64_t>(M) * H; ++i) out[i] = sluice::round_to(out, acc[i]);
 }
 
+// Each grouped row of y [rows, N] plus its expert's bias (bias [experts, N]; null: a
+// no-op), rounded to T, as the eager experts' `y + bias[row_expert]`.
+template <typename T>
+void add_expert_bias(const MoeScratch<T>& m, const T* bias, int N, T* y) {
+  for (int j = 0; bias != nullptr && j < m.groups; ++j)
+    add_bias(bias + m.expert[j] * N, y + m.start[j] * N, static_cast<int>(m.start[j + 1] - m.start[j]),
+             N);
+}
+
 // out [M, H] = the Mixture-of-Experts MLP of x [M, H] (every thread calls it), as
 // sluice/models/moe.py's SparseMoE.forward.
 template <typename T>
 void moe(const Shape& s, const int64_t* L, int M, const T* x, T* out, MoeScratch<T>& m,
          sluice::QBlockActivations& xa, sluice::GemmActivations& ga) {
   const int H = s.hidden, I = s.moe_inter, k = s.top_k, pairs = M * k;
-  sluice::router_logits(x, M, H, at<float>(L, kRouter), s.experts, m.logits.data());
+  sluice::router_logits(x, M, H, at<float>(L, kRouter), at<float>(L, kRouterBias), s.experts,
+                        m.logits.data());
 #pragma omp single
   {
     m.group(s, M, reinterpret_cast<int64_t*>(L[kExpertTokens]));
@@ -420,12 +451,20 @@ void moe(const Shape& s, const int64_t* L, int M, const T* x, T* out, MoeScratch
   experts(s, L, kGateUpPacked, xa, m.xs.data(), ga, m, H, 2 * I, m.gate_up.data());
 #pragma omp single
   {
-    sluice::silu_and_mul(m.gate_up.data(), m.act.data(), pairs, I);
+    add_expert_bias(m, at<T>(L, kGateUpBias), 2 * I, m.gate_up.data());
+    if (s.swiglu_limit > 0.f)
+      sluice::clamped_swiglu(m.gate_up.data(), m.act.data(), pairs, I, s.swiglu_alpha,
+                             s.swiglu_limit);
+    else
+      sluice::silu_and_mul(m.gate_up.data(), m.act.data(), pairs, I);
     if (!on_panels(L, kDownPacked)) quantize_for(xa, L, kDownPacked, m.act.data(), pairs, I);
   }
   experts(s, L, kDownPacked, xa, m.act.data(), ga, m, I, H, m.y.data());
 #pragma omp single
-  weighted_sum(M, H, k, m, out);
+  {
+    add_expert_bias(m, at<T>(L, kDownBias), H, m.y.data());
+    weighted_sum(M, H, k, m, out);
+  }
 }
 
 // This step's new K/V rows (token stride `stride`) into layer L's pools.
@@ -441,18 +480,6 @@ void write_kv(const Shape& s, const int64_t* L, const Batch& b, const T* k, cons
   else
     sluice::write_kv(k, v, stride, kc, vc, b.slots, rows, s.kv_heads, s.block_size, s.head_dim,
                      sizeof(T));
-}
-
-// The QKV bias (none: a no-op) added to M rows of qkv, rounded to T.
-template <typename T>
-void add_bias(const int64_t* L, T* qkv, int M, int qkv_n) {
-  const T* bias = at<T>(L, kQkvBias);
-  if (bias == nullptr) return;
-  for (int r = 0; r < M; ++r)
-    for (int i = 0; i < qkv_n; ++i) {
-      T* p = qkv + static_cast<int64_t>(r) * qkv_n + i;
-      *p = sluice::round_to(p, sluice::to_float(*p) + sluice::to_float(bias[i]));
-    }
 }
 
 // A sublayer's output h [n values] times the Shape's residual_scale (nothing at 1).
@@ -505,13 +532,13 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
       // bias, no pass: the matmul's barrier is the expand's start.
       if (L[kQkvBias] != 0) {
 #pragma omp single
-        add_bias(L, qkv.data(), M, qkv_n);
+        add_bias(at<T>(L, kQkvBias), qkv.data(), M, qkv_n);
       }
       lora_end(s, L, b, lora_qkv, M, lora_u, qkv.data());
     }
 #pragma omp single
     {
-      if (!qkv_lora) add_bias(L, qkv.data(), M, qkv_n);
+      if (!qkv_lora) add_bias(at<T>(L, kQkvBias), qkv.data(), M, qkv_n);
       if (s.qk_norm != kNoQkNorm) qk_norm(s, L, qkv.data(), M, qkv_n);
       // q and k heads rotate together; then k and v go to the cache before attention.
       sluice::rotary(qkv.data(), M, qkv_n, s.heads + s.kv_heads, s.head_dim, cos, sin);
@@ -521,17 +548,21 @@ void run(const Shape& s, const int64_t* fields, const Batch& b, T* h, const T* c
       sluice::attend_tasks(qkv.data(), at<sluice::kv8>(L, kKCache), at<sluice::kv8>(L, kVCache),
                            b.tables, b.max_blocks, b.q_start, b.ctx_end, attn.data(), b.seqs,
                            s.heads, s.kv_heads, s.head_dim, s.block_size, s.scale,
-                           static_cast<int64_t>(qkv_n), /*window=*/0, /*sinks=*/nullptr);
+                           static_cast<int64_t>(qkv_n), L[kWindow], at<float>(L, kSinks));
     else
       sluice::attend_tasks(qkv.data(), at<T>(L, kKCache), at<T>(L, kVCache), b.tables,
                            b.max_blocks, b.q_start, b.ctx_end, attn.data(), b.seqs, s.heads,
                            s.kv_heads, s.head_dim, s.block_size, s.scale,
-                           static_cast<int64_t>(qkv_n), /*window=*/0, /*sinks=*/nullptr);
+                           static_cast<int64_t>(qkv_n), L[kWindow], at<float>(L, kSinks));
 #pragma omp single
     if (!on_gemm(s, L, kOPacked, M)) quantize_for(xa, L, kOPacked, attn.data(), M, q_size);
     lora_begin(s, L, b, lora_o, attn.data(), M, q_size, lora_u);
     lora_queue<T>(s, b, L, lora_o, L, &lora_gate_up, H);
     linear(s, L, kOPacked, xa, attn.data(), ga, M, q_size, H, h);
+    if (L[kOBias] != 0) {  // the bias before the adapter, as the eager Linear adds them
+#pragma omp single
+      add_bias(at<T>(L, kOBias), h, M, H);
+    }
     lora_end(s, L, b, lora_o, M, lora_u, h);
     const bool sparse = L[kRouter] != 0;  // a Mixture-of-Experts layer
 #pragma omp single
@@ -587,6 +618,8 @@ const char* sluice_decode_stack_field(int i) {
 // residual_scale: each sublayer's output factor (Shape's; 1 for all but Granite).
 // gemm_min_rows: rows from which qblock linears and experts take the int8 GEMM (0: never);
 // gemm_tiles: that GEMM on AMX-INT8 tiles (the caller holds the tile state).
+// softmax_after_top_k: the routing's order (Shape's); swiglu_alpha, swiglu_limit: the
+// experts' clamped SwiGLU where the limit is > 0 (gpt-oss), else SiLU.
 void sluice_decode_stack(int bf16, const int64_t* fields, int layers, int hidden, int heads,
                          int kv_heads, int head_dim, int inter, int block_size, float eps,
                          float scale, void* h, const void* cos, const void* sin, int rows,
@@ -594,10 +627,12 @@ void sluice_decode_stack(int bf16, const int64_t* fields, int layers, int hidden
                          const int64_t* q_start, const int64_t* ctx_end, int seqs,
                          int kv_int8, int qk_norm, int experts, int top_k, int moe_inter,
                          int renormalize, const int32_t* lora_slots, int lora_rank,
-                         float residual_scale, int gemm_min_rows, int gemm_tiles) {
+                         float residual_scale, int gemm_min_rows, int gemm_tiles,
+                         int softmax_after_top_k, float swiglu_alpha, float swiglu_limit) {
   const Shape s{layers, hidden,     heads, kv_heads, head_dim,         inter,
                 block_size, eps,    scale, kv_int8 != 0, qk_norm,   experts,
-                top_k,  moe_inter, renormalize != 0, lora_rank, residual_scale,
+                top_k,  moe_inter, renormalize != 0, softmax_after_top_k != 0,
+                swiglu_alpha, swiglu_limit, lora_rank, residual_scale,
                 gemm_min_rows, gemm_tiles != 0};
   const Batch b{rows,  slots, tables,     max_blocks,
                 q_start, ctx_end, seqs, lora_slots, lora_block_slot(lora_slots, rows)};

@@ -23,6 +23,11 @@
 // layer) and its gate_up and down fields hold every expert's stacked weight (qblock
 // formats only: expert e is rows e * 2 * inter .. and e * hidden ..), expert_tokens an
 // int64 [experts] counter of the rows each expert has been given (it is added to).
+// gpt-oss's parts, null (0) in every other model: sinks, each head's sink logit (fp32
+// [heads]); window, the layer's sliding window in tokens (an integer; 0: none; Mistral's
+// too); o_bias, the output projection's bias (activations' type [hidden]); router_bias
+// (fp32 [experts]); gate_up_bias and down_bias, every expert's biases (activations' type,
+// [experts, 2 * moe_inter] gate then up, and [experts, hidden]).
 // Each linear's LoRA slots (lora.h: A [slots, slices * rank, in], B^T [slots, rank,
 // out], the activations' type, or int8 where the scale field, fp32 [slots, slices *
 // rank], is not null; each slot's rank here, int32 [slots]) are null where LoRA is
@@ -41,15 +46,21 @@
   X(QkvBias, qkv_bias)                \
   X(QNorm, q_norm)                    \
   X(KNorm, k_norm)                    \
+  X(Sinks, sinks)                     \
+  X(Window, window)                   \
   X(OPacked, o_packed)                \
   X(OHbits, o_hbits)                  \
   X(OScale, o_scale)                  \
   X(OMin, o_min)                      \
   X(OSuper, o_super)                  \
   X(OFormat, o_format)                \
+  X(OBias, o_bias)                    \
   X(PostNorm, post_norm)              \
   X(Router, router)                   \
   X(ExpertTokens, expert_tokens)      \
+  X(RouterBias, router_bias)          \
+  X(GateUpBias, gate_up_bias)         \
+  X(DownBias, down_bias)              \
   X(GateUpPacked, gate_up_packed)     \
   X(GateUpHbits, gate_up_hbits)       \
   X(GateUpScale, gate_up_scale)       \

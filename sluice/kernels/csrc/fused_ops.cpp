@@ -9,7 +9,8 @@
 namespace sluice {
 
 template <typename T>
-void router_logits(const T* x, int M, int H, const float* router, int E, float* logits) {
+void router_logits(const T* x, int M, int H, const float* router, const float* bias, int E,
+                   float* logits) {
   constexpr int kLanes = 16;  // partial sums, added in a fixed order at the end
 #pragma omp for schedule(static)
   for (int64_t i = 0; i < static_cast<int64_t>(M) * E; ++i) {
@@ -22,42 +23,62 @@ void router_logits(const T* x, int M, int H, const float* router, int E, float* 
     for (; h < H; ++h) acc[h % kLanes] += to_float(xr[h]) * w[h];
     float sum = 0.f;
     for (int j = 0; j < kLanes; ++j) sum += acc[j];
-    logits[i] = sum;
+    logits[i] = bias == nullptr ? sum : sum + bias[i % E];
   }
 }
 
-template void router_logits(const float*, int, int, const float*, int, float*);
-template void router_logits(const uint16_t*, int, int, const float*, int, float*);
+template void router_logits(const float*, int, int, const float*, const float*, int, float*);
+template void router_logits(const uint16_t*, int, int, const float*, const float*, int, float*);
 
-void route_top_k(const float* logits, int M, int E, int k, bool renormalize, float* weights,
-                 int64_t* ids) {
+namespace {
+
+// The k largest of v [E] into ids (largest first, the lower index on a tie), their
+// values into w.
+void top_k(const float* v, int E, int k, float* w, int64_t* ids) {
+  for (int j = 0; j < k; ++j) {
+    int best = -1;
+    for (int e = 0; e < E; ++e) {
+      bool taken = false;
+      for (int i = 0; i < j; ++i) taken = taken || ids[i] == e;
+      if (!taken && (best < 0 || v[e] > v[best])) best = e;
+    }
+    ids[j] = best;
+    w[j] = v[best];
+  }
+}
+
+// v [n] in place: exp(v - max) / sum, in fp32.
+void softmax(float* v, int n) {
+  float top = v[0];
+  for (int e = 1; e < n; ++e) top = std::max(top, v[e]);
+  float sum = 0.f;
+  for (int e = 0; e < n; ++e) {
+    v[e] = std::exp(v[e] - top);
+    sum += v[e];
+  }
+  for (int e = 0; e < n; ++e) v[e] /= sum;
+}
+
+}  // namespace
+
+void route_top_k(const float* logits, int M, int E, int k, bool renormalize,
+                 bool softmax_after_top_k, float* weights, int64_t* ids) {
   std::vector<float> p(E);
   for (int r = 0; r < M; ++r) {
-    const float* l = logits + static_cast<int64_t>(r) * E;
-    float top = l[0];
-    for (int e = 1; e < E; ++e) top = std::max(top, l[e]);
-    float sum = 0.f;
-    for (int e = 0; e < E; ++e) {
-      p[e] = std::exp(l[e] - top);
-      sum += p[e];
-    }
-    for (int e = 0; e < E; ++e) p[e] /= sum;
+    std::copy_n(logits + static_cast<int64_t>(r) * E, E, p.data());
     float* w = weights + static_cast<int64_t>(r) * k;
     int64_t* id = ids + static_cast<int64_t>(r) * k;
-    float picked = 0.f;
-    for (int j = 0; j < k; ++j) {
-      int best = -1;
-      for (int e = 0; e < E; ++e) {
-        bool taken = false;
-        for (int i = 0; i < j; ++i) taken = taken || id[i] == e;
-        if (!taken && (best < 0 || p[e] > p[best])) best = e;
-      }
-      id[j] = best;
-      w[j] = p[best];
-      picked += p[best];
+    if (softmax_after_top_k) {
+      top_k(p.data(), E, k, w, id);
+      softmax(w, k);
+      continue;
     }
-    if (renormalize)
-      for (int j = 0; j < k; ++j) w[j] /= picked;
+    softmax(p.data(), E);
+    top_k(p.data(), E, k, w, id);
+    if (!renormalize) continue;
+    float picked = 0.f;
+    for (int j = 0; j < k; ++j) picked += w[j];
+    for (int j = 0; j < k; ++j) w[j] /= picked;
   }
 }
 
@@ -105,19 +126,33 @@ void sluice_silu_and_mul(int bf16, const void* gate_up, void* out, int64_t rows,
                          inter);
 }
 
-// Mixture-of-Experts routing of x [M, H] (fp32 or bf16) by the fp32 router [E, H]:
-// weights [M, k] fp32 and expert ids [M, k] (router_logits, route_top_k).
-void sluice_moe_route(int bf16, const void* x, int M, int H, const float* router, int E, int k,
-                      int renormalize, float* weights, int64_t* ids) {
+void sluice_clamped_swiglu(int bf16, const void* gate_up, void* out, int64_t rows, int inter,
+                           float alpha, float limit) {
+  if (bf16)
+    sluice::clamped_swiglu(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out),
+                           rows, inter, alpha, limit);
+  else
+    sluice::clamped_swiglu(static_cast<const float*>(gate_up), static_cast<float*>(out), rows,
+                           inter, alpha, limit);
+}
+
+// Mixture-of-Experts routing of x [M, H] (fp32 or bf16) by the fp32 router [E, H] and its
+// bias [E] (null: none): weights [M, k] fp32 and expert ids [M, k] (router_logits,
+// route_top_k).
+void sluice_moe_route(int bf16, const void* x, int M, int H, const float* router,
+                      const float* bias, int E, int k, int renormalize, int softmax_after_top_k,
+                      float* weights, int64_t* ids) {
   std::vector<float> logits(static_cast<size_t>(M) * E);
 #pragma omp parallel
   {
     if (bf16)
-      sluice::router_logits(static_cast<const uint16_t*>(x), M, H, router, E, logits.data());
+      sluice::router_logits(static_cast<const uint16_t*>(x), M, H, router, bias, E,
+                            logits.data());
     else
-      sluice::router_logits(static_cast<const float*>(x), M, H, router, E, logits.data());
+      sluice::router_logits(static_cast<const float*>(x), M, H, router, bias, E, logits.data());
   }
-  sluice::route_top_k(logits.data(), M, E, k, renormalize != 0, weights, ids);
+  sluice::route_top_k(logits.data(), M, E, k, renormalize != 0, softmax_after_top_k != 0,
+                      weights, ids);
 }
 
 }

@@ -3,6 +3,7 @@
 // per-op overhead, not their arithmetic, is what a 1-token step pays for. Math in
 // fp32, rounded once to the storage dtype.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -77,15 +78,38 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int inter) {
   }
 }
 
+// out[rows, inter] from gate_up [rows, 2 * inter] by gpt-oss's clamped SwiGLU: the gate
+// clamped above at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha *
+// gate), in fp32 and rounded once. One compiled function for the eager experts and the
+// decode stack, so both paths round alike.
+template <typename T>
+void clamped_swiglu(const T* gate_up, T* out, int64_t rows, int inter, float alpha, float limit) {
+#pragma omp parallel for if (rows * inter > kParallelElems) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + r * inter;
+    for (int i = 0; i < inter; ++i) {
+      const float gv = std::min(to_float(g[i]), limit);
+      const float uv = std::min(std::max(to_float(u[i]), -limit), limit);
+      o[i] = round_to(o, (uv + 1.f) * (gv / (1.f + std::exp(-alpha * gv))));
+    }
+  }
+}
+
 // Mixture-of-Experts routing, compiled once (fused_ops.cpp) so the eager layer and the
 // decode stack take the same instructions, hence the same bits.
-// logits [M, E] = x (fp32 or bf16, as float) @ router.T, router [E, H] fp32; the (row,
-// expert) dot products shared out by an orphaned `omp for` (barrier at the end).
+// logits [M, E] = x (fp32 or bf16, as float) @ router.T (+ bias [E] fp32 where not null:
+// gpt-oss), router [E, H] fp32; the (row, expert) dot products shared out by an orphaned
+// `omp for` (barrier at the end).
 template <typename T>
-void router_logits(const T* x, int M, int H, const float* router, int E, float* logits);
+void router_logits(const T* x, int M, int H, const float* router, const float* bias, int E,
+                   float* logits);
 // weights, ids [M, k] from logits [M, E]: a softmax over E in fp32, the k largest
-// (largest first, the lower expert on a tie), renormalized to sum 1 where `renormalize`.
-void route_top_k(const float* logits, int M, int E, int k, bool renormalize, float* weights,
-                 int64_t* ids);
+// (largest first, the lower expert on a tie), renormalized to sum 1 where `renormalize`;
+// or, where `softmax_after_top_k` (Granite-MoE, gpt-oss), the k largest logits and a
+// softmax over those k.
+void route_top_k(const float* logits, int M, int E, int k, bool renormalize,
+                 bool softmax_after_top_k, float* weights, int64_t* ids);
 
 }  // namespace sluice
