@@ -362,33 +362,38 @@ SLUICE_INLINE void qb_pair_step(const QbRow& w, const QbActRows<R>& a, int p, __
   }
 }
 
-// acc0/acc1 += pairs p .. p + 7's shares of one activation row (float scales in groups
-// of 32; a decode step). The 16 groups' d * dx are formed at once and each pair picks
-// its four lanes' (groups 2i, 2i + 1, 2i, 2i + 1) with one permute: the same products
-// and the same fused multiply-adds, in the same order, as qb_pair_step's, so the sums
-// are bit for bit those of any other row count. Per pair that is three vector ops
-// fewer than building each pair's scales alone, which is what held 4-bit weights of
-// float scales (MXFP4's E2M1 codes, Q4_0) below the bandwidth at one row: 26 GB/s
-// against Q8_0's 32 on 2 cores of Zen 4.
-template <int BITS, bool PREFETCH>
-SLUICE_INLINE void qb_eight_pairs_r1(const QbRow& w, const QbActRows<1>& a, int p, __m512& acc0,
-                                     __m512& acc1) {
-  const __m512 scales = _mm512_mul_ps(
-      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-          static_cast<const uint16_t*>(w.d) + 2 * p))),
-      _mm512_loadu_ps(a.dx[0] + 2 * p));
+// Rows up to which qb_eight_pairs runs (each row's 16 scales hold a register beside its
+// two accumulators).
+constexpr int kQbEightPairsRows = 2;
+
+// acc0/acc1[r] += pairs p .. p + 7's shares of R activation rows (float scales in groups
+// of 32). Each row's 16 groups' d * dx are formed at once and each pair picks its four
+// lanes' (groups 2i, 2i + 1, 2i, 2i + 1) with one permute: the same products and the
+// same fused multiply-adds, in the same order, as qb_pair_step's, so the sums are bit
+// for bit those of any other row count. Per pair that is three vector ops fewer at one
+// row (and a row more at two to four) than building each pair's scales alone, which
+// held 4-bit weights of float scales (MXFP4's E2M1 codes, Q4_0) below the bandwidth at
+// one row: 26 GB/s against Q8_0's 32 on 2 cores of Zen 4.
+template <int BITS, int R, bool PREFETCH>
+SLUICE_INLINE void qb_eight_pairs(const QbRow& w, const QbActRows<R>& a, int p, __m512* acc0,
+                                  __m512* acc1) {
+  const __m512 d = _mm512_cvtph_ps(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w.d) + 2 * p)));
+  __m512 scales[R];
+  SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) scales[r] = _mm512_mul_ps(d, _mm512_loadu_ps(a.dx[r] + 2 * p));
   const __m512i base = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
   for (int i = 0; i < 8; ++i) {
     if constexpr (PREFETCH) {
       if (i % 2 == 0) qb_stream_prefetch<BITS>(w, p + i);
     }
     const __m512i u = qb_unpack<BITS>(w, p + i);
-    const __m512 dot = _mm512_cvtepi32_ps(
-        _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a.x[0] + 64 * (p + i))));
-    const __m512 scale =
-        _mm512_permutexvar_ps(_mm512_add_epi32(base, _mm512_set1_epi32(2 * i)), scales);
-    __m512& acc = i % 2 == 0 ? acc0 : acc1;
-    acc = _mm512_fmadd_ps(dot, scale, acc);
+    const __m512i lanes = _mm512_add_epi32(base, _mm512_set1_epi32(2 * i));
+    __m512* acc = i % 2 == 0 ? acc0 : acc1;
+    SLUICE_UNROLL_ROWS for (int r = 0; r < R; ++r) {
+      const __m512 dot = _mm512_cvtepi32_ps(
+          _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a.x[r] + 64 * (p + i))));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(lanes, scales[r]), acc[r]);
+    }
   }
 }
 
@@ -772,8 +777,8 @@ SLUICE_INLINE void qb_dot_rows(const QbRow& w, const QbActRows<R>& a, int np, in
   } else {
     int p = 0;
 #if defined(SLUICE_ISA_AVX512)
-    if constexpr (R == 1 && G == 32)
-      for (; p + 8 <= np; p += 8) qb_eight_pairs_r1<BITS, PREFETCH>(w, a, p, acc0[0], acc1[0]);
+    if constexpr (R <= kQbEightPairsRows && G == 32)
+      for (; p + 8 <= np; p += 8) qb_eight_pairs<BITS, R, PREFETCH>(w, a, p, acc0, acc1);
 #endif
     for (; p + 1 < np; p += 2) {
       if constexpr (PREFETCH) qb_stream_prefetch<BITS>(w, p);
