@@ -14,7 +14,8 @@ import dataclasses
 import json
 import random
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import anthropic
 import httpx
@@ -29,6 +30,8 @@ from sluice.outputs import CompletionOutput, RequestOutput
 from sluice.sampling_params import SamplingParams
 from sluice.server.reasoning import REASONING_FORMATS
 from sluice.server.routes import messages as messages_route
+from sluice.server.tool_calls import FORMATS, FunctionSpec
+from sluice.server.tools import call_format
 from sluice.structured.compiler import GrammarCompiler
 
 QWEN3, R1 = REASONING_FORMATS["qwen3"], REASONING_FORMATS["deepseek_r1"]
@@ -257,6 +260,32 @@ def test_a_harmony_call_is_a_tool_call(harmony_server: Server) -> None:
 
 
 
+def test_a_required_call_on_harmony_is_a_tool_call(harmony_server: Server) -> None:
+    # tool_choice required with the harmony parser: the grammar makes SmolLM2 write the
+    # call as gpt-oss does (markers spelled in text here) and the reply is a tool call
+    # whose arguments hold to the function's schema.
+    # A schema with no room to ramble (SmolLM2 would write digits to max_tokens).
+    small = {"type": "integer", "minimum": 0, "maximum": 9}
+    bounded = {"type": "object", "properties": {"a": small, "b": small},
+               "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "add", "parameters": bounded}}]
+    body = _body(
+        structured_outputs=None,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,  # one call, then the end (<|call|> is text here)
+        max_tokens=200,
+    )
+    r = harmony_server.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    message = choice["message"]
+    assert choice["finish_reason"] == "tool_calls", message
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "add"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), bounded)
+
+
 class _Outputs:
     """A finished request's outputs, piece by piece, as the engine streams them."""
 
@@ -388,6 +417,45 @@ def test_a_constraint_holds_the_answer_after_harmony_thinking(
     assert accepts(f"{HARMONY.start}free text, with <b> and {{braces}}{HARMONY.end}{answer}")
     assert accepts(answer)
     assert not accepts(f"{HARMONY.start}x{HARMONY.end}not the answer")
+
+
+def test_a_required_harmony_call_is_a_message_to_the_function() -> None:
+    """tool_choice required on gpt-oss: the call in harmony's own message (commentary
+    channel, to=functions.f, JSON arguments to its schema, <|call|>), after thinking
+    that ends at the next message's role, or at once; never the final channel, and
+    never a Hermes block (a call gpt-oss was not trained to write)."""
+    markers = ["<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|call|>", "<|constrain|>"]
+    backend = _byte_tokenizer(markers)
+    added = {m: backend.token_to_id(m) for m in markers}
+    functions = [FunctionSpec("add", ADD), FunctionSpec("neg", INT_A)]
+    grammar = FORMATS["harmony"].grammar(functions, True, added)
+    assert HARMONY.call_end is not None
+    span = ThinkingSpan(HARMONY.start, HARMONY.call_end, False)
+    compiler = GrammarCompiler(backend, backend.get_vocab_size(), [0])
+    matcher = compiler.matcher(StructuredOutput(grammar=grammar, thinking=span))
+
+    def accepts(text: str) -> bool:
+        m = matcher.deep_copy()
+        ids = backend.encode(text, add_special_tokens=False).ids
+        return bool(m.consume_tokens(ids) and m.is_accepting())
+
+    call = '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 1}<|call|>'
+    neg = '<|channel|>commentary to=functions.neg <|constrain|>json<|message|>{"a": 2}<|call|>'
+    thought = f"{HARMONY.start}adding, it seems{HARMONY.call_end}"
+    assert accepts(call) and accepts(thought + call)
+    assert accepts(f"{call}<|start|>assistant{neg}")  # parallel: the next message's role
+    assert not accepts(call.replace('{"a": 1}', '{"a": "one"}'))  # the schema holds
+    assert not accepts(call.replace("add", "sub"))  # only the request's functions
+    assert not accepts(f"{HARMONY.start}x{HARMONY.end}{call}")  # not in the final channel
+    assert not accepts('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>')
+    # The served format picks it: harmony's replies, harmony's calls.
+    assert call_format(cast(Any, SimpleNamespace(reasoning=HARMONY))) is FORMATS["harmony"]
+    assert call_format(cast(Any, SimpleNamespace(reasoning=QWEN3))) is FORMATS["hermes"]
+    assert call_format(cast(Any, SimpleNamespace(reasoning=None))) is FORMATS["hermes"]
+    one = FORMATS["harmony"].grammar(functions[:1], False, added)
+    single = compiler.matcher(StructuredOutput(grammar=one)).deep_copy()
+    twice = f"{call}<|start|>assistant{call}"
+    assert not (single.consume_tokens(backend.encode(twice).ids) and single.is_accepting())
 
 
 def test_the_engine_thinks_then_answers_to_the_schema(llm_fp32: Any) -> None:

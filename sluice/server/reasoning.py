@@ -61,6 +61,10 @@ class ReasoningFormat:
     # Harmony's channels (gpt-oss), not tags: the markers are special tokens, which the
     # reply must be decoded with.
     harmony: bool = False
+    # Where the thinking ends before a required tool call, if not at `end` (harmony: the
+    # next message's role; the call is that message, on its own channel, not the final
+    # answer's).
+    call_end: str | None = None
 
     def opens(self, prompt_text: str) -> bool:
         """Whether an output of a prompt ending in `prompt_text` starts inside the thinking."""
@@ -81,6 +85,7 @@ REASONING_FORMATS: dict[ReasoningParserName, ReasoningFormat] = {
         start="<|channel|>analysis<|message|>",
         end="<|end|><|start|>assistant<|channel|>final<|message|>",
         harmony=True,
+        call_end="<|end|><|start|>assistant",
     ),
 }
 

@@ -118,15 +118,18 @@ async def check_compiles(ctx: ServerContext, constraint: StructuredOutput, param
 
 
 async def with_thinking(
-    ctx: ServerContext, params: SamplingParams, prompt_ids: list[int]
+    ctx: ServerContext, params: SamplingParams, prompt_ids: list[int], calls: bool = False
 ) -> SamplingParams:
     """With a reasoning parser, a constraint (response_format, a required tool call)
-    holds the answer, not the thinking: its grammar lets the model think first."""
+    holds the answer, not the thinking: its grammar lets the model think first. `calls`:
+    the constraint is a required call's, which follows the thinking where the format
+    says (harmony: in a message of its own, not the final answer's)."""
     constraint = params.structured_output
     if ctx.reasoning is None or constraint is None:
         return params
     tail = ctx.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
-    span = ThinkingSpan(ctx.reasoning.start, ctx.reasoning.end, ctx.reasoning.opens(tail))
+    end = ctx.reasoning.call_end if calls and ctx.reasoning.call_end else ctx.reasoning.end
+    span = ThinkingSpan(ctx.reasoning.start, end, ctx.reasoning.opens(tail))
     constraint = dataclasses.replace(constraint, thinking=span)
     await check_compiles(ctx, constraint, "structured_output")
     return params.clone(structured_output=constraint)

@@ -3,7 +3,9 @@ the grammar that makes a model write one.
 
 A *format* is how a model family writes calls. Hermes (``<tool_call>\\n{"name": ...,
 "arguments": {...}}\\n</tool_call>``; Qwen2.5, Hermes 2/3 and our ``hermes_tools``
-template) is the one sluice ships; another is one more ``ToolCallFormat`` in
+template) is the one most models use; gpt-oss writes harmony's messages to a function
+(``HarmonyFormat``), which its reasoning parser turns into Hermes blocks, so one parser
+reads both. Another format is one more ``ToolCallFormat`` in
 ``FORMATS``, with its parser and its grammar side by side, because what the grammar
 forces is exactly what the parser must read back.
 
@@ -464,7 +466,44 @@ class HermesFormat:
         return "\n".join(rules) + "\n"
 
 
-FORMATS: dict[str, ToolCallFormat] = {"hermes": HermesFormat()}
+# gpt-oss's harmony: a call is a message on the commentary channel to the function, its
+# arguments JSON, ended by <|call|>; a message after a first one opens with the role.
+HARMONY_CALL_OPEN = "<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+HARMONY_CALL_END = "<|call|>"
+HARMONY_NEXT_MESSAGE = "<|start|>assistant"
+
+
+class HarmonyFormat:
+    """gpt-oss's calls. Its replies are read by the harmony reasoning parser
+    (sluice/server/reasoning.py), which hands each call on as a Hermes block, so the
+    calls are then parsed as Hermes's; the grammar makes the model write them as it was
+    trained to, in harmony's own messages."""
+
+    name = "harmony"
+
+    def parser(self, max_calls: int | None, names: Set[str]) -> HermesParser:
+        return HermesParser(max_calls, names)
+
+    def grammar(
+        self, functions: list[FunctionSpec], parallel: bool, added: Mapping[str, int]
+    ) -> str:
+        """One call message (or several, each after the assistant's role where
+        `parallel`), as the reply's first message or after its thinking (whose end the
+        reasoning format's call_end includes: the role of the next message)."""
+        following = lark_text(HARMONY_NEXT_MESSAGE, added)
+        rules = [
+            "start: call" + (f" ({following} call)*" if parallel else ""),
+            "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
+        ]
+        tail = lark_text(HARMONY_CALL_END, added)
+        for i, fn in enumerate(functions):
+            head = lark_text(HARMONY_CALL_OPEN.format(name=fn.name), added)
+            rules.append(f"call_{i}: {head} args_{i} {tail}")
+            rules.append(f"args_{i}: %json {json.dumps(with_json_format(fn.parameters))}")
+        return "\n".join(rules) + "\n"
+
+
+FORMATS: dict[str, ToolCallFormat] = {"hermes": HermesFormat(), "harmony": HarmonyFormat()}
 
 
 # ---- OpenAI's shapes -------------------------------------------------------------------

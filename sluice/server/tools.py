@@ -47,8 +47,13 @@ from sluice.server.tool_calls import (
 # OpenAI's rule for function names; it also keeps them safe inside a grammar's literal.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CHOICES = ("none", "auto", "required")
-# The one call format sluice parses today (see tool_calls.FORMATS).
-FORMAT: ToolCallFormat = FORMATS["hermes"]
+
+
+def call_format(ctx: ServerContext) -> ToolCallFormat:
+    """How the served model writes calls (tool_calls.FORMATS): harmony's messages where
+    its replies are harmony (gpt-oss), else Hermes's blocks."""
+    harmony = ctx.reasoning is not None and ctx.reasoning.harmony
+    return FORMATS["harmony" if harmony else "hermes"]
 
 
 @dataclass
@@ -155,7 +160,7 @@ def _grammar(
 ) -> StructuredOutput:
     if choice.startswith(":"):
         functions, parallel = [f for f in functions if f.name == choice[1:]], False
-    grammar = FORMAT.grammar(functions, parallel, ctx.tokenizer.added_tokens)
+    grammar = call_format(ctx).grammar(functions, parallel, ctx.tokenizer.added_tokens)
     return StructuredOutput(grammar=grammar)
 
 
@@ -194,7 +199,9 @@ def tool_plan(ctx: ServerContext, req: ChatCompletionRequest) -> ToolPlan:
     return ToolPlan(
         tools=list(req.tools),
         new_parser=functools.partial(
-            FORMAT.parser, None if parallel else 1, frozenset(f.name for f in functions)
+            call_format(ctx).parser,
+            None if parallel else 1,
+            frozenset(f.name for f in functions),
         ),
         constraint=None if choice == "auto" else _grammar(ctx, functions, choice, parallel),
     )

@@ -82,7 +82,7 @@ async def prepare_chat(
     if ctx.reasoning is not None and ctx.reasoning.harmony:  # its markers are special tokens
         params = params.clone(skip_special_tokens=False)
     params = await with_tool_constraint(ctx, await constrained(ctx, req, params), plan)
-    return await with_thinking(ctx, params, ids), ids, plan
+    return await with_thinking(ctx, params, ids, calls=plan.constraint is not None), ids, plan
 
 
 def reasoning_for(ctx: ServerContext, ids: list[int]) -> Callable[[], ReasoningSplitter] | None:
