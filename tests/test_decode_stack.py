@@ -26,6 +26,7 @@ from sluice.kernels import cpu, qblock
 from sluice.layers.block_quant import GEMM_MIN_ROWS, INT8_GEMM_LEVELS, BlockQuantized
 from sluice.layers.linear import Linear
 from sluice.layers.quantization import Int8WeightOnly
+from sluice.loader import tokenizer_from_gguf
 from sluice.models import llama_decode_stack
 from sluice.models.llama_decode_stack import LlamaDecodeStack
 from tests.conftest import kernels_at, level_cases
@@ -363,6 +364,39 @@ def test_stack_equals_model_on_random_gguf_models(
         assert outputs[1] == outputs[0]  # token ids and logprob floats, exactly
         for eager, fused in zip(*counts, strict=True):  # the stack counts experts' rows
             assert torch.equal(fused, eager) and int(eager.sum()) > 0
+
+
+def test_stack_equals_model_on_gpt_oss_with_an_int8_kv_cache(
+    tmp_path: Path, tokenizer: Path, active_kernels: str
+) -> None:
+    # The sinks and windows read int8 K/V rows through the same kernel in both paths.
+    path = random_gguf("gpt_oss", "MXFP4_Q8_0", tmp_path, tokenizer)
+    llm = LLM(model=str(path), quantization="gguf", dtype="bfloat16", kv_cache_memory=0.02,
+              kv_cache_dtype="int8")  # fmt: skip
+    assert built_stack(llm).shape.kv_int8
+    assert_stack_equals_model(llm, random_prompts(6, stack_rows("gguf")), stack_rows("gguf"))
+
+
+def test_stack_equals_model_where_every_layer_has_a_window(
+    tmp_path: Path, smollm2_path: Path, active_kernels: str
+) -> None:
+    # Mistral 7B v0.1's attention (a checkpoint's sliding_window: every layer windowed,
+    # 8 tokens here), so the KV manager frees each request's blocks behind the window
+    # while the stack decodes (prompts of up to 17 tokens, 12 more generated).
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(**SMALL, sliding_window=8, rope_theta=1e4)
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer_from_gguf(smollm2_path).save(tmp_path)
+    llm = LLM(model=str(tmp_path), quantization="int4", dtype="float32", kv_cache_memory=0.02)
+    assert llm.engine.model_config.kv_window() == 8
+    stack = built_stack(llm)
+    assert all(dict(zip(stack.table.names, row, strict=True))["window"] == 8
+               for row in stack.table.tensors)  # fmt: skip
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 9, 17)]
+    assert_stack_equals_model(llm, prompts)
 
 
 @pytest.mark.parametrize(("kind", "tensor_type"), [("qwen3", "Q4_0"), ("olmoe", "Q8_0")])
