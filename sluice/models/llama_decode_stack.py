@@ -157,8 +157,8 @@ def _mlp_fields(mlp: MLP | SparseMoE) -> tuple[list[tuple[int, Fields] | None], 
             _linear_fields("gate_up", mlp.gate_up_proj, bias_allowed=False),
             _linear_fields("down", mlp.down_proj, bias_allowed=False),
         ]
-        none: Fields = {"router": None, "expert_tokens": None, "router_bias": None}
-        return linears, {**none, "gate_up_bias": None, "down_bias": None}
+        moe_parts = ("router", "expert_tokens", "router_bias", "gate_up_bias", "down_bias")
+        return linears, dict.fromkeys(moe_parts)
     experts = mlp.experts
     if mlp.shared_expert is not None or experts.lib is None:
         return None

@@ -371,9 +371,9 @@ constexpr int kQbEightPairsRows = 2;
 // lanes' (groups 2i, 2i + 1, 2i, 2i + 1) with one permute: the same products and the
 // same fused multiply-adds, in the same order, as qb_pair_step's, so the sums are bit
 // for bit those of any other row count. Per pair that is three vector ops fewer at one
-// row (and a row more at two to four) than building each pair's scales alone, which
-// held 4-bit weights of float scales (MXFP4's E2M1 codes, Q4_0) below the bandwidth at
-// one row: 26 GB/s against Q8_0's 32 on 2 cores of Zen 4.
+// row (and more at two) than building each pair's scales alone, which held 4-bit
+// weights of float scales (MXFP4's E2M1 codes, Q4_0) below the bandwidth at one row:
+// 26 GB/s against Q8_0's 32 on 2 cores of Zen 4.
 template <int BITS, int R, bool PREFETCH>
 SLUICE_INLINE void qb_eight_pairs(const QbRow& w, const QbActRows<R>& a, int p, __m512* acc0,
                                   __m512* acc1) {
