@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Mapping, Set
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -439,6 +439,19 @@ def with_json_format(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "x-guidance": {**JSON_FORMAT, **(own if isinstance(own, dict) else {})}}
 
 
+def calls_grammar(
+    start: str, functions: list[FunctionSpec], head: Callable[[str], str], tail: str
+) -> str:
+    """A Lark grammar (llguidance's dialect) whose `start` rule is made of `call`s: each
+    one of `functions`, as `head(name)`, its arguments (the function's JSON Schema, its
+    own root, so its ``$ref``s resolve), then `tail` (head and tail Lark text)."""
+    rules = [start, "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+    for i, fn in enumerate(functions):
+        rules.append(f"call_{i}: {head(fn.name)} args_{i} {tail}")
+        rules.append(f"args_{i}: %json {json.dumps(with_json_format(fn.parameters))}")
+    return "\n".join(rules) + "\n"
+
+
 class HermesFormat:
     name = "hermes"
 
@@ -448,22 +461,15 @@ class HermesFormat:
     def grammar(
         self, functions: list[FunctionSpec], parallel: bool, added: Mapping[str, int]
     ) -> str:
-        """Each call's text as the template renders it, its arguments the function's
-        JSON Schema (its own root, so its ``$ref``s resolve), calls one per line. A
-        newline may end the reply: Qwen2.5 writes one before it ends a turn, and without
-        it a model that wants to stop after a call would be pushed into another one."""
-        rules = [
-            "start: call" + (' ("\\n" call)*' if parallel else "") + ' "\\n"?',
-            "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
-        ]
-        tail = lark_text("}\n" + HERMES_END, added)
-        for i, fn in enumerate(functions):
-            head = lark_text(
-                f'{HERMES_START}\n{{"name": {json.dumps(fn.name)}, "arguments": ', added
-            )
-            rules.append(f"call_{i}: {head} args_{i} {tail}")
-            rules.append(f"args_{i}: %json {json.dumps(with_json_format(fn.parameters))}")
-        return "\n".join(rules) + "\n"
+        """Each call's text as the template renders it, calls one per line. A newline
+        may end the reply: Qwen2.5 writes one before it ends a turn, and without it a
+        model that wants to stop after a call would be pushed into another one."""
+        start = "start: call" + (' ("\\n" call)*' if parallel else "") + ' "\\n"?'
+
+        def head(name: str) -> str:
+            return lark_text(f'{HERMES_START}\n{{"name": {json.dumps(name)}, "arguments": ', added)
+
+        return calls_grammar(start, functions, head, lark_text("}\n" + HERMES_END, added))
 
 
 # gpt-oss's harmony: a call is a message on the commentary channel to the function, its
@@ -473,16 +479,13 @@ HARMONY_CALL_END = "<|call|>"
 HARMONY_NEXT_MESSAGE = "<|start|>assistant"
 
 
-class HarmonyFormat:
+class HarmonyFormat(HermesFormat):
     """gpt-oss's calls. Its replies are read by the harmony reasoning parser
     (sluice/server/reasoning.py), which hands each call on as a Hermes block, so the
-    calls are then parsed as Hermes's; the grammar makes the model write them as it was
-    trained to, in harmony's own messages."""
+    calls are then parsed as Hermes's (the parser inherited); the grammar makes the
+    model write them as it was trained to, in harmony's own messages."""
 
     name = "harmony"
-
-    def parser(self, max_calls: int | None, names: Set[str]) -> HermesParser:
-        return HermesParser(max_calls, names)
 
     def grammar(
         self, functions: list[FunctionSpec], parallel: bool, added: Mapping[str, int]
@@ -491,16 +494,13 @@ class HarmonyFormat:
         `parallel`), as the reply's first message or after its thinking (whose end the
         reasoning format's call_end includes: the role of the next message)."""
         following = lark_text(HARMONY_NEXT_MESSAGE, added)
-        rules = [
-            "start: call" + (f" ({following} call)*" if parallel else ""),
-            "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
-        ]
-        tail = lark_text(HARMONY_CALL_END, added)
-        for i, fn in enumerate(functions):
-            head = lark_text(HARMONY_CALL_OPEN.format(name=fn.name), added)
-            rules.append(f"call_{i}: {head} args_{i} {tail}")
-            rules.append(f"args_{i}: %json {json.dumps(with_json_format(fn.parameters))}")
-        return "\n".join(rules) + "\n"
+        start = "start: call" + (f" ({following} call)*" if parallel else "")
+        return calls_grammar(
+            start,
+            functions,
+            lambda name: lark_text(HARMONY_CALL_OPEN.format(name=name), added),
+            lark_text(HARMONY_CALL_END, added),
+        )
 
 
 FORMATS: dict[str, ToolCallFormat] = {"hermes": HermesFormat(), "harmony": HarmonyFormat()}

@@ -63,38 +63,34 @@ void rotary(T* x, int64_t rows, int64_t stride, int heads, int dim, const T* cos
   }
 }
 
-// out[rows, inter] = silu(gate) * up, from gate_up [rows, 2 * inter].
-template <typename T>
-void silu_and_mul(const T* gate_up, T* out, int64_t rows, int inter) {
+// out[rows, inter] = f(gate, up) for gate_up [rows, 2 * inter] (gate, then up), in fp32
+// and rounded once: the gated activations below.
+template <typename T, typename F>
+void gated(const T* gate_up, T* out, int64_t rows, int inter, F f) {
 #pragma omp parallel for if (rows * inter > kParallelElems) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = gate_up + r * 2 * inter;
     const T* u = g + inter;
     T* o = out + r * inter;
-    for (int i = 0; i < inter; ++i) {
-      const float gv = to_float(g[i]);
-      o[i] = round_to(o, gv / (1.f + std::exp(-gv)) * to_float(u[i]));
-    }
+    for (int i = 0; i < inter; ++i) o[i] = round_to(o, f(to_float(g[i]), to_float(u[i])));
   }
 }
 
-// out[rows, inter] from gate_up [rows, 2 * inter] by gpt-oss's clamped SwiGLU: the gate
-// clamped above at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha *
-// gate), in fp32 and rounded once. One compiled function for the eager experts and the
-// decode stack, so both paths round alike.
+// silu(gate) * up.
+template <typename T>
+void silu_and_mul(const T* gate_up, T* out, int64_t rows, int inter) {
+  gated(gate_up, out, rows, inter, [](float g, float u) { return g / (1.f + std::exp(-g)) * u; });
+}
+
+// gpt-oss's clamped SwiGLU: the gate clamped above at `limit`, up to [-limit, limit],
+// then (up + 1) * gate * sigmoid(alpha * gate). One compiled function for the eager
+// experts and the decode stack, so both paths round alike.
 template <typename T>
 void clamped_swiglu(const T* gate_up, T* out, int64_t rows, int inter, float alpha, float limit) {
-#pragma omp parallel for if (rows * inter > kParallelElems) schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = gate_up + r * 2 * inter;
-    const T* u = g + inter;
-    T* o = out + r * inter;
-    for (int i = 0; i < inter; ++i) {
-      const float gv = std::min(to_float(g[i]), limit);
-      const float uv = std::min(std::max(to_float(u[i]), -limit), limit);
-      o[i] = round_to(o, (uv + 1.f) * (gv / (1.f + std::exp(-alpha * gv))));
-    }
-  }
+  gated(gate_up, out, rows, inter, [alpha, limit](float g, float u) {
+    const float gv = std::min(g, limit), uv = std::min(std::max(u, -limit), limit);
+    return (uv + 1.f) * (gv / (1.f + std::exp(-alpha * gv)));
+  });
 }
 
 // Mixture-of-Experts routing, compiled once (fused_ops.cpp) so the eager layer and the
